@@ -1,0 +1,45 @@
+"""llminfer: a compact, hackable LLM inference and benchmarking engine."""
+
+from llminfer.config import Backend, CacheConfig, EngineConfig, QuantConfig, QuantMode, SchedulerConfig
+from llminfer.engine import InferenceEngine
+from llminfer.errors import (
+    BackendUnavailableError,
+    CapacityError,
+    ConfigError,
+    EngineError,
+    InvalidRequestError,
+    LLMInferError,
+    ModelLoadError,
+    RequestAbortedError,
+)
+from llminfer.kv.manager import KVCacheManager
+from llminfer.pipeline import Pipeline
+from llminfer.results import GenerationResult, GenerationStats, StreamChunk
+from llminfer.sampling.params import SamplingParams
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Backend",
+    "BackendUnavailableError",
+    "CacheConfig",
+    "CapacityError",
+    "ConfigError",
+    "EngineConfig",
+    "EngineError",
+    "GenerationResult",
+    "GenerationStats",
+    "InferenceEngine",
+    "InvalidRequestError",
+    "KVCacheManager",
+    "LLMInferError",
+    "ModelLoadError",
+    "Pipeline",
+    "QuantConfig",
+    "QuantMode",
+    "RequestAbortedError",
+    "SamplingParams",
+    "SchedulerConfig",
+    "StreamChunk",
+    "__version__",
+]

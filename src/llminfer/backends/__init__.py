@@ -1,0 +1,1 @@
+"""Backends that run the model step."""

@@ -1,0 +1,100 @@
+"""The eager backend: a stock Hugging Face causal LM running on llminfer's paged KV cache."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from llminfer.kv.attention import METADATA_KWARG, PagedKVCache, build_metadata
+from llminfer.protocols.messages import SchedulerOutput, StepOutput
+from llminfer.sampling.sampler import SamplingState, sample
+
+
+def kv_geometry(model_config: Any) -> tuple[int, int, int]:
+    """``(num_layers, num_kv_heads, head_dim)`` of a transformers config (Llama, Qwen2, GPT-2, ...)."""
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    num_layers = text.num_hidden_layers
+    num_heads = text.num_attention_heads
+    num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
+    return num_layers, num_kv_heads, head_dim
+
+
+class HFBackend:
+    """Runs one packed step of a transformers model with paged attention, then samples.
+
+    Args:
+        model: a causal LM loaded with ``attn_implementation="llminfer_paged"``.
+        cache: the paged KV tensors.
+        eos_token_ids: suppressed below each request's ``min_new_tokens``.
+    """
+
+    name = "eager"
+
+    def __init__(self, model: torch.nn.Module, cache: PagedKVCache, eos_token_ids: Sequence[int] = ()) -> None:
+        self.model = model
+        self.cache = cache
+        self.device = next(model.parameters()).device
+        self.eos_token_ids = list(eos_token_ids)
+        self.states: dict[str, SamplingState] = {}
+        self.num_steps = 0
+
+    def forward(self, plan: SchedulerOutput) -> torch.Tensor:
+        """Run the model on the plan's packed tokens.
+
+        Returns:
+            ``[S, V]`` float32 logits, one row per sequence with ``sample`` set, in plan order.
+        """
+        seqs = plan.sequences
+        input_ids: list[int] = []
+        sample_rows: list[int] = []
+        for s in seqs:
+            input_ids.extend(s.token_ids)
+            if s.sample:
+                sample_rows.append(len(input_ids) - 1)
+        meta, position_ids = build_metadata(
+            self.cache,
+            [s.start_position for s in seqs],
+            [len(s.token_ids) for s in seqs],
+            [s.block_table for s in seqs],
+            self.device,
+        )
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)[None]
+        keep = torch.tensor(sample_rows or [len(input_ids) - 1], dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            out = self.model(
+                input_ids=ids,
+                position_ids=position_ids,
+                use_cache=False,
+                logits_to_keep=keep,
+                **{METADATA_KWARG: meta},
+            )
+        logits = out.logits[0].float()
+        return logits if sample_rows else logits[:0]
+
+    def execute(self, plan: SchedulerOutput) -> StepOutput:
+        """Run one step; never raises (an exception is returned in ``StepOutput.error``)."""
+        start = time.perf_counter_ns()
+        try:
+            for rid in plan.finished_request_ids:
+                self.states.pop(rid, None)
+            for new in plan.new_requests:
+                self.states[new.request_id] = SamplingState(new.params, self.device)
+            logits = self.forward(plan)
+            sampling = [s for s in plan.sequences if s.sample]
+            tokens = sample(
+                logits,
+                [self.states[s.request_id] for s in sampling],
+                [s.num_generated for s in sampling],
+                self.eos_token_ids,
+            )
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.num_steps += 1
+            sampled = {s.request_id: t for s, t in zip(sampling, tokens)}
+            return StepOutput(plan.step_id, sampled, start, time.perf_counter_ns())
+        except Exception as exc:  # noqa: BLE001 - the scheduler fails the step's requests with it
+            return StepOutput(plan.step_id, {}, start, time.perf_counter_ns(), error=exc)

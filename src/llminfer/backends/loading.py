@@ -1,0 +1,127 @@
+"""Loading models and tokenizers through ``from_pretrained``, with the Hugging Face loading controls."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llminfer.config import EngineConfig
+from llminfer.errors import ConfigError, ModelLoadError
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_model_path(cfg: EngineConfig) -> str:
+    """The folder or hub id to load: ``cfg.model_name``, or the built-in model (materialised on first use)."""
+    from llminfer.models.builtin import BUILTIN_MODEL_NAME, builtin_model_path
+
+    if cfg.model_name in (None, "", "builtin", BUILTIN_MODEL_NAME):
+        return str(builtin_model_path())
+    return cfg.model_name
+
+
+def resolve_device(device: str) -> torch.device:
+    """``"auto"`` → CUDA if available, else CPU.
+
+    Raises:
+        ConfigError: an unknown device string, or CUDA asked for without a CUDA device.
+    """
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ConfigError(f"device: unknown device {device!r} (use cpu, cuda, cuda:N or auto)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device: {device!r} asked for but no CUDA device is available")
+    return dev
+
+
+def hf_kwargs(cfg: EngineConfig) -> dict[str, Any]:
+    """The ``from_pretrained`` keyword arguments from the ``hf_*`` fields (token included, never logged)."""
+    kw: dict[str, Any] = {
+        "revision": cfg.hf_revision,
+        "local_files_only": cfg.hf_local_files_only,
+        "trust_remote_code": cfg.hf_trust_remote_code,
+    }
+    if cfg.hf_cache_dir:
+        kw["cache_dir"] = cfg.hf_cache_dir
+    if cfg.hf_token:
+        kw["token"] = cfg.hf_token
+    return {k: v for k, v in kw.items() if v is not None}
+
+
+def load_config(path: str, cfg: EngineConfig):
+    """Load the model's ``PretrainedConfig``.
+
+    Raises:
+        ModelLoadError: the folder or id does not exist or cannot be reached.
+    """
+    from transformers import AutoConfig
+
+    if (path.startswith(("/", ".", "~")) and not Path(path).expanduser().exists()):
+        raise ModelLoadError(f"model folder {path!r} does not exist")
+    try:
+        return AutoConfig.from_pretrained(path, **hf_kwargs(cfg))
+    except Exception as exc:  # noqa: BLE001 - transformers raises many kinds; one clear message
+        raise ModelLoadError(f"cannot load model {path!r}: {_first_line(exc)}") from exc
+
+
+def resolve_dtype(cfg: EngineConfig, model_config: Any, device: torch.device) -> torch.dtype:
+    """``cfg.dtype``, or for ``"auto"`` the model config's dtype (float32 when it names none)."""
+    if cfg.dtype != "auto":
+        return _DTYPES[cfg.dtype]
+    dt = getattr(model_config, "dtype", None) or getattr(model_config, "torch_dtype", None)
+    if isinstance(dt, str):
+        dt = _DTYPES.get(dt)
+    if dt not in _DTYPES.values():
+        dt = torch.float32
+    if device.type == "cpu" and dt == torch.float16:
+        dt = torch.bfloat16  # fp16 matmuls are slow or missing on many CPUs
+    return dt
+
+
+def load_tokenizer(path: str, cfg: EngineConfig):
+    """Load the tokenizer (a fast one when available).
+
+    Raises:
+        ModelLoadError: no tokenizer in the folder or id.
+    """
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, **hf_kwargs(cfg))
+    except Exception as exc:  # noqa: BLE001
+        raise ModelLoadError(f"cannot load the tokenizer of {path!r}: {_first_line(exc)}") from exc
+
+
+def load_model(path: str, cfg: EngineConfig, dtype: torch.dtype, device: torch.device,
+               attn_implementation: str | None = None, quantization_config: Any = None):
+    """Load the causal LM in eval mode on ``device``.
+
+    Raises:
+        ModelLoadError: loading failed (missing weights, unsupported architecture, ...).
+    """
+    from transformers import AutoModelForCausalLM
+
+    kw = hf_kwargs(cfg)
+    if attn_implementation:
+        kw["attn_implementation"] = attn_implementation
+    if quantization_config is not None:
+        kw["quantization_config"] = quantization_config
+        kw["device_map"] = {"": device}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw)
+    except Exception as exc:  # noqa: BLE001
+        raise ModelLoadError(f"cannot load model {path!r}: {_first_line(exc)}") from exc
+    if quantization_config is None:
+        model = model.to(device)
+    model.eval()
+    return model
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0][:300]

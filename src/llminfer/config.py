@@ -1,0 +1,254 @@
+"""Engine configuration: attrs classes with validators, and a cattrs converter for artifacts.
+
+Every class validates on construction *and* on attribute assignment (``cfg.cache.page_size_tokens = 0``
+raises at once). Cross-field rules are checked by :meth:`EngineConfig.validate`, which the engine calls
+when it loads.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import attrs
+import cattrs
+from attrs import validators as v
+
+from llminfer.errors import ConfigError
+
+
+class Backend(str, enum.Enum):
+    """Which backend runs the model step."""
+
+    EAGER = "eager"  #: Hugging Face transformers model, llminfer's paged KV cache and scheduler.
+    COMPILED = "compiled"  #: The eager step under ``torch.compile``.
+    VLLM = "vllm"  #: vLLM's engine (owns its own scheduling and KV cache).
+
+
+class QuantMode(str, enum.Enum):
+    """Weight quantization through bitsandbytes."""
+
+    NONE = "none"
+    NF4 = "nf4"
+    FP4 = "fp4"
+    INT8 = "int8"
+
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+def _positive(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None and value <= 0:
+        raise ConfigError(f"{attribute.name} must be > 0, got {value!r}")
+
+
+def _non_negative(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None and value < 0:
+        raise ConfigError(f"{attribute.name} must be >= 0, got {value!r}")
+
+
+def _fraction(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if not 0.0 < value <= 1.0:
+        raise ConfigError(f"{attribute.name} must be in (0, 1], got {value!r}")
+
+
+def _one_of(choices: tuple[str, ...]):
+    def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if value not in choices:
+            raise ConfigError(f"{attribute.name} must be one of {', '.join(choices)}; got {value!r}")
+
+    return check
+
+
+def _enum(enum_cls: type[enum.Enum]):
+    """Accept an enum member or its value (``"nf4"``), reject anything else with a ConfigError."""
+
+    def convert(value: Any) -> Any:
+        if isinstance(value, enum_cls):
+            return value
+        try:
+            return enum_cls(str(value).lower())
+        except ValueError:
+            names = ", ".join(m.value for m in enum_cls)
+            raise ConfigError(f"unknown {enum_cls.__name__} {value!r}; choose one of {names}") from None
+
+    return convert
+
+
+def _typed(*types: type):
+    def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if isinstance(value, bool) and bool not in types:
+            raise ConfigError(f"{attribute.name} must be {types[0].__name__}, got {value!r}")
+        if not isinstance(value, types):
+            raise ConfigError(f"{attribute.name} must be {types[0].__name__}, got {value!r}")
+
+    return check
+
+
+_int = _typed(int)
+_opt_int = v.optional(_typed(int))
+_num = _typed(int, float)
+_bool = _typed(bool)
+
+
+@attrs.define(kw_only=True)
+class CacheConfig:
+    """KV cache layout and budget.
+
+    Attributes:
+        enable_paged_kv: KV lives in fixed-size blocks of ``page_size_tokens`` tokens. When False, each
+            sequence gets one contiguous region of ``max_model_len`` tokens (the pre-paging layout, kept
+            for comparison); prefix caching is then off.
+        page_size_tokens: tokens per KV block (the vLLM ``block_size``).
+        enable_prefix_cache: reuse the KV blocks of identical prompt prefixes (automatic prefix caching).
+        kv_cache_memory_bytes: the KV pool's budget in bytes. ``None``: on CPU enough for
+            ``max_batch_size`` full-length sequences, capped at 2 GiB; on CUDA ``gpu_memory_utilization``
+            of the memory free after the weights are loaded.
+        gpu_memory_utilization: fraction of free device memory given to the KV pool when no byte budget
+            is set (CUDA only).
+        num_blocks: an exact block count, overriding both budgets (tests and benchmarks).
+    """
+
+    enable_paged_kv: bool = attrs.field(default=True, validator=_bool)
+    page_size_tokens: int = attrs.field(default=16, validator=[_int, _positive])
+    enable_prefix_cache: bool = attrs.field(default=True, validator=_bool)
+    kv_cache_memory_bytes: int | None = attrs.field(default=None, validator=[_opt_int, _positive])
+    gpu_memory_utilization: float = attrs.field(default=0.5, validator=[_num, _fraction])
+    num_blocks: int | None = attrs.field(default=None, validator=[_opt_int, _positive])
+
+
+@attrs.define(kw_only=True)
+class QuantConfig:
+    """Weight quantization through bitsandbytes (``QuantConfig(mode=QuantMode.NF4, double_quant=True)``)."""
+
+    mode: QuantMode = attrs.field(default=QuantMode.NONE, converter=_enum(QuantMode))
+    double_quant: bool = attrs.field(default=False, validator=_bool)
+    compute_dtype: str = attrs.field(default="bfloat16", validator=_one_of(DTYPES[1:]))
+
+
+@attrs.define(kw_only=True)
+class SchedulerConfig:
+    """Continuous-batching scheduler knobs (token-budget scheduling in the style of vLLM v1).
+
+    Attributes:
+        max_num_batched_tokens: tokens computed in one engine step, over all sequences.
+        long_prefill_token_threshold: cap on prompt tokens one request may compute in one step
+            (chunked prefill); 0 means no cap beyond the step budget.
+        watermark: fraction of KV blocks kept free when admitting a waiting request, so that running
+            requests can grow without immediate preemption.
+        policy: ``"fcfs"`` (arrival order) or ``"priority"`` (lower ``priority`` value first, then arrival).
+    """
+
+    max_num_batched_tokens: int = attrs.field(default=2048, validator=[_int, _positive])
+    long_prefill_token_threshold: int = attrs.field(default=0, validator=[_int, _non_negative])
+    watermark: float = attrs.field(default=0.01, validator=[_num, _non_negative])
+    policy: str = attrs.field(default="fcfs", validator=_one_of(SCHEDULING_POLICIES))
+
+
+@attrs.define(kw_only=True)
+class EngineConfig:
+    """Everything the engine needs to load a model and serve requests.
+
+    ``EngineConfig()`` with no ``model_name`` uses the built-in tiny model (random weights, a real Qwen2
+    tokenizer), so everything runs offline. ``model_name`` is a Hugging Face model id or a local folder.
+
+    Raises:
+        ConfigError: a value is out of range or unknown (the message names the field), or
+            :meth:`validate` finds an inconsistent combination.
+    """
+
+    model_name: str | None = attrs.field(default=None, validator=v.optional(_typed(str)))
+    backend: Backend = attrs.field(default=Backend.EAGER, converter=_enum(Backend))
+    dtype: str = attrs.field(default="auto", validator=_one_of(DTYPES))
+    device: str = attrs.field(default="auto", validator=_typed(str))
+    max_batch_size: int = attrs.field(default=16, validator=[_int, _positive])
+    batch_timeout_ms: float = attrs.field(default=5.0, validator=[_num, _non_negative])
+    max_model_len: int | None = attrs.field(default=None, validator=[_opt_int, _positive])
+    seed: int = attrs.field(default=0, validator=_int)
+    enable_tracing: bool = attrs.field(default=True, validator=_bool)
+    served_model_name: str | None = attrs.field(default=None, validator=v.optional(_typed(str)))
+
+    cache: CacheConfig = attrs.field(factory=CacheConfig, validator=v.instance_of(CacheConfig))
+    quant: QuantConfig = attrs.field(factory=QuantConfig, validator=v.instance_of(QuantConfig))
+    scheduler: SchedulerConfig = attrs.field(factory=SchedulerConfig, validator=v.instance_of(SchedulerConfig))
+
+    hf_revision: str | None = attrs.field(default=None, validator=v.optional(_typed(str)))
+    hf_token: str | None = attrs.field(default=None, validator=v.optional(_typed(str)), repr=False)
+    hf_local_files_only: bool = attrs.field(default=False, validator=_bool)
+    hf_cache_dir: str | None = attrs.field(default=None, validator=v.optional(_typed(str)))
+    hf_trust_remote_code: bool = attrs.field(default=False, validator=_bool)
+
+    assistant_model_name: str | None = attrs.field(default=None, validator=v.optional(_typed(str)))
+    speculative_num_assistant_tokens: int = attrs.field(default=5, validator=[_int, _positive])
+    speculative_confidence_threshold: float = attrs.field(default=0.4, validator=[_num, _non_negative])
+
+    compile_mode: str = attrs.field(default="default", validator=_one_of(COMPILE_MODES))
+    compile_cudagraphs: bool = attrs.field(default=False, validator=_bool)
+    compile_fallback_to_eager: bool = attrs.field(default=True, validator=_bool)
+
+    tp_size: int = attrs.field(default=1, validator=[_int, _positive])
+    pp_size: int = attrs.field(default=1, validator=[_int, _positive])
+
+    def validate(self) -> EngineConfig:
+        """Check cross-field rules; return self.
+
+        Raises:
+            ConfigError: naming the fields that conflict.
+        """
+        if self.backend is not Backend.VLLM and (self.tp_size > 1 or self.pp_size > 1):
+            raise ConfigError(
+                f"tp_size/pp_size > 1 need the vLLM backend (backend=vllm); the {self.backend.value} "
+                "backend runs on one device"
+            )
+        if self.speculative_confidence_threshold > 1.0:
+            raise ConfigError("speculative_confidence_threshold must be in [0, 1]")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (enums as values, ``hf_token`` redacted) for artifacts and logs."""
+        return config_to_dict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> EngineConfig:
+        """Build a config from :meth:`to_dict` output.
+
+        Raises:
+            ConfigError: an unknown key or a bad value (the message names it).
+        """
+        return config_from_dict(data)
+
+
+converter = cattrs.Converter(forbid_extra_keys=True)
+for _enum_cls in (Backend, QuantMode):
+    converter.register_unstructure_hook(_enum_cls, lambda member: member.value)
+    converter.register_structure_hook(_enum_cls, lambda value, cls: _enum(cls)(value))
+
+
+def config_to_dict(cfg: EngineConfig) -> dict[str, Any]:
+    """Unstructure ``cfg`` to plain JSON types; the secret ``hf_token`` becomes ``"***"`` when set."""
+    data = converter.unstructure(cfg)
+    if data.get("hf_token"):
+        data["hf_token"] = "***"
+    return data
+
+
+def config_from_dict(data: dict[str, Any]) -> EngineConfig:
+    """Structure a dict into an :class:`EngineConfig`, turning cattrs' errors into one ConfigError."""
+    try:
+        return converter.structure(data, EngineConfig)
+    except ConfigError:
+        raise
+    except cattrs.BaseValidationError as exc:
+        details = "; ".join(str(e) for e in _leaf_errors(exc))
+        raise ConfigError(f"invalid engine config: {details or exc}") from None
+
+
+def _leaf_errors(exc: BaseException) -> list[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        out: list[BaseException] = []
+        for sub in exc.exceptions:
+            out.extend(_leaf_errors(sub))
+        return out
+    return [exc]

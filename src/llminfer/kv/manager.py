@@ -1,0 +1,193 @@
+"""KVCacheManager: block tables of requests on top of the :class:`BlockPool`.
+
+The scheduler asks it three things: how much of a request's prompt is already cached
+(:meth:`find_cached_prefix`), whether the slots for the next ``num_new_tokens`` can be allocated
+(:meth:`allocate_slots`), and to register newly completed blocks for reuse (:meth:`cache_full_blocks`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Protocol
+
+from llminfer.kv.block_pool import BlockPool, KVBlock
+from llminfer.kv.hashing import BlockHash, hash_full_blocks
+
+
+class CacheableSequence(Protocol):
+    """What the manager needs to know of a request."""
+
+    request_id: str
+    token_ids: list[int]
+    block_hashes: list[BlockHash]
+    extra_keys: tuple[str, ...]
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Block tables, prefix-cache lookups and hit statistics.
+
+    Args:
+        num_blocks: blocks in the pool.
+        block_size: tokens per block.
+        enable_prefix_cache: reuse cached full blocks across requests.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_cache: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_prefix_cache = enable_prefix_cache
+        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_cache)
+        self.block_tables: dict[str, list[KVBlock]] = {}
+        # Prefix-cache statistics: queries/hits in requests, tokens in tokens.
+        self.num_queries = 0
+        self.num_hits = 0
+        self.query_tokens = 0
+        self.hit_tokens = 0
+
+    @staticmethod
+    def hash_prefix(text: str) -> str:
+        """A stable key for a prompt prefix (hex sha256 of its UTF-8 text), for ``run(..., prefix_key=)``.
+
+        Automatic prefix caching does not need it: it is a grouping hint that shows up in stats.
+        """
+        return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.pool.num_blocks * self.block_size
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    def find_cached_prefix(self, seq: CacheableSequence) -> tuple[list[KVBlock], int]:
+        """Longest run of cached full blocks at the start of ``seq``, capped so that at least the last
+        token is computed (a prompt must still produce logits on a full hit).
+
+        Returns:
+            ``(blocks, num_cached_tokens)``; the blocks are not yet referenced.
+        """
+        if not self.enable_prefix_cache:
+            return [], 0
+        self._ensure_hashes(seq, len(seq.token_ids))
+        max_blocks = (len(seq.token_ids) - 1) // self.block_size
+        hits: list[KVBlock] = []
+        parent: KVBlock | None = None
+        for i, block_hash in enumerate(seq.block_hashes[:max_blocks]):
+            start = i * self.block_size
+            block = self.pool.lookup(
+                block_hash, seq.token_ids[start : start + self.block_size], seq.extra_keys, parent
+            )
+            if block is None:
+                break
+            hits.append(block)
+            parent = block
+        return hits, len(hits) * self.block_size
+
+    def record_query(self, num_tokens: int, num_cached_tokens: int) -> None:
+        """Count one prefix-cache query (at a request's first admission)."""
+        self.num_queries += 1
+        self.query_tokens += num_tokens
+        if num_cached_tokens:
+            self.num_hits += 1
+            self.hit_tokens += num_cached_tokens
+
+    def can_allocate(self, num_blocks: int, reserve: int = 0) -> bool:
+        return num_blocks + reserve <= self.pool.num_free_blocks
+
+    def allocate_slots(
+        self,
+        seq: CacheableSequence,
+        num_total_tokens: int,
+        cached_blocks: Sequence[KVBlock] = (),
+        reserve_blocks: int = 0,
+    ) -> bool:
+        """Make ``seq``'s block table cover ``num_total_tokens`` tokens, first adopting ``cached_blocks``
+        (only for a request with no table yet).
+
+        Args:
+            num_total_tokens: tokens that will have KV after the step (computed + new).
+            reserve_blocks: free blocks that must remain afterwards (the admission watermark).
+
+        Returns:
+            False (and nothing changed) when there are not enough free blocks.
+        """
+        table = self.block_tables.get(seq.request_id)
+        revived = 0
+        if table is None:
+            revived = sum(1 for b in cached_blocks if b.ref_cnt == 0)
+            have = len(cached_blocks)
+        else:
+            have = len(table)
+        need = max(0, self.blocks_needed(num_total_tokens) - have)
+        if need + revived + reserve_blocks > self.pool.num_free_blocks:
+            return False
+        if table is None:
+            self.pool.touch(cached_blocks)
+            table = list(cached_blocks)
+            self.block_tables[seq.request_id] = table
+        if need:
+            table.extend(self.pool.allocate(need))
+        return True
+
+    def cache_full_blocks(self, seq: CacheableSequence, num_computed_tokens: int) -> None:
+        """Register every full block whose KV is now computed, so later requests can reuse it."""
+        if not self.enable_prefix_cache:
+            return
+        table = self.block_tables.get(seq.request_id)
+        if not table:
+            return
+        num_full = min(num_computed_tokens // self.block_size, len(table))
+        self._ensure_hashes(seq, num_full * self.block_size)
+        parent: KVBlock | None = None
+        for i in range(num_full):
+            block = table[i]
+            if block.block_hash is None:
+                start = i * self.block_size
+                self.pool.cache(
+                    block,
+                    seq.block_hashes[i],
+                    seq.token_ids[start : start + self.block_size],
+                    seq.extra_keys,
+                    parent,
+                )
+            parent = block
+
+    def free(self, request_id: str) -> None:
+        """Release a request's blocks, tail first (its head, the most shareable prefix, is evicted last)."""
+        table = self.block_tables.pop(request_id, None)
+        if table:
+            self.pool.free(reversed(table))
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.block_tables.get(request_id, ())]
+
+    def _ensure_hashes(self, seq: CacheableSequence, num_tokens: int) -> None:
+        if len(seq.block_hashes) < num_tokens // self.block_size:
+            seq.block_hashes[:] = hash_full_blocks(
+                seq.token_ids[:num_tokens], self.block_size, seq.extra_keys, seq.block_hashes
+            )
+
+    def stats(self) -> dict[str, float | int]:
+        """Prefix-cache and pool statistics (the ``cache_stats()`` payload)."""
+        used = self.pool.num_blocks - self.pool.num_free_blocks
+        return {
+            "hit_rate": self.num_hits / self.num_queries if self.num_queries else 0.0,
+            "token_hit_rate": self.hit_tokens / self.query_tokens if self.query_tokens else 0.0,
+            "queries": self.num_queries,
+            "hits": self.num_hits,
+            "cached_tokens": self.hit_tokens,
+            "blocks_total": self.pool.num_blocks,
+            "blocks_used": used,
+            "blocks_free": self.pool.num_free_blocks,
+            "blocks_cached": self.pool.num_cached_blocks,
+            "evictions": self.pool.num_evictions,
+            "block_size": self.block_size,
+        }

@@ -1,0 +1,58 @@
+"""Results returned by the Python API."""
+
+from __future__ import annotations
+
+import attrs
+
+
+@attrs.frozen
+class GenerationStats:
+    """Per-request measurements (wall clock, ``time.perf_counter_ns``).
+
+    Attributes:
+        total_latency_ms: submit → final token (ms).
+        ttft_ms: submit → first token (ms); 0 when no token was generated.
+        throughput_tokens_per_sec: completion tokens / total latency (tokens/s).
+        prompt_tokens, completion_tokens: token counts.
+        cache_hit: some prompt tokens came from the prefix cache.
+        cached_tokens: how many prompt tokens came from the prefix cache.
+        num_preemptions: times the request was preempted (recomputed).
+    """
+
+    total_latency_ms: float
+    ttft_ms: float
+    throughput_tokens_per_sec: float
+    prompt_tokens: int
+    completion_tokens: int
+    cache_hit: bool
+    cached_tokens: int
+    num_preemptions: int = 0
+
+
+@attrs.frozen
+class GenerationResult:
+    """The outcome of one request: text, token ids, why it stopped, and its stats."""
+
+    request_id: str
+    generated_text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str
+    stats: GenerationStats
+    prefix_key: str | None = None
+
+
+@attrs.frozen
+class StreamChunk:
+    """One streamed piece of a request.
+
+    Attributes:
+        token: the text delta (never splits a UTF-8 character, never holds part of a stop string).
+        token_ids: the token ids generated since the previous chunk.
+        is_final: the last chunk; ``finish_reason`` and ``stats`` are set on it.
+    """
+
+    token: str
+    token_ids: tuple[int, ...]
+    is_final: bool
+    finish_reason: str | None = None
+    stats: GenerationStats | None = None
