@@ -74,7 +74,7 @@ class ResultBuilder:
         if delta.error is not None:
             self.finish_reason = delta.finish_reason or "error"
             err = delta.error
-            raise err if isinstance(err, LLMInferError) else EngineError(str(err))
+            raise err if isinstance(err, LLMInferError) else EngineError(f"{type(err).__name__}: {err}")
         if delta.token_ids and not self.first_ns:
             self.first_ns = delta.time_ns
         self.text.append(delta.text)

@@ -57,6 +57,7 @@ class Pipeline:
         self._input: ObjectSendStream[Any] | None = None
         self._control: ObjectSendStream[Abort] | None = None
         self._failure: BaseException | None = None
+        self._inner: TaskGroup | Any = None
         self.running = False
 
     async def __aenter__(self) -> Pipeline:
@@ -71,16 +72,28 @@ class Pipeline:
         self.scheduler_stage.step_inbox = step_out_recv
 
         self._input, inbox = anyio.create_memory_object_stream[Any](self.buffer_size)
+        jobs = []
         for stage in self.stages:
             if hasattr(stage, "control") and stage is not self.scheduler_stage:
                 stage.control = control_send.clone()
             outbox, next_inbox = anyio.create_memory_object_stream[Any](self.buffer_size)
-            self._tg.start_soon(self._run_stage, stage, inbox, outbox)
+            jobs.append((stage, inbox, outbox))
             inbox = next_inbox
-        self._tg.start_soon(self._run_stage, self.step, step_in_recv, step_out_send)
-        self._tg.start_soon(self._discard, inbox)
+        jobs.append((self.step, step_in_recv, step_out_send))
+        await self._tg.start(self._supervise, jobs, inbox)
         self.running = True
         return self
+
+    async def _supervise(self, jobs: list, tail: ObjectReceiveStream[Any], *, task_status: Any) -> None:
+        # Stages run in an inner task group: a failing stage cancels the stages only, never the task that
+        # entered the pipeline (it just sees its requests fail).
+        async with anyio.create_task_group() as inner:
+            self._inner = inner
+            for job in jobs:
+                inner.start_soon(self._run_stage, *job)
+            inner.start_soon(self._discard, tail)
+            task_status.started()
+        self.running = False
 
     async def _run_stage(self, stage: Stage, inbox: ObjectReceiveStream[Any], outbox: ObjectSendStream[Any]) -> None:
         try:
@@ -91,9 +104,9 @@ class Pipeline:
         except BaseException as exc:  # noqa: BLE001 - a broken stage must not hang any request
             self._failure = exc
             log.error("stage failed", stage=stage.name, error=repr(exc))
+            self.running = False
             self.sink.fail_all(EngineError(f"stage {stage.name} failed: {exc!r}"))
-            assert self._tg is not None
-            self._tg.cancel_scope.cancel()
+            self._inner.cancel_scope.cancel()
 
     @staticmethod
     async def _discard(inbox: ObjectReceiveStream[Any]) -> None:
@@ -128,9 +141,9 @@ class Pipeline:
             self._control.send_nowait(Abort(request_id, reason))
 
     async def __aexit__(self, *exc_info: Any) -> None:
-        await self.aclose()
+        await self.aclose(exc_info=exc_info)
 
-    async def aclose(self, timeout_s: float | None = 30.0) -> None:
+    async def aclose(self, timeout_s: float | None = 30.0, exc_info: tuple = (None, None, None)) -> None:
         """Stop taking requests, let in-flight ones finish for up to ``timeout_s`` seconds (None: no limit,
         0: cancel at once), then cancel the rest (their handles get :class:`RequestAbortedError`)."""
         if self._tg is None:
@@ -139,11 +152,12 @@ class Pipeline:
         tg, self._tg = self._tg, None
         if self._input is not None:
             await self._input.aclose()
-        if timeout_s is not None and timeout_s <= 0:
-            tg.cancel_scope.cancel()
-        elif timeout_s is not None:
-            tg.cancel_scope.deadline = anyio.current_time() + timeout_s
+        if self._inner is not None:
+            if timeout_s is not None and timeout_s <= 0:
+                self._inner.cancel_scope.cancel()
+            elif timeout_s is not None:
+                self._inner.cancel_scope.deadline = anyio.current_time() + timeout_s
         try:
-            await tg.__aexit__(None, None, None)
+            await tg.__aexit__(*exc_info)
         finally:
             self.sink.fail_all(RequestAbortedError("the engine shut down"))

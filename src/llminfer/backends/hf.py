@@ -64,7 +64,7 @@ class HFBackend:
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)[None]
         keep = torch.tensor(sample_rows or [len(input_ids) - 1], dtype=torch.long, device=self.device)
-        with torch.inference_mode():
+        with torch.inference_mode():  # the caller (execute) is in inference mode too; kept for direct use
             out = self.model(
                 input_ids=ids,
                 position_ids=position_ids,
@@ -83,14 +83,15 @@ class HFBackend:
                 self.states.pop(rid, None)
             for new in plan.new_requests:
                 self.states[new.request_id] = SamplingState(new.params, self.device)
-            logits = self.forward(plan)
             sampling = [s for s in plan.sequences if s.sample]
-            tokens = sample(
-                logits,
-                [self.states[s.request_id] for s in sampling],
-                [s.num_generated for s in sampling],
-                self.eos_token_ids,
-            )
+            with torch.inference_mode():
+                logits = self.forward(plan)
+                tokens = sample(
+                    logits,
+                    [self.states[s.request_id] for s in sampling],
+                    [s.num_generated for s in sampling],
+                    self.eos_token_ids,
+                )
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             self.num_steps += 1

@@ -1,0 +1,204 @@
+"""The ``llminfer`` command line (Typer): run, stream, info."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated, Any
+
+import typer
+
+try:  # typer >= 0.20 vendors its own click; older versions use click itself
+    from typer._click import exceptions as click_exc
+except ImportError:  # pragma: no cover
+    from click import exceptions as click_exc
+
+from llminfer.config import Backend, CacheConfig, EngineConfig, QuantConfig, SchedulerConfig
+from llminfer.errors import LLMInferError
+
+app = typer.Typer(
+    name="llminfer",
+    help="llminfer: a compact LLM inference and benchmarking engine. Runs offline on a built-in tiny model "
+    "when no --model is given.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+    add_completion=False,
+)
+
+# ---------------------------------------------------------------------------- shared options
+Model = Annotated[str | None, typer.Option("--model", "-m", help="Hugging Face model id or local folder "
+                                           "(default: the built-in tiny model).")]
+BackendOpt = Annotated[Backend, typer.Option("--backend", help="Backend that runs the model step.")]
+Dtype = Annotated[str, typer.Option("--dtype", help="auto, float32, bfloat16 or float16.")]
+Device = Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cuda:N.")]
+MaxNew = Annotated[int, typer.Option("--max-new-tokens", "-n", help="Tokens to generate at most.")]
+Temp = Annotated[float, typer.Option("--temp", "--temperature", help="0 = greedy.")]
+TopP = Annotated[float, typer.Option("--top-p", help="Nucleus sampling threshold in (0, 1].")]
+TopK = Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens (0 = off).")]
+Seed = Annotated[int | None, typer.Option("--seed", help="Seed of this request's sampler.")]
+Stop = Annotated[str | None, typer.Option("--stop", help='Comma-separated stop strings, e.g. "a,b".')]
+IgnoreEos = Annotated[bool, typer.Option("--ignore-eos", help="Keep generating past EOS.")]
+BatchSize = Annotated[int, typer.Option("--max-batch-size", help="Most sequences in one step.")]
+PageSize = Annotated[int, typer.Option("--page-size", help="KV block size in tokens.")]
+NoPrefix = Annotated[bool, typer.Option("--no-prefix-cache", help="Switch automatic prefix caching off.")]
+KVBytes = Annotated[int | None, typer.Option("--kv-cache-bytes", help="KV pool budget in bytes.")]
+MaxLen = Annotated[int | None, typer.Option("--max-model-len", help="Context length in tokens.")]
+Revision = Annotated[str | None, typer.Option("--revision", help="Model revision (branch, tag or commit).")]
+HFToken = Annotated[str | None, typer.Option("--hf-token", help="Hugging Face token (never logged).")]
+LocalOnly = Annotated[bool, typer.Option("--local-files-only", help="Never touch the network.")]
+CacheDir = Annotated[str | None, typer.Option("--cache-dir", help="Hugging Face cache folder.")]
+TrustRemote = Annotated[bool, typer.Option("--trust-remote-code", help="Allow model code from the hub.")]
+TPSize = Annotated[int, typer.Option("--tp-size", help="Tensor-parallel size (vLLM backend only).")]
+PPSize = Annotated[int, typer.Option("--pp-size", help="Pipeline-parallel size (vLLM backend only).")]
+LogLevel = Annotated[str, typer.Option("--log-level", help="debug, info, warning or error.")]
+
+
+def build_config(
+    model: str | None, backend: Backend, dtype: str, device: str, max_batch_size: int = 16,
+    page_size: int = 16, no_prefix_cache: bool = False, kv_cache_bytes: int | None = None,
+    max_model_len: int | None = None, revision: str | None = None, hf_token: str | None = None,
+    local_files_only: bool = False, cache_dir: str | None = None, trust_remote_code: bool = False,
+    tp_size: int = 1, pp_size: int = 1, **extra: Any,
+) -> EngineConfig:
+    """Turn CLI flags into a validated :class:`EngineConfig` (raises ConfigError naming the field)."""
+    return EngineConfig(
+        model_name=model, backend=backend, dtype=dtype, device=device, max_batch_size=max_batch_size,
+        max_model_len=max_model_len,
+        cache=CacheConfig(page_size_tokens=page_size, enable_prefix_cache=not no_prefix_cache,
+                          kv_cache_memory_bytes=kv_cache_bytes),
+        quant=QuantConfig(), scheduler=SchedulerConfig(),
+        hf_revision=revision, hf_token=hf_token, hf_local_files_only=local_files_only, hf_cache_dir=cache_dir,
+        hf_trust_remote_code=trust_remote_code, tp_size=tp_size, pp_size=pp_size, **extra,
+    ).validate()
+
+
+def _split(value: str | None) -> list[str]:
+    return [s for s in (value or "").split(",") if s]
+
+
+def _engine(cfg: EngineConfig, log_level: str):
+    from llminfer.engine import InferenceEngine
+    from llminfer.logging import configure_logging
+
+    configure_logging(log_level)
+    return InferenceEngine(cfg).load()
+
+
+def _stats_line(stats) -> str:
+    return (f"[latency {stats.total_latency_ms:.1f} ms | TTFT {stats.ttft_ms:.1f} ms | "
+            f"{stats.throughput_tokens_per_sec:.1f} tok/s | prompt {stats.prompt_tokens} tok | "
+            f"completion {stats.completion_tokens} tok | cached {stats.cached_tokens} tok]")
+
+
+@app.command()
+def run(
+    prompt: Annotated[str, typer.Argument(help="The prompt text.")],
+    model: Model = None, max_new_tokens: MaxNew = 64, temp: Temp = 0.0, top_p: TopP = 1.0, top_k: TopK = 0,
+    seed: Seed = None, stop: Stop = None, ignore_eos: IgnoreEos = False,
+    backend: BackendOpt = Backend.EAGER, dtype: Dtype = "auto", device: Device = "auto",
+    max_batch_size: BatchSize = 16, page_size: PageSize = 16, no_prefix_cache: NoPrefix = False,
+    kv_cache_bytes: KVBytes = None, max_model_len: MaxLen = None, revision: Revision = None,
+    hf_token: HFToken = None, local_files_only: LocalOnly = False, cache_dir: CacheDir = None,
+    trust_remote_code: TrustRemote = False, tp_size: TPSize = 1, pp_size: PPSize = 1,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as one JSON object.")] = False,
+    log_level: LogLevel = "warning",
+) -> None:
+    """Generate for one prompt; print the text, then one stats line."""
+    cfg = build_config(model, backend, dtype, device, max_batch_size, page_size, no_prefix_cache, kv_cache_bytes,
+                       max_model_len, revision, hf_token, local_files_only, cache_dir, trust_remote_code,
+                       tp_size, pp_size)
+    with _engine(cfg, log_level) as engine:
+        result = engine.run(prompt, max_new_tokens=max_new_tokens, temperature=temp, top_p=top_p, top_k=top_k,
+                            seed=seed, stop_sequences=_split(stop), ignore_eos=ignore_eos)
+    if as_json:
+        import attrs
+
+        typer.echo(json.dumps(attrs.asdict(result)))
+        return
+    typer.echo(result.generated_text)
+    typer.echo(_stats_line(result.stats))
+
+
+@app.command()
+def stream(
+    prompt: Annotated[str, typer.Argument(help="The prompt text.")],
+    model: Model = None, max_new_tokens: MaxNew = 64, temp: Temp = 0.0, top_p: TopP = 1.0, top_k: TopK = 0,
+    seed: Seed = None, stop: Stop = None, ignore_eos: IgnoreEos = False,
+    backend: BackendOpt = Backend.EAGER, dtype: Dtype = "auto", device: Device = "auto",
+    page_size: PageSize = 16, no_prefix_cache: NoPrefix = False, kv_cache_bytes: KVBytes = None,
+    max_model_len: MaxLen = None, revision: Revision = None, hf_token: HFToken = None,
+    local_files_only: LocalOnly = False, cache_dir: CacheDir = None, trust_remote_code: TrustRemote = False,
+    tp_size: TPSize = 1, pp_size: PPSize = 1, log_level: LogLevel = "warning",
+) -> None:
+    """Print tokens as they arrive, then one stats line."""
+    cfg = build_config(model, backend, dtype, device, 16, page_size, no_prefix_cache, kv_cache_bytes,
+                       max_model_len, revision, hf_token, local_files_only, cache_dir, trust_remote_code,
+                       tp_size, pp_size)
+    with _engine(cfg, log_level) as engine:
+        final = None
+        for chunk in engine.stream(prompt, max_new_tokens=max_new_tokens, temperature=temp, top_p=top_p,
+                                   top_k=top_k, seed=seed, stop_sequences=_split(stop), ignore_eos=ignore_eos):
+            sys.stdout.write(chunk.token)
+            sys.stdout.flush()
+            if chunk.is_final:
+                final = chunk
+    typer.echo("")
+    if final is not None and final.stats is not None:
+        typer.echo(_stats_line(final.stats))
+
+
+@app.command()
+def info(
+    model: Model = None, backend: BackendOpt = Backend.EAGER, dtype: Dtype = "auto", device: Device = "auto",
+    max_batch_size: BatchSize = 16, page_size: PageSize = 16, kv_cache_bytes: KVBytes = None,
+    max_model_len: MaxLen = None, revision: Revision = None, hf_token: HFToken = None,
+    local_files_only: LocalOnly = False, cache_dir: CacheDir = None, trust_remote_code: TrustRemote = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    log_level: LogLevel = "warning",
+) -> None:
+    """Print the environment, the model (architecture, parameters, dtype, weight bytes) and KV capacity."""
+    cfg = build_config(model, backend, dtype, device, max_batch_size, page_size, False, kv_cache_bytes,
+                       max_model_len, revision, hf_token, local_files_only, cache_dir, trust_remote_code)
+    engine = _engine(cfg, log_level)
+    facts = engine.info()
+    if as_json:
+        typer.echo(json.dumps(facts))
+        return
+    width = max(len(k) for k in facts)
+    for key, value in facts.items():
+        if key in ("weight_bytes", "kv_bytes"):
+            value = f"{value:,} bytes ({value / 2**20:.1f} MiB)"
+        elif key == "parameters":
+            value = f"{value:,}"
+        typer.echo(f"{key:<{width}}  {value}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: runs the Typer app; any user error becomes one line on stderr and exit code 1 or 2."""
+    try:
+        app(args=argv, standalone_mode=False)
+    except click_exc.NoArgsIsHelpError as exc:  # pragma: no cover - typer prints help itself
+        typer.echo(exc.ctx.get_help() if exc.ctx else "", err=True)
+        sys.exit(2)
+    except click_exc.UsageError as exc:
+        typer.echo(f"error: {exc.format_message()}", err=True)
+        sys.exit(2)
+    except click_exc.ClickException as exc:
+        typer.echo(f"error: {exc.format_message()}", err=True)
+        sys.exit(exc.exit_code or 1)
+    except click_exc.Abort:
+        typer.echo("error: aborted", err=True)
+        sys.exit(130)
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
+    except LLMInferError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        typer.echo("error: interrupted", err=True)
+        sys.exit(130)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,34 @@
+"""Shared fixtures: random-weight test models built once per session (untied embeddings, fixed seeds)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from llminfer.models import build_random_model
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+# Sizes chosen so that greedy continuations are varied (checked in test_builtin_model) and HF generate
+# on a few hundred tokens takes well under a second.
+_SPECS = {
+    "llama": dict(architecture="llama", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                  intermediate_size=128, seed=1),
+    "qwen2": dict(architecture="qwen2", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                  intermediate_size=128, seed=2),
+    "gpt2": dict(architecture="gpt2", hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128, seed=3),
+}
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {name: build_random_model(root / name, **spec) for name, spec in _SPECS.items()}
+
+
+@pytest.fixture(scope="session")
+def qwen2_dir(model_dirs) -> Path:
+    return model_dirs["qwen2"]
