@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> None:
     except click_exc.ClickException as exc:
         typer.echo(f"error: {exc.format_message()}", err=True)
         sys.exit(exc.exit_code or 1)
-    except click_exc.Abort:
+    except typer.Abort:
         typer.echo("error: aborted", err=True)
         sys.exit(130)
     except typer.Exit as exc:
