@@ -93,6 +93,8 @@ class ResultBuilder:
                 cache_hit=delta.cached_tokens > 0,
                 cached_tokens=delta.cached_tokens,
                 num_preemptions=delta.num_preemptions,
+                queue_time_ms=delta.queue_time_ns / 1e6,
+                prefill_time_ms=delta.prefill_time_ns / 1e6,
             )
         return StreamChunk(delta.text, delta.token_ids, delta.finished, self.finish_reason, self.stats)
 

@@ -17,6 +17,8 @@ class GenerationStats:
         cache_hit: some prompt tokens came from the prefix cache.
         cached_tokens: how many prompt tokens came from the prefix cache.
         num_preemptions: times the request was preempted (recomputed).
+        queue_time_ms: scheduler arrival → first scheduled (ms).
+        prefill_time_ms: first scheduled → prompt fully computed (ms).
     """
 
     total_latency_ms: float
@@ -27,6 +29,8 @@ class GenerationStats:
     cache_hit: bool
     cached_tokens: int
     num_preemptions: int = 0
+    queue_time_ms: float = 0.0
+    prefill_time_ms: float = 0.0
 
 
 @attrs.frozen

@@ -70,7 +70,9 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1
     num_preemptions: int = 0
+    queued_ns: int = 0
     first_scheduled_ns: int = 0
+    prefill_done_ns: int = 0
     sent_to_backend: bool = False
 
     @property
@@ -202,6 +204,7 @@ class Scheduler:
             extra_keys=msg.extra_keys,
             block_hashes=list(msg.block_hashes),
             max_tokens_total=max_total,
+            queued_ns=time.perf_counter_ns(),
         )
         self.requests[req.request_id] = req
         self.waiting.push(req)
@@ -335,6 +338,8 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             req.num_computed_tokens += num_new
+            if not req.prefill_done_ns and req.num_computed_tokens >= req.num_prompt_tokens:
+                req.prefill_done_ns = result.end_ns or time.perf_counter_ns()
             self.kv.cache_full_blocks(req, req.num_computed_tokens)
             token = result.sampled.get(req.request_id)
             if token is None:
@@ -367,6 +372,8 @@ class Scheduler:
             prompt_tokens=req.num_prompt_tokens,
             cached_tokens=max(req.num_cached_tokens, 0),
             num_preemptions=req.num_preemptions,
+            queue_time_ns=max(req.first_scheduled_ns - req.queued_ns, 0) if req.first_scheduled_ns else 0,
+            prefill_time_ns=max(req.prefill_done_ns - req.first_scheduled_ns, 0) if req.prefill_done_ns else 0,
         )
 
     def _preempt(self, req: Request) -> None:

@@ -122,6 +122,8 @@ class SequenceUpdate:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     num_preemptions: int = 0
+    queue_time_ns: int = 0
+    prefill_time_ns: int = 0
 
 
 @attrs.frozen
@@ -151,6 +153,8 @@ class RequestDelta:
     cached_tokens: int = 0
     num_preemptions: int = 0
     time_ns: int = 0
+    queue_time_ns: int = 0
+    prefill_time_ns: int = 0
 
     @property
     def finished(self) -> bool:

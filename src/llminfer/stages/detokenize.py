@@ -171,6 +171,8 @@ class DetokenizeStage:
             cached_tokens=up.cached_tokens,
             num_preemptions=up.num_preemptions,
             time_ns=now,
+            queue_time_ns=up.queue_time_ns,
+            prefill_time_ns=up.prefill_time_ns,
         )
 
     async def run(self, inbox: ObjectReceiveStream[Any], outbox: ObjectSendStream[Any]) -> None:

@@ -68,7 +68,8 @@ class SchedulerStage:
                                                     prompt_tokens=len(msg.prompt_token_ids)))
                 return
             self._admitted.append(msg)
-            self.tracer.record(msg.request_id, self.name, "queued", len(msg.prompt_token_ids))
+            req = self.scheduler.requests[msg.request_id]
+            self.tracer.record(msg.request_id, self.name, "queued", len(msg.prompt_token_ids), t_ns=req.queued_ns)
         elif isinstance(msg, RequestFailed):
             self._updates.append(SequenceUpdate(msg.request_id, finish_reason="error", error=msg.error))
         elif isinstance(msg, Abort):
@@ -158,11 +159,19 @@ class SchedulerStage:
                     continue
                 if self.tracer.enabled:
                     for new in plan.new_requests:
-                        self.tracer.record(new.request_id, self.name, "first_scheduled")
+                        req = sched.requests[new.request_id]
+                        self.tracer.record(new.request_id, self.name, "first_scheduled", req.num_cached_tokens,
+                                           t_ns=req.first_scheduled_ns)
                     self.tracer.record(STEP, self.name, "scheduled", plan.num_tokens)
                 await self.step_outbox.send(plan)
                 result = await self.step_inbox.receive()
-                self._updates.extend(sched.update(result))
+                updates = sched.update(result)
+                if self.tracer.enabled:
+                    for up in updates:
+                        if up.finish_reason is not None:
+                            self.tracer.record(up.request_id, self.name, "finished", len(up.new_token_ids),
+                                               t_ns=result.end_ns)
+                self._updates.extend(updates)
                 await self._flush(outbox, plan.step_id)
 
 

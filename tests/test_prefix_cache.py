@@ -1,0 +1,105 @@
+"""Prefix caching: cache on == cache off token for token (greedy fp32), and the known traps."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import make_engine, random_prompts
+from llminfer import KVCacheManager
+from llminfer.kv import hashing
+
+NEW = 10
+
+
+def _prompts():
+    system = random_prompts([23], 150_000, seed=11)[0]
+    tails = random_prompts([1, 5, 9, 14], 150_000, seed=12)
+    shared = [system + t for t in tails]
+    repeated = [shared[1]] * 3
+    aligned = random_prompts([16], 150_000, seed=13)[0]  # 4 full blocks of 4: a full hit next time
+    base = random_prompts([17], 150_000, seed=14)[0]
+    near = [base, base[:-1] + [(base[-1] + 1) % 150_000]]  # all but the last token shared
+    return shared + repeated + [aligned, aligned] + near
+
+
+def _run(engine, prompts):
+    # First one alone (fills the cache), then the rest together: hits happen both across steps and
+    # within one batch.
+    first = engine.run(prompts[0], max_new_tokens=NEW, min_new_tokens=NEW)
+    rest = engine.run_batch_continuous(prompts[1:], max_new_tokens=NEW, min_new_tokens=NEW)
+    return [first, *rest]
+
+
+@pytest.fixture(scope="module")
+def cache_off(qwen2_dir):
+    with make_engine(qwen2_dir, block_size=4, prefix_cache=False) as engine:
+        return [r.token_ids for r in _run(engine, _prompts())]
+
+
+def test_cache_on_equals_cache_off(qwen2_dir, cache_off):
+    with make_engine(qwen2_dir, block_size=4, prefix_cache=True) as engine:
+        results = _run(engine, _prompts())
+        stats = engine.cache_stats()
+    assert [r.token_ids for r in results] == cache_off
+    assert stats["hits"] >= 6 and stats["cached_tokens"] > 0
+    assert any(r.stats.cache_hit for r in results)
+    assert stats["blocks_used"] == 0
+
+
+def test_forced_hash_collisions_stay_correct(qwen2_dir, cache_off, monkeypatch):
+    monkeypatch.setattr(hashing, "hash_block_tokens", lambda parent, tokens, extra=(): b"\x01" * 32)
+    with make_engine(qwen2_dir, block_size=4, prefix_cache=True) as engine:
+        results = _run(engine, _prompts())
+    assert [r.token_ids for r in results] == cache_off
+
+
+def test_full_hit_on_block_aligned_prompt(qwen2_dir):
+    prompt = random_prompts([16], 150_000, seed=21)[0]
+    with make_engine(qwen2_dir, block_size=4) as engine:
+        a = engine.run(prompt, max_new_tokens=NEW, min_new_tokens=NEW)
+        b = engine.run(prompt, max_new_tokens=NEW, min_new_tokens=NEW)
+    assert a.token_ids == b.token_ids
+    assert not a.stats.cache_hit
+    assert b.stats.cached_tokens == 12  # 3 of 4 blocks: the last token is always computed
+
+
+def test_preemption_then_prefix_hit(qwen2_dir, cache_off):
+    """Trap 2: a preempted request resumes through a prefix hit on its own surviving blocks."""
+    prompts = _prompts()
+    with make_engine(qwen2_dir, block_size=4, num_blocks=24, max_batch_size=8) as engine:
+        results = _run(engine, prompts)
+        preemptions = sum(r.stats.num_preemptions for r in results)
+        assert engine.cache_stats()["blocks_used"] == 0
+    assert [r.token_ids for r in results] == cache_off
+    assert preemptions > 0
+
+
+def test_prefix_key_is_only_a_hint(qwen2_dir):
+    prompt = "You are a helpful assistant. Answer briefly: what is a KV cache?"
+    key = KVCacheManager.hash_prefix("You are a helpful assistant.")
+    with make_engine(qwen2_dir, block_size=4) as engine:
+        with_key = engine.run(prompt, max_new_tokens=NEW, prefix_key=key)
+        without = engine.run(prompt, max_new_tokens=NEW)
+    assert with_key.token_ids == without.token_ids
+    assert with_key.prefix_key == key
+    assert without.stats.cache_hit
+
+
+def test_adapters_and_salts_never_share_blocks(qwen2_dir):
+    prompt = random_prompts([20], 150_000, seed=31)[0]
+    with make_engine(qwen2_dir, block_size=4) as engine:
+        engine.run(prompt, max_new_tokens=2)
+        salted = engine.run(prompt, max_new_tokens=2, cache_salt="tenant-b")
+        again = engine.run(prompt, max_new_tokens=2)
+    assert not salted.stats.cache_hit
+    assert again.stats.cache_hit
+
+
+def test_request_stats_timings(qwen2_dir):
+    with make_engine(qwen2_dir, block_size=4) as engine:
+        r = engine.run(random_prompts([40], 150_000, seed=41)[0], max_new_tokens=4)
+        events = {(e.stage, e.event) for e in engine.tracer.snapshot() if e.request_id == r.request_id}
+    assert r.stats.queue_time_ms >= 0 and r.stats.prefill_time_ms > 0
+    assert r.stats.prefill_time_ms <= r.stats.ttft_ms
+    assert {("scheduler", "queued"), ("scheduler", "first_scheduled"), ("sink", "first_token"),
+            ("scheduler", "finished")} <= events
