@@ -19,7 +19,9 @@ def _prompts():
     aligned = random_prompts([16], 150_000, seed=13)[0]  # 4 full blocks of 4: a full hit next time
     base = random_prompts([17], 150_000, seed=14)[0]
     near = [base, base[:-1] + [(base[-1] + 1) % 150_000]]  # all but the last token shared
-    return shared + repeated + [aligned, aligned] + near
+    block = random_prompts([4], 150_000, seed=15)[0]
+    self_similar = block * 3 + [5, 6]  # identical blocks at different positions: a parent check matters
+    return [self_similar] + shared + repeated + [aligned, aligned] + near + [self_similar]
 
 
 def _run(engine, prompts):
@@ -103,3 +105,27 @@ def test_request_stats_timings(qwen2_dir):
     assert r.stats.prefill_time_ms <= r.stats.ttft_ms
     assert {("scheduler", "queued"), ("scheduler", "first_scheduled"), ("sink", "first_token"),
             ("scheduler", "finished")} <= events
+
+
+def test_collision_guard_checks_tokens_and_parent(monkeypatch):
+    """With every hash forced equal, only a block whose tokens, extra keys and parent all match is reused."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(hashing, "hash_block_tokens", lambda parent, tokens, extra=(): b"\x01" * 32)
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    block = [11, 12, 13, 14]
+
+    def seq(rid, tokens, extra=()):
+        return SimpleNamespace(request_id=rid, token_ids=tokens, block_hashes=[], extra_keys=extra)
+
+    first = seq("a", block * 3 + [5, 6])
+    assert kv.allocate_slots(first, 14)
+    kv.cache_full_blocks(first, 14)
+    kv.free("a")
+    # Same tokens again: block 0 matches; blocks 1 and 2 hold the same tokens but a different parent.
+    hits, n = kv.find_cached_prefix(seq("b", block * 3 + [5, 6]))
+    assert n == 4 and len(hits) == 1
+    # Different first-block tokens under the same (forced) hash: no hit at all.
+    assert kv.find_cached_prefix(seq("c", [1, 2, 3, 4] + block + [5]))[1] == 0
+    # Same tokens, other extra keys (another adapter): no hit.
+    assert kv.find_cached_prefix(seq("d", block * 3 + [5], ("adapter:x",)))[1] == 0
