@@ -58,6 +58,7 @@ class ResultBuilder:
         self.first_ns = 0
         self.text: list[str] = []
         self.token_ids: list[int] = []
+        self.logprobs: list[Any] = []
         self.finish_reason: str | None = None
         self.stats: GenerationStats | None = None
 
@@ -79,6 +80,7 @@ class ResultBuilder:
             self.first_ns = delta.time_ns
         self.text.append(delta.text)
         self.token_ids.extend(delta.token_ids)
+        self.logprobs.extend(delta.logprobs)
         if delta.finished:
             self.finish_reason = delta.finish_reason
             end = delta.time_ns or time.perf_counter_ns()
@@ -96,7 +98,8 @@ class ResultBuilder:
                 queue_time_ms=delta.queue_time_ns / 1e6,
                 prefill_time_ms=delta.prefill_time_ns / 1e6,
             )
-        return StreamChunk(delta.text, delta.token_ids, delta.finished, self.finish_reason, self.stats)
+        return StreamChunk(delta.text, delta.token_ids, delta.finished, self.finish_reason, self.stats,
+                           delta.logprobs)
 
     def result(self) -> GenerationResult:
         if self.stats is None or self.finish_reason is None:
@@ -108,6 +111,7 @@ class ResultBuilder:
             finish_reason=self.finish_reason,
             stats=self.stats,
             prefix_key=self.request.prefix_key,
+            logprobs=tuple(self.logprobs),
         )
 
 
@@ -364,7 +368,15 @@ class InferenceEngine:
         Raises:
             The first error any request raised (the others still finish or are cancelled).
         """
-        requests = [self.make_request(p, **kwargs) for p in prompts]
+        return self.run_requests([self.make_request(p, **kwargs) for p in prompts])
+
+    def run_requests(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        """Submit prepared requests (from :meth:`make_request`, each with its own settings) at once to the
+        continuous-batching scheduler; results in order.
+
+        Raises:
+            The first error any request raised (the others still finish or are cancelled).
+        """
 
         async def collect_all() -> list[GenerationResult]:
             results: list[Any] = [None] * len(requests)

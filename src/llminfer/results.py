@@ -43,6 +43,7 @@ class GenerationResult:
     finish_reason: str
     stats: GenerationStats
     prefix_key: str | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @attrs.frozen
@@ -60,3 +61,18 @@ class StreamChunk:
     is_final: bool
     finish_reason: str | None = None
     stats: GenerationStats | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+@attrs.frozen
+class TokenLogprob:
+    """Log-probability of a chosen token and of the ``top`` most likely alternatives.
+
+    Read after the history processors (repetition / presence / frequency penalties, no-repeat n-gram,
+    bad words, EOS masking) and before temperature, top-k, top-p and min-p, i.e. the distribution the
+    model proposes for this request; natural log.
+    """
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()

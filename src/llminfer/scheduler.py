@@ -66,6 +66,8 @@ class Request:
     extra_keys: tuple[str, ...] = ()
     block_hashes: list[bytes] = attrs.field(factory=list)
     max_tokens_total: int = 0
+    bad_words_ids: tuple = ()
+    force_words_ids: tuple = ()
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1
@@ -205,6 +207,8 @@ class Scheduler:
             block_hashes=list(msg.block_hashes),
             max_tokens_total=max_total,
             queued_ns=time.perf_counter_ns(),
+            bad_words_ids=msg.bad_words_ids,
+            force_words_ids=msg.force_words_ids,
         )
         self.requests[req.request_id] = req
         self.waiting.push(req)
@@ -313,7 +317,8 @@ class Scheduler:
             if not req.sent_to_backend:
                 req.sent_to_backend = True
                 new_requests.append(
-                    NewRequestData(req.request_id, req.params, tuple(req.token_ids[: req.num_prompt_tokens]))
+                    NewRequestData(req.request_id, req.params, tuple(req.token_ids[: req.num_prompt_tokens]),
+                                   req.bad_words_ids, req.force_words_ids)
                 )
         finished = tuple(self._finished_since_last_step)
         self._finished_since_last_step.clear()
@@ -349,7 +354,8 @@ class Scheduler:
             if reason is not None:
                 self.running.remove(req)
                 self._finish(req)
-            updates.append(self._update(req, (token,), reason))
+            lp = result.logprobs.get(req.request_id)
+            updates.append(self._update(req, (token,), reason, logprobs=(lp,) if lp is not None else ()))
         return updates
 
     # ------------------------------------------------------------------ internals
@@ -363,7 +369,7 @@ class Scheduler:
         return None
 
     def _update(self, req: Request, tokens: tuple[int, ...], reason: str | None,
-                error: Exception | None = None) -> SequenceUpdate:
+                error: Exception | None = None, logprobs: tuple = ()) -> SequenceUpdate:
         return SequenceUpdate(
             request_id=req.request_id,
             new_token_ids=tokens,
@@ -374,6 +380,7 @@ class Scheduler:
             num_preemptions=req.num_preemptions,
             queue_time_ns=max(req.first_scheduled_ns - req.queued_ns, 0) if req.first_scheduled_ns else 0,
             prefill_time_ns=max(req.prefill_done_ns - req.first_scheduled_ns, 0) if req.prefill_done_ns else 0,
+            logprobs=logprobs,
         )
 
     def _preempt(self, req: Request) -> None:

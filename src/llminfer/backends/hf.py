@@ -82,20 +82,18 @@ class HFBackend:
             for rid in plan.finished_request_ids:
                 self.states.pop(rid, None)
             for new in plan.new_requests:
-                self.states[new.request_id] = SamplingState(new.params, self.device)
+                self.states[new.request_id] = SamplingState(
+                    new.params, self.device, new.prompt_token_ids, new.bad_words_ids, new.force_words_ids,
+                    self.eos_token_ids)
             sampling = [s for s in plan.sequences if s.sample]
             with torch.inference_mode():
                 logits = self.forward(plan)
-                tokens = sample(
-                    logits,
-                    [self.states[s.request_id] for s in sampling],
-                    [s.num_generated for s in sampling],
-                    self.eos_token_ids,
-                )
+                tokens, logprobs = sample(logits, [self.states[s.request_id] for s in sampling])
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             self.num_steps += 1
             sampled = {s.request_id: t for s, t in zip(sampling, tokens)}
-            return StepOutput(plan.step_id, sampled, start, time.perf_counter_ns())
+            lps = {s.request_id: lp for s, lp in zip(sampling, logprobs) if lp is not None}
+            return StepOutput(plan.step_id, sampled, start, time.perf_counter_ns(), logprobs=lps)
         except Exception as exc:  # noqa: BLE001 - the scheduler fails the step's requests with it
             return StepOutput(plan.step_id, {}, start, time.perf_counter_ns(), error=exc)

@@ -42,6 +42,9 @@ class KVCacheManager:
         self.enable_prefix_cache = enable_prefix_cache
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_cache)
         self.block_tables: dict[str, list[KVBlock]] = {}
+        # Per request: how many leading blocks of its table are already registered (or skipped) for reuse,
+        # so each step only looks at newly filled blocks.
+        self._num_registered: dict[str, int] = {}
         # Prefix-cache statistics: queries/hits in requests, tokens in tokens.
         self.num_queries = 0
         self.num_hits = 0
@@ -145,9 +148,12 @@ class KVCacheManager:
         if not table:
             return
         num_full = min(num_computed_tokens // self.block_size, len(table))
+        done = self._num_registered.get(seq.request_id, 0)
+        if num_full <= done:
+            return
         self._ensure_hashes(seq, num_full * self.block_size)
-        parent: KVBlock | None = None
-        for i in range(num_full):
+        parent: KVBlock | None = table[done - 1] if done else None
+        for i in range(done, num_full):
             block = table[i]
             if block.block_hash is None:
                 start = i * self.block_size
@@ -159,10 +165,12 @@ class KVCacheManager:
                     parent,
                 )
             parent = block
+        self._num_registered[seq.request_id] = num_full
 
     def free(self, request_id: str) -> None:
         """Release a request's blocks, tail first (its head, the most shareable prefix, is evicted last)."""
         table = self.block_tables.pop(request_id, None)
+        self._num_registered.pop(request_id, None)
         if table:
             self.pool.free(reversed(table))
 

@@ -7,6 +7,8 @@ message per token per stage.
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 
 from llminfer.sampling.params import SamplingParams
@@ -38,6 +40,8 @@ class TokenizedRequest:
     priority: int = 0
     extra_keys: tuple[str, ...] = ()
     block_hashes: tuple[bytes, ...] = ()
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
+    force_words_ids: tuple[tuple[tuple[int, ...], ...], ...] = ()
 
 
 @attrs.frozen
@@ -84,6 +88,8 @@ class NewRequestData:
     request_id: str
     params: SamplingParams
     prompt_token_ids: tuple[int, ...]
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
+    force_words_ids: tuple[tuple[tuple[int, ...], ...], ...] = ()
 
 
 @attrs.frozen
@@ -109,6 +115,7 @@ class StepOutput:
     start_ns: int
     end_ns: int
     error: Exception | None = None
+    logprobs: dict[str, Any] = attrs.field(factory=dict)
 
 
 @attrs.frozen
@@ -124,6 +131,7 @@ class SequenceUpdate:
     num_preemptions: int = 0
     queue_time_ns: int = 0
     prefill_time_ns: int = 0
+    logprobs: tuple[Any, ...] = ()
 
 
 @attrs.frozen
@@ -155,6 +163,7 @@ class RequestDelta:
     time_ns: int = 0
     queue_time_ns: int = 0
     prefill_time_ns: int = 0
+    logprobs: tuple[Any, ...] = ()
 
     @property
     def finished(self) -> bool:

@@ -15,6 +15,14 @@ def _check(condition: bool, message: str) -> None:
         raise InvalidRequestError(message)
 
 
+def _is_num(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _as_tuple(value: Any) -> tuple:
     if value is None:
         return ()
@@ -39,6 +47,15 @@ class SamplingParams:
         ignore_eos: keep generating past the model's EOS token.
         seed: seeds this request's own ``torch.Generator``: a seeded request gives the same tokens
             whatever else shares its batch.
+        repetition_penalty: > 0; 1 = off. Logits of tokens already in prompt or output are divided by it
+            (multiplied when negative), as Hugging Face's ``RepetitionPenaltyLogitsProcessor``.
+        presence_penalty, frequency_penalty: in [-2, 2], OpenAI definitions over output tokens:
+            ``logit -= presence * (count > 0) + frequency * count``.
+        no_repeat_ngram_size: no n-gram of this size occurs twice in prompt + output (0 = off).
+        bad_words: words or phrases never generated (every tokenization with and without a leading space).
+        force_words: phrases that must appear in the output (see ``sampling.sampler.ForcedWords``).
+        logprobs: None = off; k >= 0 returns the chosen token's log-probability and the top-k alternatives.
+        n: number of samples of the prompt (the engine fans out; their prompt KV blocks are shared).
 
     Raises:
         InvalidRequestError: a value is out of range (the message names the field).
@@ -54,28 +71,49 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_as_tuple)
     ignore_eos: bool = False
     seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    no_repeat_ngram_size: int = 0
+    bad_words: tuple[str, ...] = attrs.field(default=(), converter=_as_tuple)
+    force_words: tuple[str, ...] = attrs.field(default=(), converter=_as_tuple)
+    logprobs: int | None = None
+    n: int = 1
 
     def __attrs_post_init__(self) -> None:
         m = self.max_new_tokens
         _check(m is None or (isinstance(m, int) and not isinstance(m, bool) and m > 0),
                f"max_new_tokens must be a positive integer, got {m!r}")
-        _check(isinstance(self.min_new_tokens, int) and self.min_new_tokens >= 0,
+        _check(_is_int(self.min_new_tokens) and self.min_new_tokens >= 0,
                f"min_new_tokens must be >= 0, got {self.min_new_tokens!r}")
         _check(m is None or self.min_new_tokens <= m,
                f"min_new_tokens ({self.min_new_tokens}) must not exceed max_new_tokens ({m})")
         t = self.temperature
-        _check(isinstance(t, (int, float)) and math.isfinite(t) and t >= 0,
+        _check(_is_num(t) and t >= 0,
                f"temperature must be a finite number >= 0, got {t!r}")
-        _check(isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0,
+        _check(_is_num(self.top_p) and 0.0 < self.top_p <= 1.0,
                f"top_p must be in (0, 1], got {self.top_p!r}")
-        _check(isinstance(self.top_k, int) and self.top_k >= 0, f"top_k must be an integer >= 0, got {self.top_k!r}")
-        _check(isinstance(self.min_p, (int, float)) and 0.0 <= self.min_p <= 1.0,
+        _check(_is_int(self.top_k) and self.top_k >= 0, f"top_k must be an integer >= 0, got {self.top_k!r}")
+        _check(_is_num(self.min_p) and 0.0 <= self.min_p <= 1.0,
                f"min_p must be in [0, 1], got {self.min_p!r}")
         _check(all(isinstance(s, str) and s for s in self.stop_sequences),
                "stop_sequences must be non-empty strings")
-        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+        _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids must be non-negative integers")
-        _check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
+        _check(self.seed is None or _is_int(self.seed), f"seed must be an integer, got {self.seed!r}")
+        _check(_is_num(self.repetition_penalty) and self.repetition_penalty > 0,
+               f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_num(value) and -2.0 <= value <= 2.0, f"{name} must be in [-2, 2], got {value!r}")
+        _check(_is_int(self.no_repeat_ngram_size) and self.no_repeat_ngram_size >= 0,
+               f"no_repeat_ngram_size must be an integer >= 0, got {self.no_repeat_ngram_size!r}")
+        _check(all(isinstance(w, str) and w.strip() for w in self.bad_words), "bad_words must be non-empty strings")
+        _check(all(isinstance(w, str) and w.strip() for w in self.force_words),
+               "force_words must be non-empty strings")
+        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
+               f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+        _check(_is_int(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
 
     @property
     def greedy(self) -> bool:

@@ -1,31 +1,173 @@
-"""The batched sampler: logits processors vectorised over the batch, then greedy or seeded sampling.
+"""The batched sampler: per-request logits processors, then vectorised warpers and a draw.
 
-Order (as Hugging Face ``generate`` applies its warpers): EOS masking below ``min_new_tokens``,
-temperature, top-k, top-p, min-p, then softmax and a draw. Greedy rows (temperature 0) take the argmax of
-the unprocessed logits. Each request owns a ``torch.Generator`` when it has a seed, so its draws do not
-depend on the other rows of the batch.
+Order inside one step, for each row (the semantics of the named Hugging Face processor, written anew):
+
+1. history processors, per row (they depend on the request's own tokens):
+   repetition penalty (``RepetitionPenaltyLogitsProcessor``, over prompt + output), presence and frequency
+   penalties (OpenAI definitions, over output tokens only), no-repeat n-gram (``NoRepeatNGramLogitsProcessor``,
+   over prompt + output), bad words (``NoBadWordsLogitsProcessor``), EOS / stop ids masked below
+   ``min_new_tokens``, and forced words (see :class:`ForcedWords`);
+2. log-probabilities are read here when asked for (``logprobs``);
+3. warpers, vectorised over the sampling rows: temperature, top-k, top-p, min-p;
+4. greedy rows take the argmax; sampling rows draw from the softmax with their own ``torch.Generator``
+   when seeded, so a seeded request gives the same tokens whatever else shares its batch.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
 import torch
 
+from llminfer.results import TokenLogprob
 from llminfer.sampling.params import SamplingParams
+
+NEG_INF = float("-inf")
+
+
+class ForcedWords:
+    """Forced phrases: each must appear in the output.
+
+    Mechanism: a phrase that has not appeared yet is *forced* (every other logit masked) once the tokens
+    left in the budget are just enough for all unsatisfied phrases, or at once when the budget is open
+    (``max_new_tokens=None``); a phrase being forced is continued to its end; EOS and stop ids are masked
+    while any phrase is unsatisfied. Guarantee: every phrase (as one of its tokenizations) is in the output
+    when ``max_new_tokens`` >= the sum of the phrases' token lengths, unless a stop string ends the text
+    first. A phrase that appears naturally counts as satisfied.
+    """
+
+    def __init__(self, phrases: Sequence[Sequence[tuple[int, ...]]], max_new_tokens: int | None) -> None:
+        self.phrases = [tuple(variants) for variants in phrases if variants]
+        self.max_new_tokens = max_new_tokens
+        self.satisfied = [False] * len(self.phrases)
+        self.active: tuple[int, ...] | None = None
+        self.position = 0
+
+    def update(self, output: list[int]) -> None:
+        for i, variants in enumerate(self.phrases):
+            if not self.satisfied[i]:
+                for v in variants:
+                    n = len(v)
+                    if n <= len(output) and tuple(output[-n:]) == v:
+                        self.satisfied[i] = True
+        if self.active is not None:
+            self.position += 1
+            if self.position >= len(self.active):
+                self.active = None
+
+    @property
+    def pending(self) -> bool:
+        return not all(self.satisfied)
+
+    def forced_token(self, num_generated: int) -> int | None:
+        if self.active is None:
+            todo = [self.phrases[i][0] for i, ok in enumerate(self.satisfied) if not ok]
+            if not todo:
+                return None
+            need = sum(len(v) for v in todo)
+            left = None if self.max_new_tokens is None else self.max_new_tokens - num_generated
+            if left is not None and left > need:
+                return None
+            self.active, self.position = todo[0], 0
+        return self.active[self.position]
 
 
 class SamplingState:
-    """Per-request sampler state kept by the backend between steps."""
+    """Per-request sampler state kept by the backend between steps.
 
-    __slots__ = ("params", "generator")
+    Args:
+        params: the request's sampling parameters.
+        device: where the request's generator lives.
+        prompt_token_ids: the prompt (history for repetition penalty and n-grams).
+        bad_words_ids / force_words_ids: token sequences from the tokenize stage.
+        eos_token_ids: suppressed below ``min_new_tokens`` and while forced words are pending.
+    """
 
-    def __init__(self, params: SamplingParams, device: torch.device | str) -> None:
+    __slots__ = ("params", "generator", "token_ids", "num_prompt", "output_counts", "ngrams", "bad_single",
+                 "bad_multi", "forced", "eos_token_ids", "history_tensor")
+
+    def __init__(self, params: SamplingParams, device: torch.device | str, prompt_token_ids: Sequence[int] = (),
+                 bad_words_ids: Sequence[tuple[int, ...]] = (),
+                 force_words_ids: Sequence[Sequence[tuple[int, ...]]] = (),
+                 eos_token_ids: Sequence[int] = ()) -> None:
         self.params = params
         self.generator: torch.Generator | None = None
         if params.seed is not None and not params.greedy:
             self.generator = torch.Generator(device=device)
             self.generator.manual_seed(params.seed)
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt = len(self.token_ids)
+        self.output_counts: Counter[int] = Counter()
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.ngrams: dict[tuple[int, ...], set[int]] | None = None
+        n = params.no_repeat_ngram_size
+        if n:
+            self.ngrams = {}
+            for start in range(len(self.token_ids) - n + 1):
+                gram = self.token_ids[start : start + n]
+                self.ngrams.setdefault(tuple(gram[:-1]), set()).add(gram[-1])
+        self.bad_single = [w[0] for w in bad_words_ids if len(w) == 1]
+        self.bad_multi = [w for w in bad_words_ids if len(w) > 1]
+        self.forced = ForcedWords(force_words_ids, params.max_new_tokens) if force_words_ids else None
+        self.history_tensor: torch.Tensor | None = None
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt
+
+    def append(self, token: int) -> None:
+        """Record the token chosen for this request."""
+        self.token_ids.append(token)
+        self.output_counts[token] += 1
+        self.history_tensor = None
+        n = self.params.no_repeat_ngram_size
+        if self.ngrams is not None and len(self.token_ids) >= n:
+            gram = self.token_ids[-n:]
+            self.ngrams.setdefault(tuple(gram[:-1]), set()).add(gram[-1])
+        if self.forced is not None:
+            self.forced.update(self.token_ids[self.num_prompt :])
+
+    @property
+    def needs_history(self) -> bool:
+        p = self.params
+        return bool(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or self.ngrams is not None
+                    or self.bad_single or self.bad_multi or self.forced is not None or p.min_new_tokens)
+
+    def process(self, row: torch.Tensor) -> None:
+        """Apply this request's history-dependent processors to its ``[V]`` float32 logits, in place."""
+        p = self.params
+        if p.repetition_penalty != 1.0 and self.token_ids:
+            if self.history_tensor is None:
+                self.history_tensor = torch.tensor(self.token_ids, dtype=torch.long, device=row.device)
+            idx = self.history_tensor
+            score = row[idx]
+            row[idx] = torch.where(score < 0, score * p.repetition_penalty, score / p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and self.output_counts:
+            ids = torch.tensor(list(self.output_counts.keys()), dtype=torch.long, device=row.device)
+            counts = torch.tensor(list(self.output_counts.values()), dtype=row.dtype, device=row.device)
+            row[ids] -= p.frequency_penalty * counts + p.presence_penalty
+        if self.ngrams is not None:
+            n = p.no_repeat_ngram_size
+            if len(self.token_ids) + 1 >= n:
+                banned = self.ngrams.get(tuple(self.token_ids[len(self.token_ids) - n + 1 :]) if n > 1 else ())
+                if banned:
+                    row[list(banned)] = NEG_INF
+        if self.bad_single:
+            row[self.bad_single] = NEG_INF
+        for word in self.bad_multi:
+            prefix = word[:-1]
+            if len(self.token_ids) >= len(prefix) and tuple(self.token_ids[-len(prefix) :]) == prefix:
+                row[word[-1]] = NEG_INF
+        stop_ids = [*p.stop_token_ids, *([] if p.ignore_eos else self.eos_token_ids)]
+        if stop_ids and (self.num_generated < p.min_new_tokens or (self.forced is not None and self.forced.pending)):
+            row[stop_ids] = NEG_INF
+        if self.forced is not None:
+            token = self.forced.forced_token(self.num_generated)
+            if token is not None:
+                keep = row[token].clone()
+                row.fill_(NEG_INF)
+                row[token] = keep if torch.isfinite(keep) else 0.0
 
 
 def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
@@ -34,7 +176,7 @@ def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     vocab = logits.shape[-1]
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
     kth = torch.topk(logits, int(k.max()), dim=-1).values.gather(-1, (k - 1)[:, None])
-    return logits.masked_fill(logits < kth, float("-inf"))
+    return logits.masked_fill(logits < kth, NEG_INF)
 
 
 def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -50,7 +192,7 @@ def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     remove = cum <= (1 - top_p)[:, None]
     remove[:, -1] = False
     mask = remove.scatter(1, sorted_idx, remove)
-    return logits.masked_fill(mask, float("-inf"))
+    return logits.masked_fill(mask, NEG_INF)
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -58,57 +200,67 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     (Nguyen et al. 2024; Hugging Face ``MinPLogitsWarper``)."""
     probs = logits.softmax(dim=-1)
     threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
-    return logits.masked_fill(probs < threshold, float("-inf"))
+    return logits.masked_fill(probs < threshold, NEG_INF)
 
 
-def sample(
-    logits: torch.Tensor,
-    states: Sequence[SamplingState],
-    num_generated: Sequence[int],
-    eos_token_ids: Sequence[int] = (),
-) -> list[int]:
-    """Pick one token per row.
-
-    Args:
-        logits: ``[S, V]`` float32, the last position's logits of each sampling sequence.
-        states: per row, the request's sampling state.
-        num_generated: per row, tokens generated so far (for ``min_new_tokens``).
-        eos_token_ids: ids suppressed (with each request's ``stop_token_ids``) below ``min_new_tokens``.
-
-    Returns:
-        ``S`` token ids.
-    """
-    for row, (state, n) in enumerate(zip(states, num_generated)):
-        p = state.params
-        if n < p.min_new_tokens:
-            banned = [*p.stop_token_ids, *([] if p.ignore_eos else eos_token_ids)]
-            if banned:
-                logits[row, banned] = float("-inf")
-
-    greedy = [s.params.greedy for s in states]
-    if all(greedy):
-        return logits.argmax(dim=-1).tolist()
-
-    out = logits.argmax(dim=-1).tolist()
-    rows = [i for i, g in enumerate(greedy) if not g]
-    idx = torch.tensor(rows, device=logits.device)
-    params = [states[i].params for i in rows]
-    x = logits.index_select(0, idx)
-    x = x / torch.tensor([p.temperature for p in params], device=x.device)[:, None]
+def warp(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p over ``[S, V]`` float32 logits (one row per params entry)."""
+    x = logits / torch.tensor([p.temperature for p in params], device=logits.device)[:, None]
     if any(p.top_k > 0 for p in params):
         x = apply_top_k(x, torch.tensor([p.top_k for p in params], device=x.device))
     if any(p.top_p < 1.0 for p in params):
         x = apply_top_p(x, torch.tensor([p.top_p for p in params], device=x.device, dtype=x.dtype))
     if any(p.min_p > 0.0 for p in params):
         x = apply_min_p(x, torch.tensor([p.min_p for p in params], device=x.device, dtype=x.dtype))
-    probs = x.softmax(dim=-1)
-    unseeded = [j for j, i in enumerate(rows) if states[i].generator is None]
-    if unseeded:
-        draws = torch.multinomial(probs[unseeded], 1).squeeze(1).tolist()
-        for j, tok in zip(unseeded, draws):
-            out[rows[j]] = tok
-    for j, i in enumerate(rows):
-        gen = states[i].generator
-        if gen is not None:
-            out[i] = int(torch.multinomial(probs[j], 1, generator=gen))
-    return out
+    return x
+
+
+def sample(
+    logits: torch.Tensor,
+    states: Sequence[SamplingState],
+) -> tuple[list[int], list[TokenLogprob | None]]:
+    """Pick one token per row and record it in the row's state.
+
+    Args:
+        logits: ``[S, V]`` float32, the last position's logits of each sampling sequence (modified in place).
+        states: per row, the request's sampling state.
+
+    Returns:
+        ``S`` token ids, and per row a :class:`TokenLogprob` when the request asked for ``logprobs``.
+    """
+    for row, state in enumerate(states):
+        if state.needs_history:
+            state.process(logits[row])
+
+    logprobs: list[TokenLogprob | None] = [None] * len(states)
+    want_lp = [i for i, s in enumerate(states) if s.params.logprobs is not None]
+    lp_rows = torch.log_softmax(logits[want_lp], dim=-1) if want_lp else None
+
+    out = logits.argmax(dim=-1).tolist()
+    rows = [i for i, s in enumerate(states) if not s.params.greedy]
+    if rows:
+        idx = torch.tensor(rows, device=logits.device)
+        probs = warp(logits.index_select(0, idx), [states[i].params for i in rows]).softmax(dim=-1)
+        unseeded = [j for j, i in enumerate(rows) if states[i].generator is None]
+        if unseeded:
+            draws = torch.multinomial(probs[unseeded], 1).squeeze(1).tolist()
+            for j, tok in zip(unseeded, draws):
+                out[rows[j]] = tok
+        for j, i in enumerate(rows):
+            gen = states[i].generator
+            if gen is not None:
+                out[i] = int(torch.multinomial(probs[j], 1, generator=gen))
+
+    if lp_rows is not None:
+        for j, i in enumerate(want_lp):
+            k = states[i].params.logprobs or 0
+            row = lp_rows[j]
+            top: tuple[tuple[int, float], ...] = ()
+            if k:
+                values, ids = torch.topk(row, k)
+                top = tuple(zip(ids.tolist(), values.tolist()))
+            logprobs[i] = TokenLogprob(out[i], float(row[out[i]]), top)
+
+    for state, tok in zip(states, out):
+        state.append(tok)
+    return out, logprobs

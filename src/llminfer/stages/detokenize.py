@@ -173,6 +173,7 @@ class DetokenizeStage:
             time_ns=now,
             queue_time_ns=up.queue_time_ns,
             prefill_time_ns=up.prefill_time_ns,
+            logprobs=up.logprobs,
         )
 
     async def run(self, inbox: ObjectReceiveStream[Any], outbox: ObjectSendStream[Any]) -> None:

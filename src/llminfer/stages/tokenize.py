@@ -52,6 +52,8 @@ class TokenizeStage:
                 f"prompt has {len(ids)} tokens but the model's context is {self.max_model_len} tokens; "
                 "it must leave room for at least one generated token"
             )
+        bad = tuple(dict.fromkeys(v for w in req.params.bad_words for v in self.word_variants(w)))
+        force = tuple(self.word_variants(w) for w in req.params.force_words)
         return TokenizedRequest(
             request_id=req.request_id,
             prompt_token_ids=ids,
@@ -60,7 +62,15 @@ class TokenizeStage:
             prefix_key=req.prefix_key,
             priority=req.priority,
             extra_keys=encode_extra_keys(req.adapter_name, req.cache_salt),
+            bad_words_ids=bad,
+            force_words_ids=force,
         )
+
+    def word_variants(self, word: str) -> tuple[tuple[int, ...], ...]:
+        """Token sequences of ``word`` with a leading space (first) and without, duplicates removed."""
+        texts = [" " + word.lstrip(), word] if not word.startswith(" ") else [word, word.lstrip()]
+        seqs = [tuple(self.tokenizer.encode(t, add_special_tokens=False)) for t in texts]
+        return tuple(dict.fromkeys(s for s in seqs if s))
 
     async def run(self, inbox: ObjectReceiveStream[Any], outbox: ObjectSendStream[Any]) -> None:
         async with outbox:
