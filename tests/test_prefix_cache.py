@@ -129,3 +129,26 @@ def test_collision_guard_checks_tokens_and_parent(monkeypatch):
     assert kv.find_cached_prefix(seq("c", [1, 2, 3, 4] + block + [5]))[1] == 0
     # Same tokens, other extra keys (another adapter): no hit.
     assert kv.find_cached_prefix(seq("d", block * 3 + [5], ("adapter:x",)))[1] == 0
+
+
+def test_n_samples_share_prompt_blocks(qwen2_dir):
+    prompt = random_prompts([64], 150_000, seed=51)[0]
+    with make_engine(qwen2_dir, block_size=4, max_batch_size=8) as engine:
+        results = engine.run_n(prompt, n=4, max_new_tokens=6, temperature=1.0, seed=3)
+        stats = engine.cache_stats()
+        alone = engine.run(prompt, max_new_tokens=6, temperature=1.0, seed=4)
+    # One request computed the prompt; the three others reused all of its full blocks but the last token's.
+    assert stats["hits"] == 3
+    assert [r.stats.cached_tokens for r in results].count(60) == 3
+    assert len({r.token_ids for r in results}) > 1  # different seeds, different samples
+    assert results[1].token_ids == alone.token_ids  # seed + 1, same tokens as alone
+
+
+def test_identical_prompts_together_compute_prompt_once(qwen2_dir):
+    prompt = random_prompts([40], 150_000, seed=52)[0]
+    with make_engine(qwen2_dir, block_size=4, max_batch_size=8, prefix_cache=False) as off:
+        want = off.run(prompt, max_new_tokens=5, min_new_tokens=5).token_ids
+    with make_engine(qwen2_dir, block_size=4, max_batch_size=8) as engine:
+        results = engine.run_batch_continuous([prompt] * 5, max_new_tokens=5, min_new_tokens=5)
+    assert all(r.token_ids == want for r in results)
+    assert sum(r.stats.cache_hit for r in results) == 4

@@ -314,6 +314,8 @@ class InferenceEngine:
             p = tuple(int(t) for t in prompt)
             if not p:
                 raise InvalidRequestError("prompt is empty")
+        if sampling.get("n", 1) != 1:
+            raise InvalidRequestError("n > 1 makes several requests: use make_requests(..., n=) or run_n()")
         try:
             params = SamplingParams(
                 max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
@@ -323,6 +325,26 @@ class InferenceEngine:
             raise InvalidRequestError(f"unknown sampling argument: {exc}") from None
         return GenerationRequest(uuid.uuid4().hex, p, params, time.perf_counter_ns(), prefix_key=prefix_key,
                                  priority=priority, cache_salt=cache_salt)
+
+    def make_requests(self, prompt: str | Sequence[int], *, n: int = 1, seed: int | None = None,
+                      **kwargs: Any) -> list[GenerationRequest]:
+        """``n`` samples of one prompt as ``n`` requests (seeds ``seed``, ``seed + 1``, ... when seeded).
+
+        Submitted together, they share the prompt's KV blocks: the scheduler computes the prompt once and
+        the others reuse its blocks through the prefix cache (reference counts, no copy).
+
+        Raises:
+            InvalidRequestError: ``n < 1`` or any other bad value.
+        """
+        from llminfer.errors import InvalidRequestError
+
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise InvalidRequestError(f"n must be an integer >= 1, got {n!r}")
+        return [self.make_request(prompt, seed=None if seed is None else seed + i, **kwargs) for i in range(n)]
+
+    def run_n(self, prompt: str | Sequence[int], n: int, **kwargs: Any) -> list[GenerationResult]:
+        """``n`` samples of one prompt (see :meth:`make_requests`); results in sample order."""
+        return self.run_requests(self.make_requests(prompt, n=n, **kwargs))
 
     def _require_portal(self) -> Any:
         if self._portal is None:

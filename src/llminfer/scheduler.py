@@ -176,6 +176,12 @@ class Scheduler:
         self._last_plan: list[tuple[Request, int]] = []
         self.watermark_blocks = int(limits.watermark * kv.num_blocks)
         self.num_preemptions = 0
+        # Prompt blocks being computed right now, by hash → owning request. A waiting request whose next
+        # uncached block is in flight waits for it (then reuses it through the prefix cache) instead of
+        # computing the same KV twice: this is how n > 1 samples and concurrent identical system prompts
+        # share their prompt's blocks.
+        self._inflight: dict[bytes, str] = {}
+        self.num_deferred = 0
 
     # ------------------------------------------------------------------ requests in / out
     def add_request(self, msg: TokenizedRequest) -> Request:
@@ -278,9 +284,13 @@ class Scheduler:
             i += 1
 
         if not preempted:
-            while len(self.waiting) and budget > 0 and len(self.running) < self.limits.max_batch_size:
-                req = self.waiting.peek()
+            for req in list(self.waiting):
+                if budget <= 0 or len(self.running) >= self.limits.max_batch_size:
+                    break
                 cached_blocks, num_cached = self.kv.find_cached_prefix(req)
+                if self._waits_for_inflight(req, len(cached_blocks)):
+                    self.num_deferred += 1
+                    continue
                 num_new = req.num_tokens - num_cached
                 if threshold:
                     num_new = min(num_new, threshold)
@@ -288,7 +298,7 @@ class Scheduler:
                 reserve = self.watermark_blocks if self.running else 0
                 if not self.kv.allocate_slots(req, num_cached + num_new, cached_blocks, reserve):
                     break  # head-of-line waits for blocks; running requests will free some
-                self.waiting.pop()
+                self.waiting.remove(req)
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = num_cached
                     self.kv.record_query(req.num_prompt_tokens, num_cached)
@@ -296,6 +306,7 @@ class Scheduler:
                 req.num_computed_tokens = num_cached
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
+                self._mark_inflight(req, len(cached_blocks))
                 plan.append((req, num_new))
                 budget -= num_new
 
@@ -345,6 +356,8 @@ class Scheduler:
             req.num_computed_tokens += num_new
             if not req.prefill_done_ns and req.num_computed_tokens >= req.num_prompt_tokens:
                 req.prefill_done_ns = result.end_ns or time.perf_counter_ns()
+            if req.num_computed_tokens >= req.num_prompt_tokens:
+                self._clear_inflight(req)
             self.kv.cache_full_blocks(req, req.num_computed_tokens)
             token = result.sampled.get(req.request_id)
             if token is None:
@@ -383,7 +396,29 @@ class Scheduler:
             logprobs=logprobs,
         )
 
+    def _mark_inflight(self, req: Request, num_cached_blocks: int) -> None:
+        if not self.kv.enable_prefix_cache:
+            return
+        for block_hash in req.block_hashes[num_cached_blocks : req.num_prompt_tokens // self.kv.block_size]:
+            self._inflight.setdefault(block_hash, req.request_id)
+
+    def _clear_inflight(self, req: Request) -> None:
+        if self._inflight:
+            for block_hash in req.block_hashes[: req.num_prompt_tokens // self.kv.block_size]:
+                if self._inflight.get(block_hash) == req.request_id:
+                    del self._inflight[block_hash]
+
+    def _waits_for_inflight(self, req: Request, num_cached_blocks: int) -> bool:
+        """True when the next block ``req`` would compute is being computed by another request."""
+        if not self._inflight or num_cached_blocks >= len(req.block_hashes):
+            return False
+        if num_cached_blocks >= (req.num_tokens - 1) // self.kv.block_size:
+            return False  # the hit is already as long as it may be
+        owner = self._inflight.get(req.block_hashes[num_cached_blocks])
+        return owner is not None and owner != req.request_id
+
     def _preempt(self, req: Request) -> None:
+        self._clear_inflight(req)
         self.kv.free(req.request_id)
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
@@ -400,6 +435,7 @@ class Scheduler:
         return self._update(req, (), "error", err)
 
     def _finish(self, req: Request) -> None:
+        self._clear_inflight(req)
         req.status = RequestStatus.FINISHED
         self.kv.free(req.request_id)
         self.requests.pop(req.request_id, None)
@@ -417,6 +453,8 @@ class Scheduler:
         assert not waiting & running, "a request is both waiting and running"
         assert waiting | running == set(self.requests), "request registry out of sync with queues"
         assert len(self.running) <= self.limits.max_batch_size, "running exceeds max_batch_size"
+        for owner in self._inflight.values():
+            assert owner in running, f"in-flight prompt blocks owned by non-running request {owner}"
         refs: dict[int, int] = {}
         for rid, table in self.kv.block_tables.items():
             assert rid in self.requests, f"block table of finished request {rid}"

@@ -1,0 +1,208 @@
+"""OpenAI error objects: one exception class, the mapping from llminfer and Litestar errors, the handlers.
+
+Every error the server returns has the OpenAI shape ``{"error": {"message", "type", "param", "code"}}``.
+Bad input is always a 4xx naming the offending ``param`` where there is one; only a failure inside the
+server is a 500 (``type: "server_error"``).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import attrs
+import msgspec
+import structlog
+from litestar import Request, Response
+from litestar.exceptions import (
+    ClientException,
+    HTTPException,
+    MethodNotAllowedException,
+    NotAuthorizedException,
+    NotFoundException,
+    ValidationException,
+)
+
+from llminfer.errors import CapacityError, InvalidRequestError, LLMInferError, RequestAbortedError
+from llminfer.sampling.params import SamplingParams
+
+log = structlog.get_logger("llminfer.api")
+
+INVALID_REQUEST = "invalid_request_error"
+SERVER_ERROR = "server_error"
+
+
+class ErrorDetail(msgspec.Struct):
+    """The inner object of an OpenAI error response."""
+
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(msgspec.Struct):
+    """``{"error": {...}}``: what every failed request gets back."""
+
+    error: ErrorDetail
+
+
+class APIError(Exception):
+    """An error to send to the client as an OpenAI error object.
+
+    Args:
+        status: HTTP status code.
+        message: human-readable explanation.
+        type: OpenAI error type (``invalid_request_error``, ``server_error``, ...).
+        param: the request field at fault, if any (``"messages[0].content"``).
+        code: machine-readable code (``context_length_exceeded``, ``model_not_found``, ...).
+        headers: extra response headers (``Retry-After`` for 429).
+    """
+
+    def __init__(self, status: int, message: str, *, type: str = INVALID_REQUEST, param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> ErrorResponse:
+        """The response body."""
+        return ErrorResponse(ErrorDetail(self.message, self.type, self.param, self.code))
+
+    def to_response(self) -> Response:
+        """A Litestar response carrying this error."""
+        return Response(self.body(), status_code=self.status, headers=self.headers,
+                        media_type="application/json")
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    """A 400 ``invalid_request_error``."""
+    return APIError(400, message, param=param, code=code)
+
+
+# Engine field names that differ from the OpenAI request field that sets them.
+_ENGINE_TO_API_PARAM = {
+    "max_new_tokens": "max_tokens",
+    "stop_sequences": "stop",
+    "min_new_tokens": "max_tokens",
+    "stop_token_ids": "stop",
+}
+
+
+def _engine_param(message: str) -> str | None:
+    """The request field an engine validation message is about (its first word names the field)."""
+    m = re.search(r"keyword argument '(\w+)'", message)
+    name = m.group(1) if m else re.split(r"[\s:(]", message, maxsplit=1)[0]
+    if m or name in attrs.fields_dict(SamplingParams):
+        return _ENGINE_TO_API_PARAM.get(name, name)
+    if name == "prompt":
+        return "prompt"
+    return None
+
+
+def from_engine_error(exc: LLMInferError, *, prompt_param: str = "prompt") -> APIError:
+    """Map an llminfer exception to the error the client gets.
+
+    ``InvalidRequestError`` (bad value, prompt too long) and ``CapacityError`` (can never fit in the KV cache)
+    are 400s; a shutdown abort is a 503; anything else the engine raises is a 500.
+    """
+    message = str(exc)
+    if isinstance(exc, CapacityError):
+        return bad_request(message, prompt_param, "context_length_exceeded")
+    if isinstance(exc, InvalidRequestError):
+        if "unknown sampling argument" in message:
+            param = _engine_param(message)
+            return bad_request(f"'{param}' is not supported by this server's engine", param, "unsupported_parameter")
+        if "context" in message:
+            return bad_request(message, prompt_param, "context_length_exceeded")
+        param = _engine_param(message)
+        if param == "prompt":
+            param = prompt_param
+        return bad_request(message, param, "invalid_value")
+    if isinstance(exc, RequestAbortedError):
+        return APIError(503, f"the request was aborted: {message}", type=SERVER_ERROR, code="aborted")
+    return APIError(500, f"the engine failed: {message}", type=SERVER_ERROR)
+
+
+def _validation_param(key: str | None) -> str | None:
+    if not key or key == "data":
+        return None
+    return key
+
+
+def http_exception_to_api_error(exc: HTTPException) -> APIError:
+    """Map Litestar's own exceptions (body validation, malformed JSON, 404/405/401) to OpenAI errors."""
+    if isinstance(exc, ValidationException):
+        extra = exc.extra if isinstance(exc.extra, list) else []
+        first = extra[0] if extra and isinstance(extra[0], dict) else {}
+        param = _validation_param(first.get("key"))
+        detail = str(first.get("message") or exc.detail)
+        if param is None:
+            if detail in ("'data'", "data"):
+                detail = "the request body is missing or is not a JSON object"
+            return bad_request(f"Invalid request body: {detail}", None, "invalid_body")
+        if detail.startswith("Object missing required field"):
+            return bad_request(f"Missing required parameter: {detail.split('`')[1] if '`' in detail else param}",
+                               param, "missing_required_parameter")
+        return bad_request(f"Invalid value for '{param}': {detail}", param, "invalid_value")
+    if isinstance(exc, NotAuthorizedException):
+        return APIError(401, str(exc.detail), code="invalid_api_key")
+    if isinstance(exc, NotFoundException):
+        return APIError(404, f"not found: {exc.detail}", code="not_found")
+    if isinstance(exc, MethodNotAllowedException):
+        return APIError(405, "method not allowed", code="method_not_allowed", headers=dict(exc.headers or {}))
+    if isinstance(exc, ClientException):
+        detail = str(exc.detail)
+        if "JSON" in detail or "json" in detail or "$" in detail:
+            return bad_request(f"We could not parse the JSON body of your request: {detail}", None, "invalid_json")
+        return APIError(exc.status_code, detail, code="bad_request", headers=dict(exc.headers or {}))
+    status = exc.status_code
+    typ = SERVER_ERROR if status >= 500 else INVALID_REQUEST
+    return APIError(status, str(exc.detail), type=typ, headers=dict(exc.headers or {}))
+
+
+def _note(request: Request, error: APIError) -> None:
+    info = request.scope.setdefault("state", {}).setdefault("llminfer", {})
+    info["error"] = error.message if error.status < 500 else error.message[:200]
+    info["error_code"] = error.code
+
+
+def handle_api_error(request: Request, exc: APIError) -> Response:
+    """Litestar exception handler for :class:`APIError`."""
+    _note(request, exc)
+    metrics = getattr(request.app.state, "llminfer_metrics", None)
+    if metrics is not None and 400 <= exc.status < 500:
+        metrics.rejected(exc)
+    return exc.to_response()
+
+
+def handle_http_exception(request: Request, exc: HTTPException) -> Response:
+    """Litestar exception handler for its own HTTP exceptions."""
+    return handle_api_error(request, http_exception_to_api_error(exc))
+
+
+def handle_llminfer_error(request: Request, exc: LLMInferError) -> Response:
+    """Litestar exception handler for llminfer errors that escaped the endpoint's own mapping."""
+    error = from_engine_error(exc)
+    if error.status >= 500:
+        log.error("engine error", error=repr(exc))
+    return handle_api_error(request, error)
+
+
+def handle_internal_error(request: Request, exc: Exception) -> Response:
+    """Last resort: a bug. The client gets a 500 error object; the traceback goes to the log."""
+    log.exception("internal error", path=request.url.path, error=repr(exc))
+    return handle_api_error(request, APIError(500, f"internal server error ({type(exc).__name__})",
+                                              type=SERVER_ERROR))
+
+
+EXCEPTION_HANDLERS: dict[Any, Any] = {
+    APIError: handle_api_error,
+    HTTPException: handle_http_exception,
+    LLMInferError: handle_llminfer_error,
+    Exception: handle_internal_error,
+}

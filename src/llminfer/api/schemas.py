@@ -1,0 +1,224 @@
+"""OpenAI request and response bodies as msgspec structs.
+
+Litestar decodes request bodies into these structs (types and ranges are checked there, and a failure
+becomes a 400 naming the field), and they make up the OpenAPI document. Unknown request fields are
+ignored, as most OpenAI-compatible servers do, so clients that send newer fields keep working.
+
+Ranges follow the OpenAI API reference; llminfer extras (``top_k``, ``min_p``, ...) follow the engine's
+:class:`~llminfer.sampling.params.SamplingParams`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import UNSET, Meta, Struct, UnsetType
+
+# ---------------------------------------------------------------------------- shared field types
+MAX_CHOICES = 128  #: most choices one request may ask for (prompts x n)
+
+PositiveTokens = Annotated[int, Meta(ge=1, le=2**31 - 1)]
+TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]
+Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
+TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
+NumChoices = Annotated[int, Meta(ge=1, le=16)]
+StopList = Annotated[list[str], Meta(max_length=16)]
+WordList = Annotated[list[str], Meta(max_length=64)]
+
+
+class StreamOptions(Struct):
+    """``stream_options``: ``include_usage`` adds one final chunk with the usage and empty ``choices``."""
+
+    include_usage: bool | None = None
+
+
+class _Common(Struct, kw_only=True):
+    """Fields shared by completions and chat completions (OpenAI names, plus llminfer extras)."""
+
+    model: str | None = None
+    max_tokens: PositiveTokens | None | UnsetType = UNSET
+    max_completion_tokens: PositiveTokens | None | UnsetType = UNSET
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    n: NumChoices | None = None
+    stop: str | StopList | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    seed: Seed | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # llminfer extras (OpenAI clients send them through ``extra_body``)
+    top_k: Annotated[int, Meta(ge=-1, le=2**31 - 1)] | None = None
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] | None = None
+    no_repeat_ngram_size: Annotated[int, Meta(ge=0, le=64)] | None = None
+    bad_words: WordList | None = None
+    force_words: WordList | None = None
+    ignore_eos: bool | None = None
+
+
+class ContentPart(Struct):
+    """One part of a message's ``content`` list; only ``{"type": "text", "text": ...}`` is supported."""
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(Struct):
+    """One message of the conversation (``developer`` is treated as ``system``)."""
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_Common, kw_only=True):
+    """``POST /v1/chat/completions``."""
+
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+class CompletionRequest(_Common, kw_only=True):
+    """``POST /v1/completions``: ``prompt`` is a string, a list of strings, a list of token ids or a list
+    of token-id lists (msgspec allows one array type per union, so the list elements are checked later)."""
+
+    prompt: str | Annotated[list[str | TokenId | list[TokenId]], Meta(min_length=1)]
+    echo: bool | None = None
+    logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    suffix: str | None = None
+    best_of: Annotated[int, Meta(ge=1, le=16)] | None = None
+
+
+# ---------------------------------------------------------------------------- responses
+class PromptTokensDetails(Struct):
+    cached_tokens: int = 0
+
+
+class Usage(Struct):
+    """Token counts of one response (the prompt once per prompt, completions summed over choices)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class TopLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(Struct):
+    content: list[ChatTokenLogprob] | None
+    refusal: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(Struct):
+    role: str
+    content: str | None
+    refusal: str | None = None
+
+
+class ChatChoice(Struct):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletion(Struct):
+    """A non-streamed chat completion."""
+
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    object: str = "chat.completion"
+    system_fingerprint: str | None = None
+
+
+class ChatDelta(Struct):
+    role: str | UnsetType = UNSET
+    content: str | UnsetType = UNSET
+
+
+class ChatChunkChoice(Struct):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(Struct):
+    """One SSE event of a streamed chat completion (``usage`` is null on every chunk but the last when
+    ``include_usage`` is set, absent otherwise)."""
+
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    object: str = "chat.completion.chunk"
+    usage: Usage | None | UnsetType = UNSET
+
+
+class CompletionLogprobs(Struct):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
+class CompletionChoice(Struct):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+
+
+class Completion(Struct):
+    """A non-streamed completion, and (with ``object`` the same) one streamed event."""
+
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    object: str = "text_completion"
+    usage: Usage | None | UnsetType = UNSET
+
+
+class ModelCard(Struct):
+    id: str
+    created: int
+    owned_by: str = "llminfer"
+    object: str = "model"
+    max_model_len: int | None = None
+
+
+class ModelList(Struct):
+    data: list[ModelCard]
+    object: str = "list"
+
+
+class Health(Struct):
+    status: str
+
+
+json_encoder = msgspec.json.Encoder()
