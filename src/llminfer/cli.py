@@ -52,6 +52,24 @@ TrustRemote = Annotated[bool, typer.Option("--trust-remote-code", help="Allow mo
 TPSize = Annotated[int, typer.Option("--tp-size", help="Tensor-parallel size (vLLM backend only).")]
 PPSize = Annotated[int, typer.Option("--pp-size", help="Pipeline-parallel size (vLLM backend only).")]
 LogLevel = Annotated[str, typer.Option("--log-level", help="debug, info, warning or error.")]
+MinP = Annotated[float, typer.Option("--min-p", help="Drop tokens below min_p x the top probability.")]
+RepPen = Annotated[float, typer.Option("--repetition-penalty", help="> 0; 1 = off (HF semantics).")]
+NoRepeat = Annotated[int, typer.Option("--no-repeat-ngram-size", help="Never repeat an n-gram of this size.")]
+BadWords = Annotated[str | None, typer.Option("--bad-words", help='Comma-separated words never generated.')]
+ForceWords = Annotated[str | None, typer.Option("--force-words", help='Comma-separated phrases that must appear.')]
+NSamples = Annotated[int, typer.Option("--n", help="Number of samples of the prompt.")]
+Logprobs = Annotated[int | None, typer.Option("--logprobs", help="Show each token's logprob and top-N.")]
+
+
+def sampling_kwargs(max_new_tokens: int, temp: float, top_p: float, top_k: int, seed: int | None,
+                    stop: str | None, ignore_eos: bool, min_p: float = 0.0, repetition_penalty: float = 1.0,
+                    no_repeat_ngram_size: int = 0, bad_words: str | None = None, force_words: str | None = None,
+                    logprobs: int | None = None) -> dict[str, Any]:
+    """CLI flags → ``InferenceEngine.make_request`` keyword arguments."""
+    return dict(max_new_tokens=max_new_tokens, temperature=temp, top_p=top_p, top_k=top_k, seed=seed,
+                stop_sequences=_split(stop), ignore_eos=ignore_eos, min_p=min_p,
+                repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
+                bad_words=_split(bad_words), force_words=_split(force_words), logprobs=logprobs)
 
 
 def build_config(
@@ -95,7 +113,9 @@ def _stats_line(stats) -> str:
 def run(
     prompt: Annotated[str, typer.Argument(help="The prompt text.")],
     model: Model = None, max_new_tokens: MaxNew = 64, temp: Temp = 0.0, top_p: TopP = 1.0, top_k: TopK = 0,
-    seed: Seed = None, stop: Stop = None, ignore_eos: IgnoreEos = False,
+    seed: Seed = None, stop: Stop = None, ignore_eos: IgnoreEos = False, min_p: MinP = 0.0,
+    repetition_penalty: RepPen = 1.0, no_repeat_ngram_size: NoRepeat = 0, bad_words: BadWords = None,
+    force_words: ForceWords = None, n: NSamples = 1, logprobs: Logprobs = None,
     backend: BackendOpt = Backend.EAGER, dtype: Dtype = "auto", device: Device = "auto",
     max_batch_size: BatchSize = 16, page_size: PageSize = 16, no_prefix_cache: NoPrefix = False,
     kv_cache_bytes: KVBytes = None, max_model_len: MaxLen = None, revision: Revision = None,
@@ -108,23 +128,35 @@ def run(
     cfg = build_config(model, backend, dtype, device, max_batch_size, page_size, no_prefix_cache, kv_cache_bytes,
                        max_model_len, revision, hf_token, local_files_only, cache_dir, trust_remote_code,
                        tp_size, pp_size)
+    kw = sampling_kwargs(max_new_tokens, temp, top_p, top_k, seed, stop, ignore_eos, min_p, repetition_penalty,
+                         no_repeat_ngram_size, bad_words, force_words, logprobs)
     with _engine(cfg, log_level) as engine:
-        result = engine.run(prompt, max_new_tokens=max_new_tokens, temperature=temp, top_p=top_p, top_k=top_k,
-                            seed=seed, stop_sequences=_split(stop), ignore_eos=ignore_eos)
+        results = engine.run_n(prompt, n=n, **kw)
+        tokenizer = engine.tokenizer
     if as_json:
         import attrs
 
-        typer.echo(json.dumps(attrs.asdict(result)))
+        payload = [attrs.asdict(r) for r in results]
+        typer.echo(json.dumps(payload[0] if n == 1 else payload))
         return
-    typer.echo(result.generated_text)
-    typer.echo(_stats_line(result.stats))
+    for i, result in enumerate(results):
+        if n > 1:
+            typer.echo(f"--- sample {i} ---")
+        typer.echo(result.generated_text)
+        if logprobs is not None:
+            for lp in result.logprobs:
+                alts = "  ".join(f"{tokenizer.decode([t])!r}:{v:.3f}" for t, v in lp.top)
+                typer.echo(f"  {tokenizer.decode([lp.token_id])!r:>20} {lp.logprob:8.3f}   {alts}")
+        typer.echo(_stats_line(result.stats))
 
 
 @app.command()
 def stream(
     prompt: Annotated[str, typer.Argument(help="The prompt text.")],
     model: Model = None, max_new_tokens: MaxNew = 64, temp: Temp = 0.0, top_p: TopP = 1.0, top_k: TopK = 0,
-    seed: Seed = None, stop: Stop = None, ignore_eos: IgnoreEos = False,
+    seed: Seed = None, stop: Stop = None, ignore_eos: IgnoreEos = False, min_p: MinP = 0.0,
+    repetition_penalty: RepPen = 1.0, no_repeat_ngram_size: NoRepeat = 0, bad_words: BadWords = None,
+    force_words: ForceWords = None,
     backend: BackendOpt = Backend.EAGER, dtype: Dtype = "auto", device: Device = "auto",
     page_size: PageSize = 16, no_prefix_cache: NoPrefix = False, kv_cache_bytes: KVBytes = None,
     max_model_len: MaxLen = None, revision: Revision = None, hf_token: HFToken = None,
@@ -137,8 +169,9 @@ def stream(
                        tp_size, pp_size)
     with _engine(cfg, log_level) as engine:
         final = None
-        for chunk in engine.stream(prompt, max_new_tokens=max_new_tokens, temperature=temp, top_p=top_p,
-                                   top_k=top_k, seed=seed, stop_sequences=_split(stop), ignore_eos=ignore_eos):
+        kw = sampling_kwargs(max_new_tokens, temp, top_p, top_k, seed, stop, ignore_eos, min_p,
+                             repetition_penalty, no_repeat_ngram_size, bad_words, force_words)
+        for chunk in engine.stream(prompt, **kw):
             sys.stdout.write(chunk.token)
             sys.stdout.flush()
             if chunk.is_final:
