@@ -118,7 +118,7 @@ def bench_mixed(path, reps: int, num_requests: int) -> dict:
         "hf_continuous_skipped": cb_skip,
         "kv_budget_bytes": 1 << 30,
     }
-    print(f"[mixed] output tok/s: " + ", ".join(f"{k} {v:.1f}" for k, v in tps.items()))
+    print("[mixed] output tok/s: " + ", ".join(f"{k} {v:.1f}" for k, v in tps.items()))
     print(f"[mixed] llminfer / HF static batches = {out['ratio_vs_hf_static']:.2f}")
     if out["ratio_vs_hf_continuous"] is not None:
         print(f"[mixed] llminfer / transformers continuous batching = {out['ratio_vs_hf_continuous']:.2f}")

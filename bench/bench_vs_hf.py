@@ -12,7 +12,17 @@ import argparse
 import torch
 from transformers import AutoModelForCausalLM
 
-from common import BENCH_VOCAB, bench_model_path, count_params, environment, median, peak_rss_bytes, random_prompts, save, timed
+from common import (
+    BENCH_VOCAB,
+    bench_model_path,
+    count_params,
+    environment,
+    median,
+    peak_rss_bytes,
+    random_prompts,
+    save,
+    timed,
+)
 from llminfer import CacheConfig, EngineConfig, InferenceEngine, SchedulerConfig
 from llminfer.logging import configure_logging
 

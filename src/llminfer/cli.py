@@ -1,4 +1,4 @@
-"""The ``llminfer`` command line (Typer): run, stream, info."""
+"""The ``llminfer`` command line (Typer): run, stream, info, serve."""
 
 from __future__ import annotations
 
@@ -59,6 +59,11 @@ BadWords = Annotated[str | None, typer.Option("--bad-words", help='Comma-separat
 ForceWords = Annotated[str | None, typer.Option("--force-words", help='Comma-separated phrases that must appear.')]
 NSamples = Annotated[int, typer.Option("--n", help="Number of samples of the prompt.")]
 Logprobs = Annotated[int | None, typer.Option("--logprobs", help="Show each token's logprob and top-N.")]
+Assistant = Annotated[str | None, typer.Option("--assistant-model", help="Draft model for speculative "
+                                               "decoding (same tokenizer as --model; 'builtin' allowed).")]
+SpecK = Annotated[int, typer.Option("--spec-num-assistant-tokens", help="Draft tokens verified per step.")]
+SpecC = Annotated[float, typer.Option("--spec-confidence-threshold",
+                                      help="Stop drafting when the draft's top probability is below this.")]
 
 
 def sampling_kwargs(max_new_tokens: int, temp: float, top_p: float, top_k: int, seed: int | None,
@@ -77,7 +82,8 @@ def build_config(
     page_size: int = 16, no_prefix_cache: bool = False, kv_cache_bytes: int | None = None,
     max_model_len: int | None = None, revision: str | None = None, hf_token: str | None = None,
     local_files_only: bool = False, cache_dir: str | None = None, trust_remote_code: bool = False,
-    tp_size: int = 1, pp_size: int = 1, **extra: Any,
+    tp_size: int = 1, pp_size: int = 1, assistant_model: str | None = None, spec_num_assistant_tokens: int = 5,
+    spec_confidence_threshold: float = 0.4, **extra: Any,
 ) -> EngineConfig:
     """Turn CLI flags into a validated :class:`EngineConfig` (raises ConfigError naming the field)."""
     return EngineConfig(
@@ -87,7 +93,9 @@ def build_config(
                           kv_cache_memory_bytes=kv_cache_bytes),
         quant=QuantConfig(), scheduler=SchedulerConfig(),
         hf_revision=revision, hf_token=hf_token, hf_local_files_only=local_files_only, hf_cache_dir=cache_dir,
-        hf_trust_remote_code=trust_remote_code, tp_size=tp_size, pp_size=pp_size, **extra,
+        hf_trust_remote_code=trust_remote_code, tp_size=tp_size, pp_size=pp_size,
+        assistant_model_name=assistant_model, speculative_num_assistant_tokens=spec_num_assistant_tokens,
+        speculative_confidence_threshold=spec_confidence_threshold, **extra,
     ).validate()
 
 
@@ -104,9 +112,12 @@ def _engine(cfg: EngineConfig, log_level: str):
 
 
 def _stats_line(stats) -> str:
+    spec = ""
+    if stats.spec_acceptance_rate is not None:
+        spec = f" | draft acceptance {stats.spec_acceptance_rate:.0%}"
     return (f"[latency {stats.total_latency_ms:.1f} ms | TTFT {stats.ttft_ms:.1f} ms | "
             f"{stats.throughput_tokens_per_sec:.1f} tok/s | prompt {stats.prompt_tokens} tok | "
-            f"completion {stats.completion_tokens} tok | cached {stats.cached_tokens} tok]")
+            f"completion {stats.completion_tokens} tok | cached {stats.cached_tokens} tok{spec}]")
 
 
 @app.command()
@@ -116,6 +127,7 @@ def run(
     seed: Seed = None, stop: Stop = None, ignore_eos: IgnoreEos = False, min_p: MinP = 0.0,
     repetition_penalty: RepPen = 1.0, no_repeat_ngram_size: NoRepeat = 0, bad_words: BadWords = None,
     force_words: ForceWords = None, n: NSamples = 1, logprobs: Logprobs = None,
+    assistant_model: Assistant = None, spec_num_assistant_tokens: SpecK = 5, spec_confidence_threshold: SpecC = 0.4,
     backend: BackendOpt = Backend.EAGER, dtype: Dtype = "auto", device: Device = "auto",
     max_batch_size: BatchSize = 16, page_size: PageSize = 16, no_prefix_cache: NoPrefix = False,
     kv_cache_bytes: KVBytes = None, max_model_len: MaxLen = None, revision: Revision = None,
@@ -127,7 +139,7 @@ def run(
     """Generate for one prompt; print the text, then one stats line."""
     cfg = build_config(model, backend, dtype, device, max_batch_size, page_size, no_prefix_cache, kv_cache_bytes,
                        max_model_len, revision, hf_token, local_files_only, cache_dir, trust_remote_code,
-                       tp_size, pp_size)
+                       tp_size, pp_size, assistant_model, spec_num_assistant_tokens, spec_confidence_threshold)
     kw = sampling_kwargs(max_new_tokens, temp, top_p, top_k, seed, stop, ignore_eos, min_p, repetition_penalty,
                          no_repeat_ngram_size, bad_words, force_words, logprobs)
     with _engine(cfg, log_level) as engine:
@@ -157,6 +169,7 @@ def stream(
     seed: Seed = None, stop: Stop = None, ignore_eos: IgnoreEos = False, min_p: MinP = 0.0,
     repetition_penalty: RepPen = 1.0, no_repeat_ngram_size: NoRepeat = 0, bad_words: BadWords = None,
     force_words: ForceWords = None,
+    assistant_model: Assistant = None, spec_num_assistant_tokens: SpecK = 5, spec_confidence_threshold: SpecC = 0.4,
     backend: BackendOpt = Backend.EAGER, dtype: Dtype = "auto", device: Device = "auto",
     page_size: PageSize = 16, no_prefix_cache: NoPrefix = False, kv_cache_bytes: KVBytes = None,
     max_model_len: MaxLen = None, revision: Revision = None, hf_token: HFToken = None,
@@ -166,7 +179,7 @@ def stream(
     """Print tokens as they arrive, then one stats line."""
     cfg = build_config(model, backend, dtype, device, 16, page_size, no_prefix_cache, kv_cache_bytes,
                        max_model_len, revision, hf_token, local_files_only, cache_dir, trust_remote_code,
-                       tp_size, pp_size)
+                       tp_size, pp_size, assistant_model, spec_num_assistant_tokens, spec_confidence_threshold)
     with _engine(cfg, log_level) as engine:
         final = None
         kw = sampling_kwargs(max_new_tokens, temp, top_p, top_k, seed, stop, ignore_eos, min_p,
@@ -205,6 +218,41 @@ def info(
         elif key == "parameters":
             value = f"{value:,}"
         typer.echo(f"{key:<{width}}  {value}")
+
+
+@app.command()
+def serve(
+    model: Model = None, backend: BackendOpt = Backend.EAGER,
+    host: Annotated[str, typer.Option("--host", help="Address to bind (default: loopback only).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="TCP port.", min=0, max=65535)] = 8000,
+    max_batch_size: BatchSize = 16,
+    batch_timeout_ms: Annotated[float, typer.Option("--batch-timeout-ms", help="How long the scheduler waits "
+                                                    "to fill a batch (ms).")] = 5.0,
+    max_queue_size: Annotated[int, typer.Option("--max-queue-size", min=0, help="Requests accepted beyond the "
+                                                "running batch; more get HTTP 429 with Retry-After.")] = 1024,
+    api_key: Annotated[str | None, typer.Option("--api-key", envvar="LLMINFER_API_KEY", help="Require "
+                                                "`Authorization: Bearer KEY` on /v1 (env LLMINFER_API_KEY).")] = None,
+    served_model_name: Annotated[str | None, typer.Option("--served-model-name", help="Model id clients see "
+                                                          "(default: the model id).")] = None,
+    dtype: Dtype = "auto", device: Device = "auto", page_size: PageSize = 16, no_prefix_cache: NoPrefix = False,
+    kv_cache_bytes: KVBytes = None, max_model_len: MaxLen = None, revision: Revision = None,
+    hf_token: HFToken = None, local_files_only: LocalOnly = False, cache_dir: CacheDir = None,
+    trust_remote_code: TrustRemote = False, log_level: LogLevel = "info",
+) -> None:
+    """Serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /healthz,
+    /metrics) with uvicorn until Ctrl-C."""
+    try:
+        from llminfer.api import create_app, run_server
+    except ImportError as exc:  # pragma: no cover - the serve extra is missing
+        from llminfer.errors import BackendUnavailableError
+
+        raise BackendUnavailableError(f"the server needs: pip install 'llminfer[serve]' ({exc})") from None
+    cfg = build_config(model, backend, dtype, device, max_batch_size, page_size, no_prefix_cache, kv_cache_bytes,
+                       max_model_len, revision, hf_token, local_files_only, cache_dir, trust_remote_code,
+                       batch_timeout_ms=batch_timeout_ms, served_model_name=served_model_name)
+    engine = _engine(cfg, log_level)
+    asgi_app = create_app(engine, api_key=api_key, max_queue_size=max_queue_size)
+    run_server(asgi_app, host=host, port=port, log_level=log_level)
 
 
 def main(argv: list[str] | None = None) -> None:

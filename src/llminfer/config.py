@@ -246,9 +246,10 @@ def config_from_dict(data: dict[str, Any]) -> EngineConfig:
 
 
 def _leaf_errors(exc: BaseException) -> list[BaseException]:
-    if isinstance(exc, BaseExceptionGroup):
+    subs = getattr(exc, "exceptions", None)  # an exception group (cattrs' backport on Python 3.10)
+    if subs:
         out: list[BaseException] = []
-        for sub in exc.exceptions:
+        for sub in subs:
             out.extend(_leaf_errors(sub))
         return out
     return [exc]

@@ -97,6 +97,8 @@ class ResultBuilder:
                 num_preemptions=delta.num_preemptions,
                 queue_time_ms=delta.queue_time_ns / 1e6,
                 prefill_time_ms=delta.prefill_time_ns / 1e6,
+                spec_proposed_tokens=delta.spec_proposed,
+                spec_accepted_tokens=delta.spec_accepted,
             )
         return StreamChunk(delta.text, delta.token_ids, delta.finished, self.finish_reason, self.stats,
                            delta.logprobs)
@@ -168,10 +170,34 @@ class InferenceEngine:
         self.load_time_s = time.perf_counter() - t0
         self.eos_token_ids = self._eos_ids()
         self.kv_cache, self.kv_manager = self._allocate_kv()
+        self.draft_model = self.draft_cache = None
+        if cfg.assistant_model_name:
+            self._load_draft()
         self.loaded = True
         log.info("engine loaded", model=self.model_path, device=str(self.device), dtype=str(self.dtype),
                  kv_blocks=self.kv_manager.num_blocks, block_size=self.kv_manager.block_size)
         return self
+
+    def _load_draft(self) -> None:
+        """Load the assistant model for speculative decoding; its KV shares the target's block tables.
+
+        Raises:
+            ModelLoadError: the assistant cannot be loaded.
+            ConfigError: its vocabulary differs from the target's.
+        """
+        cfg = self.cfg
+        name = cfg.assistant_model_name
+        path = resolve_model_path(EngineConfig(model_name=None if name == "builtin" else name))
+        load_config(path, cfg)  # a clear error for a missing folder
+        self.draft_model = load_model(path, cfg, self.dtype, self.device, attn_implementation="llminfer_paged")
+        target_vocab = self.model.get_output_embeddings().weight.shape[0]
+        draft_vocab = self.draft_model.get_output_embeddings().weight.shape[0]
+        if target_vocab != draft_vocab:
+            raise ConfigError(f"assistant_model_name: the assistant's vocabulary ({draft_vocab}) differs from "
+                              f"the target's ({target_vocab}); they must share a tokenizer")
+        layers, kv_heads, head_dim = kv_geometry(self.draft_model.config)
+        self.draft_cache = PagedKVCache(layers, self.kv_manager.num_blocks, self.kv_manager.block_size, kv_heads,
+                                        head_dim, self.dtype, self.device)
 
     def _eos_ids(self) -> tuple[int, ...]:
         ids: list[int] = []
@@ -220,9 +246,17 @@ class InferenceEngine:
             long_prefill_token_threshold=self.cfg.scheduler.long_prefill_token_threshold,
             watermark=self.cfg.scheduler.watermark,
             policy=self.cfg.scheduler.policy,
+            num_lookahead_tokens=self.cfg.speculative_num_assistant_tokens if self.draft_model is not None else 0,
         )
         self.scheduler = Scheduler(limits, self.kv_manager, self.eos_token_ids)
-        self.backend = HFBackend(self.model, self.kv_cache, self.eos_token_ids)
+        if self.draft_model is not None:
+            from llminfer.backends.speculative import SpeculativeBackend
+
+            self.backend: HFBackend = SpeculativeBackend(
+                self.model, self.kv_cache, self.draft_model, self.draft_cache, self.eos_token_ids,
+                self.cfg.speculative_num_assistant_tokens, self.cfg.speculative_confidence_threshold)
+        else:
+            self.backend = HFBackend(self.model, self.kv_cache, self.eos_token_ids)
         vocab = getattr(self.model.config.get_text_config(), "vocab_size", None)
         return {
             "tokenize": TokenizeStage(self.tokenizer, self.max_model_len, vocab, self.tracer),

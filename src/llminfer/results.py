@@ -17,6 +17,7 @@ class GenerationStats:
         cache_hit: some prompt tokens came from the prefix cache.
         cached_tokens: how many prompt tokens came from the prefix cache.
         num_preemptions: times the request was preempted (recomputed).
+        spec_proposed_tokens, spec_accepted_tokens: speculative decoding draft counts.
         queue_time_ms: scheduler arrival → first scheduled (ms).
         prefill_time_ms: first scheduled → prompt fully computed (ms).
     """
@@ -31,6 +32,13 @@ class GenerationStats:
     num_preemptions: int = 0
     queue_time_ms: float = 0.0
     prefill_time_ms: float = 0.0
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        """Accepted / proposed draft tokens (speculative decoding), None when nothing was proposed."""
+        return self.spec_accepted_tokens / self.spec_proposed_tokens if self.spec_proposed_tokens else None
 
 
 @attrs.frozen

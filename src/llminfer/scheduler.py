@@ -38,6 +38,15 @@ from llminfer.protocols.messages import (
 from llminfer.sampling.params import SamplingParams
 
 
+def speculation_allowed(params: SamplingParams) -> bool:
+    """Speculative decoding verifies drafts with the target's warped distribution only, so it is used for
+    requests without history-dependent processors (penalties, no-repeat n-gram, min_new_tokens) and
+    without logprobs; other requests in the same batch decode one token per step."""
+    return (params.repetition_penalty == 1.0 and not params.presence_penalty and not params.frequency_penalty
+            and not params.no_repeat_ngram_size and not params.min_new_tokens and params.logprobs is None
+            and not params.bad_words and not params.force_words)
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -72,6 +81,8 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1
     num_preemptions: int = 0
+    spec_proposed: int = 0
+    spec_accepted: int = 0
     queued_ns: int = 0
     first_scheduled_ns: int = 0
     prefill_done_ns: int = 0
@@ -153,6 +164,7 @@ class SchedulerLimits:
     long_prefill_token_threshold: int = 0
     watermark: float = 0.01
     policy: str = "fcfs"
+    num_lookahead_tokens: int = 0  #: speculative decoding: draft tokens verified per decode step (0 = off)
 
 
 class Scheduler:
@@ -173,7 +185,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._step_ids = itertools.count()
         self._finished_since_last_step: list[str] = []
-        self._last_plan: list[tuple[Request, int]] = []
+        self._last_plan: list[tuple[Request, int, int]] = []
         self.watermark_blocks = int(limits.watermark * kv.num_blocks)
         self.num_preemptions = 0
         # Prompt blocks being computed right now, by hash → owning request. A waiting request whose next
@@ -253,7 +265,7 @@ class Scheduler:
         """
         budget = self.limits.max_num_batched_tokens
         threshold = self.limits.long_prefill_token_threshold
-        plan: list[tuple[Request, int]] = []
+        plan: list[tuple[Request, int, int]] = []  # (request, new tokens, speculative lookahead)
         failures: list[SequenceUpdate] = []
         preempted = False
         now = time.perf_counter_ns()
@@ -265,8 +277,9 @@ class Scheduler:
             if threshold:
                 num_new = min(num_new, threshold)
             num_new = min(num_new, budget)
+            lookahead = self._lookahead(req, num_new, budget)
             scheduled = True
-            while not self.kv.allocate_slots(req, req.num_computed_tokens + num_new):
+            while not self.kv.allocate_slots(req, req.num_computed_tokens + num_new + lookahead):
                 victim = self.running.pop()
                 if victim is req and not self.running:
                     failures.append(self._fail_capacity(req))
@@ -279,8 +292,8 @@ class Scheduler:
                     break
             if not scheduled:
                 continue  # req left ``running``; index i now points at the next one
-            plan.append((req, num_new))
-            budget -= num_new
+            plan.append((req, num_new, lookahead))
+            budget -= num_new + lookahead
             i += 1
 
         if not preempted:
@@ -307,13 +320,13 @@ class Scheduler:
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
                 self._mark_inflight(req, len(cached_blocks))
-                plan.append((req, num_new))
+                plan.append((req, num_new, 0))
                 budget -= num_new
 
         self._last_plan = plan
         sequences = []
         new_requests = []
-        for req, num_new in plan:
+        for req, num_new, lookahead in plan:
             start = req.num_computed_tokens
             sequences.append(
                 ScheduledSequence(
@@ -323,6 +336,7 @@ class Scheduler:
                     block_table=tuple(self.kv.block_ids(req.request_id)),
                     sample=start + num_new == req.num_tokens,
                     num_generated=req.num_generated,
+                    num_lookahead=lookahead,
                 )
             )
             if not req.sent_to_backend:
@@ -344,32 +358,57 @@ class Scheduler:
         updates: list[SequenceUpdate] = []
         plan, self._last_plan = self._last_plan, []
         if result.error is not None:
-            for req, _ in plan:
+            for req, _, _ in plan:
                 if req.status is RequestStatus.RUNNING:
                     self.running.remove(req)
                     self._finish(req)
                     updates.append(self._update(req, (), "error", result.error))
             return updates
-        for req, num_new in plan:
+        for req, num_new, _ in plan:
             if req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            req.num_computed_tokens += num_new
+            sampled = result.sampled.get(req.request_id)
+            tokens: tuple[int, ...] = () if sampled is None else (sampled,) if isinstance(sampled, int) else sampled
+            # Accepted draft tokens (all sampled tokens but the last) had their KV computed in this step.
+            req.num_computed_tokens += num_new + max(len(tokens) - 1, 0)
             if not req.prefill_done_ns and req.num_computed_tokens >= req.num_prompt_tokens:
                 req.prefill_done_ns = result.end_ns or time.perf_counter_ns()
             if req.num_computed_tokens >= req.num_prompt_tokens:
                 self._clear_inflight(req)
-            self.kv.cache_full_blocks(req, req.num_computed_tokens)
-            token = result.sampled.get(req.request_id)
-            if token is None:
+            if not tokens:
+                self.kv.cache_full_blocks(req, req.num_computed_tokens)
                 continue  # a prefill chunk that does not reach the end of the known tokens
-            req.token_ids.append(token)
-            reason = self._finish_reason(req, token)
+            reason = None
+            kept = 0
+            for token in tokens:
+                req.token_ids.append(token)
+                kept += 1
+                reason = self._finish_reason(req, token)
+                if reason is not None:
+                    break  # tokens after a finish (EOS inside an accepted draft run) are dropped
+            req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
+            self.kv.cache_full_blocks(req, req.num_computed_tokens)
+            spec = result.spec.get(req.request_id)
+            if spec is not None:
+                req.spec_proposed += spec[0]
+                req.spec_accepted += spec[1]
             if reason is not None:
                 self.running.remove(req)
                 self._finish(req)
             lp = result.logprobs.get(req.request_id)
-            updates.append(self._update(req, (token,), reason, logprobs=(lp,) if lp is not None else ()))
+            updates.append(self._update(req, tuple(req.token_ids[-kept:]), reason,
+                                        logprobs=(lp,) if lp is not None else ()))
         return updates
+
+    def _lookahead(self, req: Request, num_new: int, budget: int) -> int:
+        """Draft tokens to verify for ``req`` this step: only plain decodes (one new token) of requests
+        whose sampling needs no per-token history, capped by the remaining output and the budget."""
+        k = self.limits.num_lookahead_tokens
+        if not k or num_new != 1 or req.num_computed_tokens != req.num_tokens - 1:
+            return 0
+        if not speculation_allowed(req.params) or req.bad_words_ids or req.force_words_ids:
+            return 0
+        return max(0, min(k, req.max_tokens_total - req.num_tokens - 1, budget - num_new))
 
     # ------------------------------------------------------------------ internals
     def _finish_reason(self, req: Request, token: int) -> str | None:
@@ -394,6 +433,8 @@ class Scheduler:
             queue_time_ns=max(req.first_scheduled_ns - req.queued_ns, 0) if req.first_scheduled_ns else 0,
             prefill_time_ns=max(req.prefill_done_ns - req.first_scheduled_ns, 0) if req.prefill_done_ns else 0,
             logprobs=logprobs,
+            spec_proposed=req.spec_proposed,
+            spec_accepted=req.spec_accepted,
         )
 
     def _mark_inflight(self, req: Request, num_cached_blocks: int) -> None:

@@ -23,6 +23,36 @@ def kv_geometry(model_config: Any) -> tuple[int, int, int]:
     return num_layers, num_kv_heads, head_dim
 
 
+def run_packed(
+    model: torch.nn.Module,
+    cache: PagedKVCache,
+    tokens: Sequence[Sequence[int]],
+    starts: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    keep_rows: Sequence[int],
+    device: torch.device,
+) -> torch.Tensor:
+    """One forward pass over a packed row of every sequence's new tokens, writing their K/V into ``cache``.
+
+    Args:
+        tokens: per sequence, the tokens to compute (their positions start at ``starts[i]``).
+        block_tables: per sequence, KV block ids covering those positions.
+        keep_rows: indices into the packed row whose logits are wanted.
+
+    Returns:
+        ``[len(keep_rows), V]`` float32 logits.
+    """
+    flat = [t for seq in tokens for t in seq]
+    meta, position_ids = build_metadata(cache, starts, [len(t) for t in tokens], block_tables, device)
+    ids = torch.tensor(flat, dtype=torch.long, device=device)[None]
+    keep = torch.tensor(list(keep_rows) or [len(flat) - 1], dtype=torch.long, device=device)
+    with torch.inference_mode():
+        out = model(input_ids=ids, position_ids=position_ids, use_cache=False, logits_to_keep=keep,
+                    **{METADATA_KWARG: meta})
+    logits = out.logits[0].float()
+    return logits if keep_rows else logits[:0]
+
+
 class HFBackend:
     """Runs one packed step of a transformers model with paged attention, then samples.
 
@@ -49,31 +79,20 @@ class HFBackend:
             ``[S, V]`` float32 logits, one row per sequence with ``sample`` set, in plan order.
         """
         seqs = plan.sequences
-        input_ids: list[int] = []
-        sample_rows: list[int] = []
+        keep = []
+        offset = 0
         for s in seqs:
-            input_ids.extend(s.token_ids)
+            offset += len(s.token_ids)
             if s.sample:
-                sample_rows.append(len(input_ids) - 1)
-        meta, position_ids = build_metadata(
-            self.cache,
-            [s.start_position for s in seqs],
-            [len(s.token_ids) for s in seqs],
-            [s.block_table for s in seqs],
-            self.device,
-        )
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)[None]
-        keep = torch.tensor(sample_rows or [len(input_ids) - 1], dtype=torch.long, device=self.device)
-        with torch.inference_mode():  # the caller (execute) is in inference mode too; kept for direct use
-            out = self.model(
-                input_ids=ids,
-                position_ids=position_ids,
-                use_cache=False,
-                logits_to_keep=keep,
-                **{METADATA_KWARG: meta},
-            )
-        logits = out.logits[0].float()
-        return logits if sample_rows else logits[:0]
+                keep.append(offset - 1)
+        return run_packed(self.model, self.cache, [s.token_ids for s in seqs], [s.start_position for s in seqs],
+                          [s.block_table for s in seqs], keep, self.device)
+
+    def _register(self, plan: SchedulerOutput) -> None:
+        for new in plan.new_requests:
+            self.states[new.request_id] = SamplingState(
+                new.params, self.device, new.prompt_token_ids, new.bad_words_ids, new.force_words_ids,
+                self.eos_token_ids)
 
     def execute(self, plan: SchedulerOutput) -> StepOutput:
         """Run one step; never raises (an exception is returned in ``StepOutput.error``)."""
@@ -81,10 +100,7 @@ class HFBackend:
         try:
             for rid in plan.finished_request_ids:
                 self.states.pop(rid, None)
-            for new in plan.new_requests:
-                self.states[new.request_id] = SamplingState(
-                    new.params, self.device, new.prompt_token_ids, new.bad_words_ids, new.force_words_ids,
-                    self.eos_token_ids)
+            self._register(plan)
             sampling = [s for s in plan.sequences if s.sample]
             with torch.inference_mode():
                 logits = self.forward(plan)

@@ -84,5 +84,6 @@ __all__ = [
     "Sink",
     "Stage",
     "StepOutput",
+    "TokenizedRequest",
     "Tokenizer",
 ]

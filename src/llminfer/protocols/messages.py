@@ -71,6 +71,8 @@ class ScheduledSequence:
         block_table: KV block ids covering positions ``0 .. start_position + len(token_ids) - 1``.
         sample: True when this step completes the known tokens, so a next token is sampled.
         num_generated: tokens generated so far (for min_new_tokens).
+        num_lookahead: speculative decoding: slots reserved after the new token for up to this many draft
+            tokens, verified by the target in this step (0 = plain decode).
     """
 
     request_id: str
@@ -79,6 +81,7 @@ class ScheduledSequence:
     block_table: tuple[int, ...]
     sample: bool
     num_generated: int = 0
+    num_lookahead: int = 0
 
 
 @attrs.frozen
@@ -108,14 +111,17 @@ class SchedulerOutput:
 
 @attrs.frozen
 class StepOutput:
-    """The backend's answer to a :class:`SchedulerOutput`: one sampled token per sampling sequence."""
+    """The backend's answer to a :class:`SchedulerOutput`: per sampling sequence one token, or with
+    speculative decoding a tuple (accepted draft tokens, then the target's own token); ``spec`` maps a
+    request to ``(drafts proposed, drafts accepted)``."""
 
     step_id: int
-    sampled: dict[str, int]
+    sampled: dict[str, int | tuple[int, ...]]
     start_ns: int
     end_ns: int
     error: Exception | None = None
     logprobs: dict[str, Any] = attrs.field(factory=dict)
+    spec: dict[str, tuple[int, int]] = attrs.field(factory=dict)
 
 
 @attrs.frozen
@@ -132,6 +138,8 @@ class SequenceUpdate:
     queue_time_ns: int = 0
     prefill_time_ns: int = 0
     logprobs: tuple[Any, ...] = ()
+    spec_proposed: int = 0
+    spec_accepted: int = 0
 
 
 @attrs.frozen
@@ -164,6 +172,8 @@ class RequestDelta:
     queue_time_ns: int = 0
     prefill_time_ns: int = 0
     logprobs: tuple[Any, ...] = ()
+    spec_proposed: int = 0
+    spec_accepted: int = 0
 
     @property
     def finished(self) -> bool:

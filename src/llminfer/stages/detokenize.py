@@ -174,6 +174,8 @@ class DetokenizeStage:
             queue_time_ns=up.queue_time_ns,
             prefill_time_ns=up.prefill_time_ns,
             logprobs=up.logprobs,
+            spec_proposed=up.spec_proposed,
+            spec_accepted=up.spec_accepted,
         )
 
     async def run(self, inbox: ObjectReceiveStream[Any], outbox: ObjectSendStream[Any]) -> None:

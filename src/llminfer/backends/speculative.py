@@ -1,0 +1,207 @@
+"""Speculative decoding with an assistant (draft) model on the paged KV cache.
+
+Per engine step, for each decode sequence the scheduler gave ``num_lookahead`` spare slots:
+
+1. the draft model catches up on the tokens it has not seen and proposes up to ``k`` tokens, one batched
+   forward per proposal position, stopping early for a sequence whose top draft probability falls below
+   ``confidence_threshold``;
+2. the target runs once over ``[last token, d1 .. dm]`` of every such sequence (packed with the other
+   sequences' prefill chunks and decodes) and gives logits at each of those positions;
+3. greedy requests keep the longest prefix of drafts equal to the target's argmax, then the target's own
+   token; sampling requests use rejection sampling (Leviathan et al. 2023, "Fast Inference from
+   Transformers via Speculative Decoding"; Chen et al. 2023): draft token ``d`` is accepted with
+   probability ``min(1, p(d) / q(d))``, a rejection resamples from ``norm(max(0, p - q))``, and a full
+   acceptance draws a bonus token from ``p``. The output distribution is the target's.
+
+The draft keeps its own KV tensors but shares the target's block tables: its K/V for position ``i`` live at
+the same slot, so no extra allocation or bookkeeping is needed, and prefix-cache hits carry draft KV too.
+KV written for rejected drafts lies beyond ``num_computed_tokens`` and is overwritten later.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+from llminfer.backends.hf import HFBackend, run_packed
+from llminfer.kv.attention import PagedKVCache
+from llminfer.protocols.messages import ScheduledSequence, SchedulerOutput, StepOutput
+from llminfer.sampling.sampler import SamplingState, sample, warp
+
+
+class SpeculativeBackend(HFBackend):
+    """The eager backend plus an assistant model that proposes tokens for the target to verify.
+
+    Args:
+        model, cache: the target model and its paged KV tensors.
+        draft_model, draft_cache: the assistant and its KV tensors (same ``num_blocks`` and block size).
+        num_assistant_tokens: most drafts per sequence per step (``k``).
+        confidence_threshold: stop drafting for a sequence when the draft's top probability is below it.
+    """
+
+    name = "eager+speculative"
+
+    def __init__(self, model: torch.nn.Module, cache: PagedKVCache, draft_model: torch.nn.Module,
+                 draft_cache: PagedKVCache, eos_token_ids: Sequence[int] = (), num_assistant_tokens: int = 5,
+                 confidence_threshold: float = 0.4) -> None:
+        super().__init__(model, cache, eos_token_ids)
+        self.draft = draft_model
+        self.draft_cache = draft_cache
+        self.k = num_assistant_tokens
+        self.confidence_threshold = confidence_threshold
+        self.draft_computed: dict[str, int] = {}
+        self.total_proposed = 0
+        self.total_accepted = 0
+
+    # ------------------------------------------------------------------ drafting
+    def _draft_probs(self, state: SamplingState, logits: torch.Tensor) -> torch.Tensor:
+        if state.params.greedy:
+            return logits.softmax(dim=-1)
+        return warp(logits[None], [state.params])[0].softmax(dim=-1)
+
+    def propose(self, plan: SchedulerOutput) -> dict[str, tuple[list[int], list[torch.Tensor]]]:
+        """Run the draft: keep its KV in step with every sequence, and propose tokens for the spec ones.
+
+        Returns:
+            Per speculating request: the proposed tokens and, per token, the draft distribution ``[V]``.
+        """
+        tokens, starts, tables, keep, spec = [], [], [], [], []
+        offset = 0
+        for s in plan.sequences:
+            state = self.states[s.request_id]
+            done = min(self.draft_computed.get(s.request_id, s.start_position), s.start_position)
+            seq_tokens = state.token_ids[done : s.start_position] + list(s.token_ids)
+            tokens.append(seq_tokens)
+            starts.append(done)
+            tables.append(s.block_table)
+            offset += len(seq_tokens)
+            self.draft_computed[s.request_id] = s.start_position + len(s.token_ids)
+            if s.num_lookahead:
+                keep.append(offset - 1)
+                spec.append(s)
+        out: dict[str, tuple[list[int], list[torch.Tensor]]] = {s.request_id: ([], []) for s in spec}
+        if not tokens:
+            return out
+        logits = run_packed(self.draft, self.draft_cache, tokens, starts, tables, keep, self.device)
+        active = list(spec)
+        for step in range(self.k):
+            still: list[ScheduledSequence] = []
+            for row, s in enumerate(active):
+                state = self.states[s.request_id]
+                probs = self._draft_probs(state, logits[row])
+                if state.params.greedy:
+                    token = int(probs.argmax())
+                else:
+                    token = int(torch.multinomial(probs, 1, generator=state.generator))
+                if float(probs.max()) < self.confidence_threshold:
+                    continue
+                proposed, dists = out[s.request_id]
+                proposed.append(token)
+                dists.append(probs)
+                if len(proposed) < s.num_lookahead:
+                    still.append(s)
+            active = still
+            if not active or step == self.k - 1:
+                break
+            # Feed each active sequence its newest draft token at the next position.
+            feed = [[out[s.request_id][0][-1]] for s in active]
+            pos = [s.start_position + len(out[s.request_id][0]) for s in active]
+            logits = run_packed(self.draft, self.draft_cache, feed, pos, [s.block_table for s in active],
+                                list(range(len(active))), self.device)
+            for s, p in zip(active, pos):
+                self.draft_computed[s.request_id] = p + 1
+        return out
+
+    # ------------------------------------------------------------------ verification
+    def verify(self, state: SamplingState, rows: torch.Tensor, proposed: list[int],
+               dists: list[torch.Tensor]) -> tuple[list[int], int]:
+        """Accept a prefix of ``proposed`` against the target's ``[m + 1, V]`` logits ``rows``.
+
+        Returns:
+            The tokens to append (accepted drafts then one target token) and how many drafts were accepted.
+        """
+        params = state.params
+        if params.greedy:
+            target = rows.argmax(dim=-1).tolist()
+            accepted = 0
+            while accepted < len(proposed) and proposed[accepted] == target[accepted]:
+                accepted += 1
+            return proposed[:accepted] + [target[accepted]], accepted
+        p = warp(rows, [params] * rows.shape[0]).softmax(dim=-1)
+        gen = state.generator
+        for i, (token, q) in enumerate(zip(proposed, dists)):
+            u = float(torch.rand((), generator=gen)) if gen is not None else float(torch.rand(()))
+            if u * float(q[token]) < float(p[i, token]):  # u < p/q without dividing by a tiny q
+                continue
+            residual = (p[i] - q).clamp_min(0)
+            if float(residual.sum()) <= 0:
+                residual = p[i]
+            return proposed[:i] + [int(torch.multinomial(residual, 1, generator=gen))], i
+        bonus = int(torch.multinomial(p[len(proposed)], 1, generator=gen))
+        return proposed + [bonus], len(proposed)
+
+    def execute(self, plan: SchedulerOutput) -> StepOutput:
+        """One step with drafting and verification; never raises (errors go in ``StepOutput.error``)."""
+        start = time.perf_counter_ns()
+        try:
+            for rid in plan.finished_request_ids:
+                self.states.pop(rid, None)
+                self.draft_computed.pop(rid, None)
+            self._register(plan)
+            with torch.inference_mode():
+                drafts = self.propose(plan)
+                tokens, starts, tables, keep = [], [], [], []
+                offset = 0
+                for s in plan.sequences:
+                    seq_tokens = list(s.token_ids) + drafts.get(s.request_id, ([], []))[0]
+                    tokens.append(seq_tokens)
+                    starts.append(s.start_position)
+                    tables.append(s.block_table)
+                    offset += len(seq_tokens)
+                    if s.request_id in drafts:
+                        keep.extend(range(offset - len(seq_tokens) + len(s.token_ids) - 1, offset))
+                    elif s.sample:
+                        keep.append(offset - 1)
+                logits = run_packed(self.model, self.cache, tokens, starts, tables, keep, self.device)
+                sampled: dict[str, int | tuple[int, ...]] = {}
+                spec: dict[str, tuple[int, int]] = {}
+                plain_rows, plain_states, plain_ids = [], [], []
+                row = 0
+                for s in plan.sequences:
+                    if s.request_id in drafts:
+                        proposed, dists = drafts[s.request_id]
+                        n = len(proposed) + 1
+                        state = self.states[s.request_id]
+                        out, accepted = self.verify(state, logits[row : row + n], proposed, dists)
+                        for t in out:
+                            state.append(t)
+                        sampled[s.request_id] = tuple(out)
+                        spec[s.request_id] = (len(proposed), accepted)
+                        self.total_proposed += len(proposed)
+                        self.total_accepted += accepted
+                        row += n
+                    elif s.sample:
+                        plain_rows.append(row)
+                        plain_states.append(self.states[s.request_id])
+                        plain_ids.append(s.request_id)
+                        row += 1
+                logprobs = {}
+                if plain_rows:
+                    toks, lps = sample(logits[plain_rows], plain_states)
+                    for rid, t, lp in zip(plain_ids, toks, lps):
+                        sampled[rid] = t
+                        if lp is not None:
+                            logprobs[rid] = lp
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.num_steps += 1
+            return StepOutput(plan.step_id, sampled, start, time.perf_counter_ns(), logprobs=logprobs, spec=spec)
+        except Exception as exc:  # noqa: BLE001 - the scheduler fails the step's requests with it
+            return StepOutput(plan.step_id, {}, start, time.perf_counter_ns(), error=exc)
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted / proposed drafts since load, None before any proposal."""
+        return self.total_accepted / self.total_proposed if self.total_proposed else None
