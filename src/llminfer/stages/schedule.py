@@ -53,6 +53,7 @@ class SchedulerStage:
         self._admitted: list[TokenizedRequest] = []
         self._updates: list[SequenceUpdate] = []
         self._inbox_open = True
+        self._prefilled: set[str] = set()
 
     # ------------------------------------------------------------------ message handling
     def _handle(self, msg: Any) -> None:
@@ -168,7 +169,12 @@ class SchedulerStage:
                 updates = sched.update(result)
                 if self.tracer.enabled:
                     for up in updates:
+                        if up.new_token_ids and up.request_id not in self._prefilled:
+                            self._prefilled.add(up.request_id)
+                            self.tracer.record(up.request_id, self.name, "prefill_done", up.prompt_tokens,
+                                               t_ns=result.end_ns)
                         if up.finish_reason is not None:
+                            self._prefilled.discard(up.request_id)
                             self.tracer.record(up.request_id, self.name, "finished", len(up.new_token_ids),
                                                t_ns=result.end_ns)
                 self._updates.extend(updates)

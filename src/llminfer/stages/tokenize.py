@@ -76,6 +76,7 @@ class TokenizeStage:
         async with outbox:
             async for msg in inbox:
                 if isinstance(msg, GenerationRequest):
+                    self.tracer.record(msg.request_id, self.name, "arrived", t_ns=msg.arrival_ns)
                     try:
                         out: Any = self.tokenize(msg)
                         self.tracer.record(msg.request_id, self.name, "tokenized", len(out.prompt_token_ids))
