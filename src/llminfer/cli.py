@@ -429,7 +429,9 @@ def bench_serve(
 def main(argv: list[str] | None = None) -> None:
     """Entry point: runs the Typer app; any user error becomes one line on stderr and exit code 1 or 2."""
     try:
-        app(args=argv, standalone_mode=False)
+        rc = app(args=argv, standalone_mode=False)  # returns the code of a typer.Exit
+        if isinstance(rc, int) and rc:
+            sys.exit(rc)
     except click_exc.NoArgsIsHelpError as exc:  # pragma: no cover - typer prints help itself
         typer.echo(exc.ctx.get_help() if exc.ctx else "", err=True)
         sys.exit(2)
