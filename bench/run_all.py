@@ -1,29 +1,82 @@
-"""Run every benchmark suite in turn (what ``nox -s bench`` runs). Results land in bench/results/*.json.
+"""Run every benchmark suite in turn (what ``nox -s bench`` runs), then print a table of the ratios.
+Each suite writes bench/results/<name>.json; each ratio is measured side by side within one suite run.
 
-    python bench/run_all.py [--quick]
+    python bench/run_all.py [--quick] [--only vs_hf,scheduler,speculative,tracing,compiled]
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+
+
+def suites(quick: bool) -> dict[str, list[str]]:
+    reps = "1" if quick else "2"
+    return {
+        "vs_hf": ["bench_vs_hf.py", "--reps", "2" if quick else "3"],
+        "scheduler": ["bench_scheduler.py", "--reps", reps] + (["--num-requests", "32"] if quick else []),
+        "speculative": ["bench_speculative.py", "--reps", reps],
+        "tracing": ["bench_tracing.py", "--reps", "2" if quick else "3"],
+        "compiled": ["bench_compiled.py"],
+    }
+
+
+def _get(path: Path, *keys):
+    try:
+        value = json.loads(path.read_text())
+        for k in keys:
+            value = value[k]
+        return value
+    except (OSError, KeyError, TypeError, ValueError):
+        return None
+
+
+def summary_table() -> str:
+    rows = [
+        ("llminfer / HF generate (batch 32, 32+64 tokens)", RESULTS / "llminfer_vs_hf.json",
+         ("ratio_llminfer_over_hf",), ">= 1.0"),
+        ("mixed workload: llminfer / HF static batches", RESULTS / "scheduler_kv.json",
+         ("mixed", "ratio_vs_hf_static"), ">= 1.6"),
+        ("mixed workload: llminfer / transformers CB", RESULTS / "scheduler_kv.json",
+         ("mixed", "ratio_vs_hf_continuous"), ">= 1.5"),
+        ("shared 1k prefix: TTFT warm cache / cache off", RESULTS / "scheduler_kv.json",
+         ("shared_prefix", "ratio_warm_over_off"), "<= 0.25"),
+        ("0% hits: throughput cache on / off", RESULTS / "scheduler_kv.json",
+         ("zero_hit", "ratio_on_over_off"), ">= 0.97"),
+        ("tracing on / off throughput", RESULTS / "tracing.json", ("ratio_on_over_off",), ">= 0.98"),
+        ("speculative (draft = target) / plain", RESULTS / "speculative.json",
+         ("speed_ratio_vs_plain", "draft=target"), "report"),
+        ("speculative (draft = 2-layer) / plain", RESULTS / "speculative.json",
+         ("speed_ratio_vs_plain", "draft=2-layer"), "report"),
+    ]
+    lines = [f"{'figure':52s} {'ratio':>8s}  target"]
+    for label, path, keys, target in rows:
+        v = _get(path, *keys)
+        lines.append(f"{label:52s} {'-' if v is None else f'{v:8.3f}':>8s}  {target}")
+    return "\n".join(lines)
 
 
 def main() -> int:
     quick = "--quick" in sys.argv
-    suites = [
-        ["bench_vs_hf.py", "--reps", "2" if quick else "3"],
-        ["bench_scheduler.py", "--reps", "1" if quick else "2"] + (["--num-requests", "32"] if quick else []),
-        ["bench_speculative.py", "--reps", "1" if quick else "2"],
-    ]
+    only = None
+    if "--only" in sys.argv:
+        only = set(sys.argv[sys.argv.index("--only") + 1].split(","))
     failed = 0
-    for suite in suites:
-        print(f"=== {' '.join(suite)}", flush=True)
+    for name, suite in suites(quick).items():
+        if only and name not in only:
+            continue
+        if not (HERE / suite[0]).exists():
+            print(f"=== {name}: {suite[0]} not found, skipped", flush=True)
+            continue
+        print(f"=== {name}: {' '.join(suite)}", flush=True)
         rc = subprocess.call([sys.executable, str(HERE / suite[0]), *suite[1:]], cwd=HERE)
         failed += rc != 0
+    print("\n" + summary_table())
     return 1 if failed else 0
 
 
