@@ -37,7 +37,8 @@ Temp = Annotated[float, typer.Option("--temp", "--temperature", help="0 = greedy
 TopP = Annotated[float, typer.Option("--top-p", help="Nucleus sampling threshold in (0, 1].")]
 TopK = Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens (0 = off).")]
 Seed = Annotated[int | None, typer.Option("--seed", help="Seed of this request's sampler.")]
-Stop = Annotated[str | None, typer.Option("--stop", help='Comma-separated stop strings, e.g. "a,b".')]
+Stop = Annotated[str | None, typer.Option("--stop", help='Comma-separated stop strings, e.g. "a,b"; '
+                                          r'\n and \t stand for a newline and a tab.')]
 IgnoreEos = Annotated[bool, typer.Option("--ignore-eos", help="Keep generating past EOS.")]
 BatchSize = Annotated[int, typer.Option("--max-batch-size", help="Most sequences in one step.")]
 PageSize = Annotated[int, typer.Option("--page-size", help="KV block size in tokens.")]
@@ -72,7 +73,8 @@ def sampling_kwargs(max_new_tokens: int, temp: float, top_p: float, top_k: int, 
                     logprobs: int | None = None) -> dict[str, Any]:
     """CLI flags → ``InferenceEngine.make_request`` keyword arguments."""
     return dict(max_new_tokens=max_new_tokens, temperature=temp, top_p=top_p, top_k=top_k, seed=seed,
-                stop_sequences=_split(stop), ignore_eos=ignore_eos, min_p=min_p,
+                stop_sequences=[x.replace("\\n", "\n").replace("\\t", "\t") for x in _split(stop)],
+                ignore_eos=ignore_eos, min_p=min_p,
                 repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
                 bad_words=_split(bad_words), force_words=_split(force_words), logprobs=logprobs)
 
