@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
 import time
 
 import polars as pl
@@ -61,50 +60,35 @@ def test_unfinished_requests_are_left_out():
 
 
 # ---------------------------------------------------------------------------------------------- serving
-TTFT_S, TPOT_S, TOKENS = 0.12, 0.03, 8
-
-
-async def stub_app(scope, receive, send):
-    """A tiny OpenAI-style SSE server: a role-only chunk at once, then TOKENS text chunks, the first after
-    TTFT_S and the others TPOT_S apart, then usage and [DONE]."""
-    if scope["type"] != "http":
-        return
-    while (await receive()).get("more_body"):
-        pass
-    import asyncio
-
-    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
-
-    async def event(obj):
-        await send({"type": "http.response.body", "body": f"data: {json.dumps(obj)}\n\n".encode(), "more_body": True})
-
-    await event({"choices": [{"index": 0, "delta": {"role": "assistant"}}]})  # the TTFT trap
-    await asyncio.sleep(TTFT_S)
-    for i in range(TOKENS):
-        if i:
-            await asyncio.sleep(TPOT_S)
-        await event({"choices": [{"index": 0, "delta": {"content": f"t{i} "}}]})
-    await event({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": TOKENS, "total_tokens": 11}})
-    await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+TTFT_S, TPOT_S, TOKENS = 0.25, 0.05, 8
 
 
 @pytest.fixture(scope="module")
 def stub_server():
-    import uvicorn
+    """tests/stub_sse_server.py in its own process (its timing must not share a GIL with the client)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import httpx
 
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     sock.close()
-    server = uvicorn.Server(uvicorn.Config(stub_app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(5)
+    script = Path(__file__).with_name("stub_sse_server.py")
+    proc = subprocess.Popen([sys.executable, str(script), str(port), str(TTFT_S), str(TPOT_S), str(TOKENS)])
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(url, timeout=1)
+            break
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    yield url
+    proc.terminate()
+    proc.wait(10)
 
 
 def test_serving_benchmark_measures_known_delays(stub_server, tmp_path):

@@ -1,0 +1,76 @@
+"""Schemathesis fuzzes the server's own OpenAPI document: valid and invalid bodies for every operation,
+bounded in count; no response may be a 5xx, and every 4xx must be an OpenAI error object.
+
+The server has a 40-token context so every generated request is cheap to serve (a chat prompt alone is
+about 20 tokens, so the rest are 400s or short generations).
+"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis.errors import Unsatisfiable
+from schemathesis import GenerationMode
+
+from helpers import wait_until
+from llminfer import EngineConfig, InferenceEngine
+from llminfer.api import create_app, serve_in_thread
+
+MAX_EXAMPLES = 40  # per operation and mode (positive, negative)
+TIME_BUDGET_S = 90.0  # examples drawn after this are not sent (the run stays bounded on a busy machine)
+
+
+@pytest.fixture(scope="module")
+def fuzz_server():
+    engine = InferenceEngine(EngineConfig(max_batch_size=16, batch_timeout_ms=1, max_model_len=40))
+    with serve_in_thread(create_app(engine)) as url:
+        yield url, engine
+
+
+def _check(response, case) -> None:
+    assert response.status_code < 500, f"{case.method} {case.path} -> {response.status_code}: {response.text[:500]}"
+    if 400 <= response.status_code < 500 and case.path.startswith("/v1/"):
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["message"]
+
+
+@pytest.mark.slow
+def test_no_server_errors(fuzz_server):
+    url, _ = fuzz_server
+    # Schemathesis' own pytest plugin does not load under this pytest; its Hypothesis strategies are used
+    # directly instead: every operation of the document, schema-conforming and schema-violating data.
+    api_schema = schemathesis.openapi.from_url(url + "/schema/openapi.json")
+    operations = [result.ok() for result in api_schema.get_all_operations()]
+    paths = {op.path for op in operations}
+    assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/healthz", "/metrics"} <= paths
+    calls = 0
+    deadline = time.monotonic() + TIME_BUDGET_S
+
+    @settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True, database=None,
+              phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+    def fuzz(case) -> None:
+        nonlocal calls
+        if time.monotonic() > deadline:
+            return
+        calls += 1
+        _check(case.call(base_url=url, timeout=60), case)
+
+    for op in operations:
+        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+            try:
+                given(case=op.as_strategy(generation_mode=mode))(fuzz)()
+            except Unsatisfiable:
+                # Nothing to violate: a GET with no parameters, or only a free-form string path parameter.
+                assert mode is GenerationMode.NEGATIVE and op.method.upper() == "GET"
+    assert calls >= 100
+
+
+def test_fuzzing_left_nothing_behind(fuzz_server):
+    url, engine = fuzz_server
+    assert httpx.get(url + "/healthz").status_code == 200
+    assert wait_until(lambda: engine.scheduler.num_running == 0 and engine.cache_stats()["blocks_used"] == 0,
+                      timeout_s=10)
