@@ -102,6 +102,7 @@ def test_wrong_types_name_the_param(client, path, field, value):
     ("temperature", 2.5), ("temperature", -0.1), ("top_p", 1.5), ("top_p", 0), ("n", 0), ("n", 1000),
     ("max_tokens", 0), ("max_completion_tokens", -3), ("presence_penalty", 3), ("frequency_penalty", -2.5),
     ("seed", 2**70), ("top_logprobs", 50), ("top_k", -5), ("min_p", 1.5), ("repetition_penalty", 0),
+    ("repetition_penalty", 1e-300),
     ("no_repeat_ngram_size", -1),
 ])
 def test_out_of_range_names_the_param(client, field, value):
@@ -109,6 +110,18 @@ def test_out_of_range_names_the_param(client, field, value):
     if field == "top_logprobs":
         body["logprobs"] = True
     assert_error(client.post(CHAT, json=body), 400, param=field)
+    assert_serves(client)
+
+
+def test_extreme_but_valid_values_are_served(client):
+    # A vanishing temperature is greedy (dividing logits by it would overflow).
+    greedy = client.post(CHAT, json=chat_body(temperature=0, max_tokens=6, ignore_eos=True)).json()
+    tiny = client.post(CHAT, json=chat_body(temperature=1e-300, max_tokens=6, ignore_eos=True))
+    assert tiny.status_code == 200, tiny.text
+    assert tiny.json()["choices"][0]["message"] == greedy["choices"][0]["message"]
+    r = client.post(CHAT, json=chat_body(top_p=1e-300, top_k=2**31 - 1, seed=-(2**63), n=3, temperature=2,
+                                         no_repeat_ngram_size=64, repetition_penalty=10, min_p=1.0))
+    assert r.status_code == 200, r.text
     assert_serves(client)
 
 
@@ -232,7 +245,8 @@ def test_queue_full_gives_429_with_retry_after(server, client):
     results: list[int] = []
 
     def long_request() -> None:
-        r = client.post(COMPLETIONS, json={"model": "tiny", "prompt": "Hi", "max_tokens": 120, "ignore_eos": True})
+        r = client.post(COMPLETIONS, json={"model": "tiny", "prompt": "Hi", "max_tokens": 64, "ignore_eos": True,
+                                           "temperature": 0})
         results.append(r.status_code)
 
     # max_batch_size 2 + max_queue_size 1: three engine requests fit, the fourth is refused.

@@ -38,7 +38,7 @@ def _check(response, case) -> None:
         assert set(error) == {"message", "type", "param", "code"} and error["message"]
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # ~8 s on an idle 2-core machine, 35-50 s while benchmarks share the CPU
 def test_no_server_errors(fuzz_server):
     url, _ = fuzz_server
     # Schemathesis' own pytest plugin does not load under this pytest; its Hypothesis strategies are used

@@ -85,7 +85,6 @@ def _metric(url: str, name: str) -> float:
     return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples if s.name == name)
 
 
-@pytest.mark.slow
 def test_load_with_disconnects(served):
     url, app, engine = served
     t0 = time.perf_counter()

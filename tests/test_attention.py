@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llminfer.kv.attention import decode_attention
+from llminfer.kv.attention import masked_attention
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
@@ -19,5 +19,19 @@ def test_decode_attention_matches_sdpa(dtype, tol, heads, kv_heads):
     v = torch.randn(b, kv_heads, length, d)
     mask = (torch.arange(length)[None] < torch.randint(1, length + 1, (b,))[:, None])[:, None, None, :]
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=heads != kv_heads)
-    out = decode_attention(q.to(dtype), k.to(dtype), v.to(dtype), mask, None).float()
+    out = masked_attention(q.to(dtype), k.to(dtype), v.to(dtype), mask, None).float()
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_chunk_over_cached_context_matches_sdpa(dtype, tol):
+    """A prefill chunk of n queries at positions start..start+n-1 over start+n keys (offset causal mask)."""
+    torch.manual_seed(1)
+    heads, kv_heads, d, start, n = 8, 2, 16, 23, 9
+    q = torch.randn(1, heads, n, d)
+    k = torch.randn(1, kv_heads, start + n, d)
+    v = torch.randn(1, kv_heads, start + n, d)
+    mask = (torch.arange(start + n)[None, :] <= torch.arange(start, start + n)[:, None])[None, None]
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    out = masked_attention(q.to(dtype), k.to(dtype), v.to(dtype), mask, None).float()
     torch.testing.assert_close(out, ref, atol=tol, rtol=tol)

@@ -13,7 +13,7 @@ try:  # typer >= 0.20 vendors its own click; older versions use click itself
 except ImportError:  # pragma: no cover
     from click import exceptions as click_exc
 
-from llminfer.config import Backend, CacheConfig, EngineConfig, QuantConfig, SchedulerConfig
+from llminfer.config import Backend, CacheConfig, EngineConfig, QuantConfig, QuantMode, SchedulerConfig
 from llminfer.errors import LLMInferError
 
 app = typer.Typer(
@@ -65,6 +65,14 @@ Assistant = Annotated[str | None, typer.Option("--assistant-model", help="Draft 
 SpecK = Annotated[int, typer.Option("--spec-num-assistant-tokens", help="Draft tokens verified per step.")]
 SpecC = Annotated[float, typer.Option("--spec-confidence-threshold",
                                       help="Stop drafting when the draft's top probability is below this.")]
+QuantOpt = Annotated[QuantMode, typer.Option("--quant", help="Weight quantization through bitsandbytes "
+                                             "(none, nf4, fp4, int8).")]
+AdapterOpt = Annotated[str | None, typer.Option("--adapter", help="LoRA adapter (PEFT folder or hub id) "
+                                                "loaded on top of the model.")]
+AdapterName = Annotated[str | None, typer.Option("--adapter-name", help="Name of the --adapter (default: "
+                                                 "its folder's name).")]
+CompileMode = Annotated[str, typer.Option("--compile-mode", help="Compiled backend: default, reduce-overhead "
+                                          "or max-autotune.")]
 
 
 def sampling_kwargs(max_new_tokens: int, temp: float, top_p: float, top_k: int, seed: int | None,
@@ -85,7 +93,7 @@ def build_config(
     max_model_len: int | None = None, revision: str | None = None, hf_token: str | None = None,
     local_files_only: bool = False, cache_dir: str | None = None, trust_remote_code: bool = False,
     tp_size: int = 1, pp_size: int = 1, assistant_model: str | None = None, spec_num_assistant_tokens: int = 5,
-    spec_confidence_threshold: float = 0.4, **extra: Any,
+    spec_confidence_threshold: float = 0.4, quant: QuantMode | str = QuantMode.NONE, **extra: Any,
 ) -> EngineConfig:
     """Turn CLI flags into a validated :class:`EngineConfig` (raises ConfigError naming the field)."""
     return EngineConfig(
@@ -93,7 +101,7 @@ def build_config(
         max_model_len=max_model_len,
         cache=CacheConfig(page_size_tokens=page_size, enable_prefix_cache=not no_prefix_cache,
                           kv_cache_memory_bytes=kv_cache_bytes),
-        quant=QuantConfig(), scheduler=SchedulerConfig(),
+        quant=QuantConfig(mode=quant), scheduler=SchedulerConfig(),
         hf_revision=revision, hf_token=hf_token, hf_local_files_only=local_files_only, hf_cache_dir=cache_dir,
         hf_trust_remote_code=trust_remote_code, tp_size=tp_size, pp_size=pp_size,
         assistant_model_name=assistant_model, speculative_num_assistant_tokens=spec_num_assistant_tokens,
@@ -105,12 +113,19 @@ def _split(value: str | None) -> list[str]:
     return [s for s in (value or "").split(",") if s]
 
 
-def _engine(cfg: EngineConfig, log_level: str):
+def _engine(cfg: EngineConfig, log_level: str, adapter: str | None = None, adapter_name: str | None = None):
     from llminfer.engine import InferenceEngine
     from llminfer.logging import configure_logging
 
     configure_logging(log_level)
-    return InferenceEngine(cfg).load()
+    engine = InferenceEngine(cfg).load()
+    if adapter:
+        engine.load_adapter(adapter, adapter_name)
+    elif adapter_name:
+        from llminfer.errors import ConfigError
+
+        raise ConfigError("--adapter-name needs --adapter")
+    return engine
 
 
 def _stats_line(stats) -> str:
@@ -135,16 +150,19 @@ def run(
     kv_cache_bytes: KVBytes = None, max_model_len: MaxLen = None, revision: Revision = None,
     hf_token: HFToken = None, local_files_only: LocalOnly = False, cache_dir: CacheDir = None,
     trust_remote_code: TrustRemote = False, tp_size: TPSize = 1, pp_size: PPSize = 1,
+    quant: QuantOpt = QuantMode.NONE, adapter: AdapterOpt = None, adapter_name: AdapterName = None,
+    compile_mode: CompileMode = "default",
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as one JSON object.")] = False,
     log_level: LogLevel = "warning",
 ) -> None:
     """Generate for one prompt; print the text, then one stats line."""
     cfg = build_config(model, backend, dtype, device, max_batch_size, page_size, no_prefix_cache, kv_cache_bytes,
                        max_model_len, revision, hf_token, local_files_only, cache_dir, trust_remote_code,
-                       tp_size, pp_size, assistant_model, spec_num_assistant_tokens, spec_confidence_threshold)
+                       tp_size, pp_size, assistant_model, spec_num_assistant_tokens, spec_confidence_threshold,
+                       quant=quant, compile_mode=compile_mode)
     kw = sampling_kwargs(max_new_tokens, temp, top_p, top_k, seed, stop, ignore_eos, min_p, repetition_penalty,
                          no_repeat_ngram_size, bad_words, force_words, logprobs)
-    with _engine(cfg, log_level) as engine:
+    with _engine(cfg, log_level, adapter, adapter_name) as engine:
         results = engine.run_n(prompt, n=n, **kw)
         tokenizer = engine.tokenizer
     if as_json:
@@ -176,13 +194,15 @@ def stream(
     page_size: PageSize = 16, no_prefix_cache: NoPrefix = False, kv_cache_bytes: KVBytes = None,
     max_model_len: MaxLen = None, revision: Revision = None, hf_token: HFToken = None,
     local_files_only: LocalOnly = False, cache_dir: CacheDir = None, trust_remote_code: TrustRemote = False,
-    tp_size: TPSize = 1, pp_size: PPSize = 1, log_level: LogLevel = "warning",
+    tp_size: TPSize = 1, pp_size: PPSize = 1, quant: QuantOpt = QuantMode.NONE, adapter: AdapterOpt = None,
+    adapter_name: AdapterName = None, compile_mode: CompileMode = "default", log_level: LogLevel = "warning",
 ) -> None:
     """Print tokens as they arrive, then one stats line."""
     cfg = build_config(model, backend, dtype, device, 16, page_size, no_prefix_cache, kv_cache_bytes,
                        max_model_len, revision, hf_token, local_files_only, cache_dir, trust_remote_code,
-                       tp_size, pp_size, assistant_model, spec_num_assistant_tokens, spec_confidence_threshold)
-    with _engine(cfg, log_level) as engine:
+                       tp_size, pp_size, assistant_model, spec_num_assistant_tokens, spec_confidence_threshold,
+                       quant=quant, compile_mode=compile_mode)
+    with _engine(cfg, log_level, adapter, adapter_name) as engine:
         final = None
         kw = sampling_kwargs(max_new_tokens, temp, top_p, top_k, seed, stop, ignore_eos, min_p,
                              repetition_penalty, no_repeat_ngram_size, bad_words, force_words)
@@ -202,20 +222,24 @@ def info(
     max_batch_size: BatchSize = 16, page_size: PageSize = 16, kv_cache_bytes: KVBytes = None,
     max_model_len: MaxLen = None, revision: Revision = None, hf_token: HFToken = None,
     local_files_only: LocalOnly = False, cache_dir: CacheDir = None, trust_remote_code: TrustRemote = False,
+    tp_size: TPSize = 1, pp_size: PPSize = 1, quant: QuantOpt = QuantMode.NONE, adapter: AdapterOpt = None,
+    adapter_name: AdapterName = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     log_level: LogLevel = "warning",
 ) -> None:
-    """Print the environment, the model (architecture, parameters, dtype, weight bytes) and KV capacity."""
+    """Print the environment, the model (architecture, parameters, dtype, weight bytes before and after
+    quantization) and KV capacity."""
     cfg = build_config(model, backend, dtype, device, max_batch_size, page_size, False, kv_cache_bytes,
-                       max_model_len, revision, hf_token, local_files_only, cache_dir, trust_remote_code)
-    engine = _engine(cfg, log_level)
+                       max_model_len, revision, hf_token, local_files_only, cache_dir, trust_remote_code,
+                       tp_size, pp_size, quant=quant)
+    engine = _engine(cfg, log_level, adapter, adapter_name)
     facts = engine.info()
     if as_json:
         typer.echo(json.dumps(facts))
         return
     width = max(len(k) for k in facts)
     for key, value in facts.items():
-        if key in ("weight_bytes", "kv_bytes"):
+        if key.endswith("_bytes") and isinstance(value, int):
             value = f"{value:,} bytes ({value / 2**20:.1f} MiB)"
         elif key == "parameters":
             value = f"{value:,}"
@@ -239,7 +263,9 @@ def serve(
     dtype: Dtype = "auto", device: Device = "auto", page_size: PageSize = 16, no_prefix_cache: NoPrefix = False,
     kv_cache_bytes: KVBytes = None, max_model_len: MaxLen = None, revision: Revision = None,
     hf_token: HFToken = None, local_files_only: LocalOnly = False, cache_dir: CacheDir = None,
-    trust_remote_code: TrustRemote = False, log_level: LogLevel = "info",
+    trust_remote_code: TrustRemote = False, tp_size: TPSize = 1, pp_size: PPSize = 1,
+    quant: QuantOpt = QuantMode.NONE, adapter: AdapterOpt = None, adapter_name: AdapterName = None,
+    compile_mode: CompileMode = "default", log_level: LogLevel = "info",
 ) -> None:
     """Serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /healthz,
     /metrics) with uvicorn until Ctrl-C."""
@@ -251,8 +277,9 @@ def serve(
         raise BackendUnavailableError(f"the server needs: pip install 'llminfer[serve]' ({exc})") from None
     cfg = build_config(model, backend, dtype, device, max_batch_size, page_size, no_prefix_cache, kv_cache_bytes,
                        max_model_len, revision, hf_token, local_files_only, cache_dir, trust_remote_code,
+                       tp_size, pp_size, quant=quant, compile_mode=compile_mode,
                        batch_timeout_ms=batch_timeout_ms, served_model_name=served_model_name)
-    engine = _engine(cfg, log_level)
+    engine = _engine(cfg, log_level, adapter, adapter_name)
     asgi_app = create_app(engine, api_key=api_key, max_queue_size=max_queue_size)
     run_server(asgi_app, host=host, port=port, log_level=log_level)
 

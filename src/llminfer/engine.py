@@ -139,6 +139,9 @@ class InferenceEngine:
         self._portal_cm: Any = None
         self._portal: Any = None
         self._pipeline_cm: Any = None
+        self.vllm: Any = None
+        self.adapters: dict[str, str] = {}
+        self.active_adapter: str | None = None
 
     # ------------------------------------------------------------------ loading
     def load(self) -> InferenceEngine:
@@ -146,15 +149,20 @@ class InferenceEngine:
         if self.loaded:
             return self
         cfg = self.cfg
+        self.vllm = None
+        self.adapters: dict[str, str] = {}
+        self.active_adapter: str | None = None
+        if cfg.backend is not Backend.EAGER and cfg.assistant_model_name:
+            raise ConfigError("assistant_model_name (speculative decoding) runs on the eager backend only; "
+                              "drop --assistant-model or use --backend eager")
         if cfg.backend is Backend.VLLM:
-            raise BackendUnavailableError(
-                "the vLLM backend needs vLLM: pip install 'llminfer[vllm]' (CUDA only)"
-            )
-        if cfg.backend is Backend.COMPILED:
-            raise BackendUnavailableError("the compiled backend is not available in this version; use --backend eager")
-        if cfg.quant.mode is not QuantMode.NONE:
-            raise BackendUnavailableError("quantization is not available in this version; drop --quant")
+            return self._load_vllm()
+        quantization_config = None
         self.device = resolve_device(cfg.device)
+        if cfg.quant.mode is not QuantMode.NONE:
+            from llminfer.backends.quant import bnb_config
+
+            quantization_config = bnb_config(cfg.quant, self.device)
         self.model_path = resolve_model_path(cfg)
         self.model_config = load_config(self.model_path, cfg)
         self.dtype = resolve_dtype(cfg, self.model_config, self.device)
@@ -166,7 +174,8 @@ class InferenceEngine:
         self.tokenizer = load_tokenizer(self.model_path, cfg)
         register_paged_attention()
         t0 = time.perf_counter()
-        self.model = load_model(self.model_path, cfg, self.dtype, self.device, attn_implementation="llminfer_paged")
+        self.model = load_model(self.model_path, cfg, self.dtype, self.device, attn_implementation="llminfer_paged",
+                                quantization_config=quantization_config)
         self.load_time_s = time.perf_counter() - t0
         self.eos_token_ids = self._eos_ids()
         self.kv_cache, self.kv_manager = self._allocate_kv()
@@ -176,6 +185,40 @@ class InferenceEngine:
         self.loaded = True
         log.info("engine loaded", model=self.model_path, device=str(self.device), dtype=str(self.dtype),
                  kv_blocks=self.kv_manager.num_blocks, block_size=self.kv_manager.block_size)
+        return self
+
+    def _load_vllm(self) -> InferenceEngine:
+        """The vLLM backend: tokenizer and config here (llminfer tokenizes and validates), model, KV cache
+        and scheduling in vLLM.
+
+        Raises:
+            BackendUnavailableError: vLLM is not installed (one line saying how to install it) or cannot
+                start here.
+        """
+        from llminfer.backends.vllm import VLLMBackend, require_vllm
+
+        cfg = self.cfg
+        require_vllm()  # fail at once, before anything is loaded
+        self.device = resolve_device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else cfg.device)
+        self.model_path = resolve_model_path(cfg)
+        self.model_config = load_config(self.model_path, cfg)
+        self.dtype = resolve_dtype(cfg, self.model_config, self.device)
+        text_cfg = self.model_config.get_text_config()
+        model_max = getattr(text_cfg, "max_position_embeddings", None) or 2048
+        if cfg.max_model_len is not None and cfg.max_model_len > model_max:
+            raise ConfigError(f"max_model_len {cfg.max_model_len} exceeds the model's context of {model_max} tokens")
+        self.max_model_len = cfg.max_model_len or model_max
+        self.tokenizer = load_tokenizer(self.model_path, cfg)
+        t0 = time.perf_counter()
+        self.vllm = VLLMBackend.from_config(cfg, self.model_path, self.max_model_len)
+        self.load_time_s = time.perf_counter() - t0
+        self.model = None
+        self.kv_cache = self.kv_manager = None
+        self.draft_model = self.draft_cache = None
+        eos = self.tokenizer.eos_token_id
+        self.eos_token_ids = (eos,) if isinstance(eos, int) else ()
+        self.loaded = True
+        log.info("engine loaded", model=self.model_path, backend="vllm", tp_size=cfg.tp_size, pp_size=cfg.pp_size)
         return self
 
     def _load_draft(self) -> None:
@@ -234,11 +277,31 @@ class InferenceEngine:
         return cache, manager
 
     # ------------------------------------------------------------------ composition
+    @property
+    def owns_scheduling(self) -> bool:
+        """True when the backend schedules, caches KV and detokenizes itself (vLLM): the pipeline is then
+        ``tokenize → backend stage → [user stages] → sink``."""
+        return bool(getattr(self.vllm, "owns_scheduling", False))
+
     def default_stages(self) -> dict[str, Stage]:
         """Fresh instances of the built-in stages, by name (``tokenize``, ``prefix_hash``, ``scheduler``,
-        ``step``, ``detokenize``, ``sink``), sharing this engine's tokenizer, KV pool and backend."""
+        ``step``, ``detokenize``, ``sink``), sharing this engine's tokenizer, KV pool and backend.
+
+        With a backend that owns scheduling (vLLM) the names are ``tokenize``, ``scheduler`` (the
+        :class:`~llminfer.backends.vllm.VLLMStage`), ``step`` (idle) and ``sink``."""
         if not self.loaded:
             raise EngineError("call load() first")
+        if self.owns_scheduling:
+            from llminfer.backends.vllm import IdleStepStage, VLLMStage
+
+            vocab = getattr(self.model_config.get_text_config(), "vocab_size", None)
+            self.backend = self.vllm
+            return {
+                "tokenize": TokenizeStage(self.tokenizer, self.max_model_len, vocab, self.tracer),
+                "scheduler": VLLMStage(self.vllm, self.tracer),
+                "step": IdleStepStage(),
+                "sink": StreamSink(self.tracer),
+            }
         limits = SchedulerLimits(
             max_batch_size=self.cfg.max_batch_size,
             max_num_batched_tokens=max(self.cfg.scheduler.max_num_batched_tokens, 1),
@@ -255,6 +318,18 @@ class InferenceEngine:
             self.backend: HFBackend = SpeculativeBackend(
                 self.model, self.kv_cache, self.draft_model, self.draft_cache, self.eos_token_ids,
                 self.cfg.speculative_num_assistant_tokens, self.cfg.speculative_confidence_threshold)
+        elif self.cfg.backend is Backend.COMPILED:
+            from llminfer.backends.compiled import CompiledBackend
+
+            # One compiled backend per engine: its compiled graphs survive a pipeline restart.
+            compiled = getattr(self, "_compiled_backend", None)
+            if compiled is None:
+                compiled = self._compiled_backend = CompiledBackend(
+                    self.model, self.kv_cache, self.eos_token_ids, max_num_tokens=limits.max_num_batched_tokens,
+                    max_batch_size=self.cfg.max_batch_size, mode=self.cfg.compile_mode,
+                    cudagraphs=self.cfg.compile_cudagraphs, fallback_to_eager=self.cfg.compile_fallback_to_eager)
+            compiled.states.clear()
+            self.backend = compiled
         else:
             self.backend = HFBackend(self.model, self.kv_cache, self.eos_token_ids)
         vocab = getattr(self.model.config.get_text_config(), "vocab_size", None)
@@ -271,8 +346,9 @@ class InferenceEngine:
         """Assemble the default pipeline, with user stages between detokenize and the sink and,
         optionally, a different sink. The engine's own methods use the pipeline it starts itself."""
         s = self.default_stages()
-        stages = [s["tokenize"], s["prefix_hash"], s["scheduler"], s["detokenize"], *after_detokenize,
-                  sink or s["sink"]]
+        names = ("tokenize", "scheduler") if self.owns_scheduling else ("tokenize", "prefix_hash", "scheduler",
+                                                                         "detokenize")
+        stages = [*(s[n] for n in names), *after_detokenize, sink or s["sink"]]
         return Pipeline(stages, step=s["step"])
 
     # ------------------------------------------------------------------ lifecycle
@@ -331,12 +407,18 @@ class InferenceEngine:
         prefix_key: str | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        adapter_name: str | None = None,
         **sampling: Any,
     ) -> GenerationRequest:
         """Validate arguments and build a :class:`GenerationRequest`.
 
+        The request is stamped with the active LoRA adapter (``adapter_name``; it partitions the prefix
+        cache). Passing ``adapter_name`` only checks that it is the active one: the model runs one adapter
+        at a time (switch with :meth:`set_adapter`).
+
         Raises:
-            InvalidRequestError: empty prompt or a bad sampling value (the message names it).
+            InvalidRequestError: empty prompt, a bad sampling value (the message names it), or an
+                ``adapter_name`` that is not the active adapter.
         """
         from llminfer.errors import InvalidRequestError
 
@@ -357,8 +439,11 @@ class InferenceEngine:
             )
         except TypeError as exc:
             raise InvalidRequestError(f"unknown sampling argument: {exc}") from None
+        if adapter_name is not None and adapter_name != self.active_adapter:
+            raise InvalidRequestError(f"adapter {adapter_name!r} is not the active adapter "
+                                      f"({self.active_adapter!r}); call set_adapter() first")
         return GenerationRequest(uuid.uuid4().hex, p, params, time.perf_counter_ns(), prefix_key=prefix_key,
-                                 priority=priority, cache_salt=cache_salt)
+                                 priority=priority, cache_salt=cache_salt, adapter_name=self.active_adapter)
 
     def make_requests(self, prompt: str | Sequence[int], *, n: int = 1, seed: int | None = None,
                       **kwargs: Any) -> list[GenerationRequest]:
@@ -387,6 +472,7 @@ class InferenceEngine:
 
     async def _collect(self, request: GenerationRequest) -> GenerationResult:
         assert self._pipeline is not None
+        self._check_adapter(request)
         builder = ResultBuilder(request, time.perf_counter_ns())
         stream = await self._pipeline.submit(request)
         try:
@@ -499,6 +585,7 @@ class InferenceEngine:
         """Like :meth:`generate` for a prepared :class:`GenerationRequest` (the HTTP layer uses it)."""
         if self._pipeline is None:
             raise EngineError("the engine is not running")
+        self._check_adapter(request)
         builder = ResultBuilder(request, time.perf_counter_ns())
         stream = await self._pipeline.submit(request)
         try:
@@ -509,39 +596,223 @@ class InferenceEngine:
             if not builder.finished:
                 self._cancel(request.request_id)
 
+    # ------------------------------------------------------------------ LoRA adapters
+    def _check_adapter(self, request: GenerationRequest) -> None:
+        if request.adapter_name != self.active_adapter:
+            from llminfer.errors import InvalidRequestError
+
+            raise InvalidRequestError(
+                f"the request was made for adapter {request.adapter_name!r} but the active adapter is "
+                f"{self.active_adapter!r}; make it again (make_request stamps the active adapter)")
+
+    def _require_adapters(self, what: str) -> None:
+        if not self.loaded:
+            raise EngineError("call load() first")
+        if self.vllm is not None:
+            raise BackendUnavailableError("LoRA adapters are not available with the vLLM backend in this version")
+        from llminfer.adapters import require_peft
+
+        require_peft()
+        if not self.is_idle():
+            raise EngineError(f"cannot {what} while requests are in flight; wait until they finish "
+                              "(adapters change the model every request runs on)")
+
+    @property
+    def is_running(self) -> bool:
+        """True while the engine's pipeline runs (in the background loop or in the caller's loop) and
+        accepts requests; False before :meth:`start` / ``running()``, after :meth:`close`, or after a
+        stage failed."""
+        return self._pipeline is not None and self._pipeline.running
+
+    def is_idle(self) -> bool:
+        """True when no request is in flight: none submitted and unfinished (the sink holds no open
+        stream) and none in the scheduler."""
+        pipeline = self._pipeline
+        if pipeline is None:
+            return True
+        if getattr(pipeline.sink, "streams", None):
+            return False
+        scheduler = getattr(self, "scheduler", None)
+        return not (scheduler is not None and scheduler.has_unfinished())
+
+    def list_adapters(self) -> dict[str, str]:
+        """Loaded LoRA adapters: name → the path or hub id they came from (the active one is
+        :attr:`active_adapter`, None for the base model)."""
+        return dict(self.adapters)
+
+    def load_adapter(self, path_or_id: str, adapter_name: str | None = None, *, activate: bool = True) -> str:
+        """Load a PEFT LoRA adapter into the running model (the base model is not reloaded).
+
+        Adapter weights live next to the base weights (PEFT wraps the targeted linear layers; attention
+        modules, their ``layer_idx`` and the paged-attention kwargs path are untouched). Hub ids use the
+        engine's ``hf_token`` / ``hf_cache_dir`` / ``hf_local_files_only``.
+
+        Refused while requests are in flight (it changes the model they run on); see :meth:`set_adapter`.
+
+        Args:
+            path_or_id: a folder saved with ``PeftModel.save_pretrained`` or a hub id.
+            adapter_name: its name (letters, digits, ``_`` and ``-``); default: the folder's name.
+            activate: make it the active adapter (else the active one stays).
+
+        Returns:
+            The adapter's name.
+
+        Raises:
+            BackendUnavailableError: PEFT is not installed, or the vLLM backend.
+            ConfigError: a bad or already used name.
+            ModelLoadError: the adapter cannot be found or does not fit the model.
+            EngineError: requests are in flight.
+        """
+        import re
+        from pathlib import Path
+
+        from llminfer import adapters
+        from llminfer.errors import ModelLoadError
+
+        self._require_adapters("load an adapter")
+        name = adapter_name or Path(str(path_or_id).rstrip("/")).name or "default"
+        if not re.fullmatch(r"[A-Za-z0-9_\-]{1,64}", name):
+            raise ConfigError(f"adapter_name {name!r}: use 1-64 letters, digits, '_' or '-'")
+        if name in self.adapters:
+            raise ConfigError(f"an adapter named {name!r} is already loaded; unload it or choose another name")
+        cfg = self.cfg
+        dl = {"token": cfg.hf_token, "cache_dir": cfg.hf_cache_dir,
+              "local_files_only": cfg.hf_local_files_only or None}
+        previous = self.active_adapter
+        try:
+            adapters.load(self.model, str(path_or_id), name, {k: v for k, v in dl.items() if v})
+        except Exception as exc:  # noqa: BLE001 - PEFT/transformers raise many kinds; one clear line
+            text = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+            if cfg.hf_token:
+                text = text.replace(cfg.hf_token, "***")
+            raise ModelLoadError(f"cannot load adapter {path_or_id!r}: {text}") from None
+        self.adapters[name] = str(path_or_id)
+        self._activate(name if activate else previous)
+        log.info("adapter loaded", adapter=name, active=self.active_adapter)
+        return name
+
+    def set_adapter(self, adapter_name: str | None) -> None:
+        """Make ``adapter_name`` the active adapter (None: the base model) for every later request.
+
+        Switching is refused while requests are in flight, never applied under them: the model runs one
+        adapter at a time and the adapter name partitions the prefix cache, so a request admitted under
+        one adapter must finish under it. Call it when :meth:`is_idle` is True.
+
+        Raises:
+            ConfigError: no adapter of that name is loaded.
+            EngineError: requests are in flight.
+            BackendUnavailableError: PEFT is not installed, or the vLLM backend.
+        """
+        self._require_adapters("switch adapters")
+        if adapter_name is not None and adapter_name not in self.adapters:
+            raise ConfigError(f"no adapter named {adapter_name!r} is loaded (loaded: {sorted(self.adapters)})")
+        self._activate(adapter_name)
+
+    def unload_adapter(self, adapter_name: str) -> None:
+        """Remove an adapter's weights from the model and its KV blocks from the prefix cache; if it was
+        active, the base model becomes active (its outputs are exactly the base model's again).
+
+        Raises:
+            ConfigError: no adapter of that name is loaded.
+            EngineError: requests are in flight.
+        """
+        self._require_adapters("unload an adapter")
+        if adapter_name not in self.adapters:
+            raise ConfigError(f"no adapter named {adapter_name!r} is loaded (loaded: {sorted(self.adapters)})")
+        from llminfer import adapters
+
+        if self.active_adapter == adapter_name:
+            self._activate(None)
+        adapters.delete(self.model, adapter_name)
+        del self.adapters[adapter_name]
+        self._activate(self.active_adapter)  # PEFT may pick another active adapter on deletion
+        # A later adapter of the same name must never hit KV computed under this one.
+        self.kv_manager.pool.reset_cache()
+        log.info("adapter unloaded", adapter=adapter_name)
+
+    def _activate(self, name: str | None) -> None:
+        from llminfer import adapters
+
+        adapters.activate(self.model, name)
+        self.active_adapter = name
+
     # ------------------------------------------------------------------ introspection
     def cache_stats(self) -> dict[str, float | int]:
         """Prefix-cache and KV pool statistics: ``hit_rate``, ``queries``, ``hits``, ``cached_tokens``,
-        ``blocks_total/used/free/cached``, ``evictions``, ``block_size``."""
+        ``blocks_total/used/free/cached``, ``evictions``, ``block_size``. With the vLLM backend: ``hit_rate``,
+        ``queries`` / ``hits`` (prompt tokens / tokens served from vLLM's prefix cache), ``requests``."""
         if not self.loaded:
             raise EngineError("call load() first")
+        if self.vllm is not None:
+            return self.vllm.cache_stats()
         return self.kv_manager.stats()
 
     def info(self) -> dict[str, Any]:
-        """Environment, model and KV-capacity facts (what ``llminfer info`` prints)."""
+        """Environment, model and KV-capacity facts (what ``llminfer info`` prints).
+
+        Weights: ``weight_bytes`` is what the loaded weights occupy (bitsandbytes quantization state
+        included), ``weight_bytes_unquantized`` what the same parameters take unquantized in ``dtype``
+        (from the config's parameter count), both in bytes; with ``--quant`` also the quantized linear
+        layers' bytes against their bfloat16 bytes. ``compile`` holds the compiled backend's compile count
+        once its pipeline was built; ``adapters`` the loaded LoRA adapters.
+        """
         import platform
 
         import transformers
 
-        params = sum(p.numel() for p in self.model.parameters())
-        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        return {
+        from llminfer.backends.quant import unquantized_weight_bytes, weight_footprint
+
+        facts: dict[str, Any] = {
             "python": platform.python_version(),
             "torch": torch.__version__,
             "transformers": transformers.__version__,
             "cuda": torch.version.cuda or "none",
             "device": str(self.device),
+            "backend": self.cfg.backend.value,
             "model": self.cfg.model_name or "llminfer/tiny-qwen2 (built-in)",
             "model_path": self.model_path,
+        }
+        base_params, base_bytes = unquantized_weight_bytes(self.model_config, self.dtype,
+                                                           self.cfg.hf_trust_remote_code)
+        if self.vllm is not None:
+            facts.update({
+                "architecture": ",".join(getattr(self.model_config, "architectures", None) or ["?"]),
+                "parameters": base_params,
+                "dtype": str(self.dtype).replace("torch.", ""),
+                "weight_bytes_unquantized": base_bytes,
+                "max_model_len": self.max_model_len,
+                "tp_size": self.cfg.tp_size,
+                "pp_size": self.cfg.pp_size,
+                "quant": self.cfg.quant.mode.value,
+                "prefix_cache": self.cfg.cache.enable_prefix_cache,
+                **self.vllm.info(),
+            })
+            return facts
+        footprint = weight_footprint(self.model)
+        facts.update({
             "architecture": ",".join(getattr(self.model.config, "architectures", None) or
                                      [type(self.model).__name__]),
-            "parameters": params,
+            "parameters": footprint["parameters"],
             "dtype": str(self.dtype).replace("torch.", ""),
-            "weight_bytes": weight_bytes,
+            "quant": self.cfg.quant.mode.value,
+            "weight_bytes": footprint["weight_bytes"],
+            "weight_bytes_unquantized": base_bytes or footprint["weight_bytes"],
+        })
+        if self.cfg.quant.mode is not QuantMode.NONE:
+            facts["quantized_linear_bytes"] = footprint["quantized_linear_bytes"]
+            facts["quantized_linear_bf16_bytes"] = footprint["quantized_linear_bf16_bytes"]
+        facts.update({
             "max_model_len": self.max_model_len,
             "kv_blocks": self.kv_manager.num_blocks,
             "kv_block_size": self.kv_manager.block_size,
             "kv_tokens": self.kv_manager.capacity_tokens,
             "kv_bytes": self.kv_cache.nbytes,
             "prefix_cache": self.kv_manager.enable_prefix_cache,
-        }
+        })
+        compiled = getattr(self, "_compiled_backend", None)
+        if compiled is not None:
+            facts["compile"] = compiled.stats()
+        if self.adapters:
+            facts["adapters"] = list(self.adapters)
+            facts["active_adapter"] = self.active_adapter
+        return facts

@@ -128,6 +128,9 @@ def from_engine_error(exc: LLMInferError, *, prompt_param: str = "prompt") -> AP
     return APIError(500, f"the engine failed: {message}", type=SERVER_ERROR)
 
 
+_DECODE_WORDS = ("json", "truncated", "malformed", "decode", "$", "expected", "invalid", "number", "utf-8")
+
+
 def _validation_param(key: str | None) -> str | None:
     if not key or key == "data":
         return None
@@ -157,7 +160,7 @@ def http_exception_to_api_error(exc: HTTPException) -> APIError:
         return APIError(405, "method not allowed", code="method_not_allowed", headers=dict(exc.headers or {}))
     if isinstance(exc, ClientException):
         detail = str(exc.detail)
-        if "JSON" in detail or "json" in detail or "$" in detail:
+        if exc.status_code == 400 and any(w in detail.lower() for w in _DECODE_WORDS):
             return bad_request(f"We could not parse the JSON body of your request: {detail}", None, "invalid_json")
         return APIError(exc.status_code, detail, code="bad_request", headers=dict(exc.headers or {}))
     status = exc.status_code

@@ -10,10 +10,15 @@ Ranges follow the OpenAI API reference; llminfer extras (``top_k``, ``min_p``, .
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+import re
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
+
+from llminfer.api.errors import bad_request
+
+T = TypeVar("T")
 
 # ---------------------------------------------------------------------------- shared field types
 MAX_CHOICES = 128  #: most choices one request may ask for (prompts x n)
@@ -55,7 +60,7 @@ class _Common(Struct, kw_only=True):
     # llminfer extras (OpenAI clients send them through ``extra_body``)
     top_k: Annotated[int, Meta(ge=-1, le=2**31 - 1)] | None = None
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
-    repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] | None = None
+    repetition_penalty: Annotated[float, Meta(ge=0.01, le=10.0)] | None = None
     no_repeat_ngram_size: Annotated[int, Meta(ge=0, le=64)] | None = None
     bad_words: WordList | None = None
     force_words: WordList | None = None
@@ -222,3 +227,30 @@ class Health(Struct):
 
 
 json_encoder = msgspec.json.Encoder()
+
+_AT_PATH = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
+
+
+def parse_body(raw: Any, cls: type[T]) -> T:
+    """Validate a decoded JSON body against ``cls`` in msgspec's strict mode (``"2"`` is not a number).
+
+    Litestar checks the body in lax mode; handlers take the raw JSON (``SkipValidation``, so the OpenAPI
+    document still shows ``cls``) and call this instead.
+
+    Raises:
+        APIError: 400 ``invalid_request_error`` naming the field (``messages[0].role``).
+    """
+    try:
+        return msgspec.convert(raw, cls, strict=True)
+    except msgspec.ValidationError as exc:
+        message = str(exc)
+        m = _AT_PATH.search(message)
+        path = m.group("path") if m else ""
+        detail = message[: m.start()] if m else message
+        missing = re.fullmatch(r"Object missing required field `(\w+)`", detail)
+        if missing:
+            param = f"{path}.{missing.group(1)}" if path else missing.group(1)
+            raise bad_request(f"Missing required parameter: '{param}'", param, "missing_required_parameter") from None
+        if not path:
+            raise bad_request(f"Invalid request body: {detail}", None, "invalid_body") from None
+        raise bad_request(f"Invalid value for '{path}': {detail}", path, "invalid_value") from None

@@ -101,8 +101,8 @@ class SamplingParams:
         _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids must be non-negative integers")
         _check(self.seed is None or _is_int(self.seed), f"seed must be an integer, got {self.seed!r}")
-        _check(_is_num(self.repetition_penalty) and self.repetition_penalty > 0,
-               f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        _check(_is_num(self.repetition_penalty) and 0.01 <= self.repetition_penalty <= 100,
+               f"repetition_penalty must be in [0.01, 100], got {self.repetition_penalty!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(_is_num(value) and -2.0 <= value <= 2.0, f"{name} must be in [-2, 2], got {value!r}")
@@ -117,7 +117,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperature below 1e-5 is greedy (dividing logits by it would overflow)."""
+        return self.temperature < 1e-5
 
     @property
     def max_stop_len(self) -> int:

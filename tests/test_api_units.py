@@ -1,0 +1,140 @@
+"""Unit tests of the server's pure parts: prompt building (one BOS), token bytes, body validation and the
+mapping of engine errors to OpenAI errors. No server, no model."""
+
+from __future__ import annotations
+
+import pytest
+
+from llminfer.api import schemas as s
+from llminfer.api.errors import APIError, from_engine_error
+from llminfer.api.serving import PromptBuilder, TokenText, check_context, max_new_tokens, sampling_kwargs
+from llminfer.errors import CapacityError, EngineError, InvalidRequestError, RequestAbortedError
+
+
+class CharTokenizer:
+    """One token per character (ids = code points + 10); ``<s>`` is BOS (id 1) and is added by encode()."""
+
+    bos_token_id = 1
+    chat_template = "{{ bos_token }}..."
+
+    def __init__(self, template_has_bos: bool = True, adds_bos: bool = True) -> None:
+        self.template_has_bos = template_has_bos
+        self.adds_bos_default = adds_bos
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = []
+        while text:
+            if text.startswith("<s>"):
+                ids.append(1)
+                text = text[3:]
+            else:
+                ids.append(ord(text[0]) + 10)
+                text = text[1:]
+        return ([1] if add_special_tokens and self.adds_bos_default else []) + ids
+
+    def apply_chat_template(self, conversation, tokenize=False, add_generation_prompt=False):
+        body = "".join(f"[{m['role']}]{m['content']}" for m in conversation) + ("[assistant]" if add_generation_prompt
+                                                                               else "")
+        return ("<s>" if self.template_has_bos else "") + body
+
+
+@pytest.mark.parametrize(("template_has_bos", "adds_bos"), [(True, True), (False, True), (True, False)])
+def test_chat_prompt_has_exactly_one_bos(template_has_bos, adds_bos):
+    builder = PromptBuilder(CharTokenizer(template_has_bos, adds_bos), vocab_size=None)
+    ids = builder.chat([s.ChatMessage(role="user", content="hi")])
+    assert ids.count(1) == 1 and ids[0] == 1
+    assert ids[1:] == CharTokenizer().encode("[user]hi[assistant]", add_special_tokens=False)
+
+
+def test_chat_prompt_without_bos_model():
+    tok = CharTokenizer(template_has_bos=False, adds_bos=False)
+    tok.bos_token_id = None
+    assert 1 not in PromptBuilder(tok, None).chat([s.ChatMessage(role="user", content="hi")])
+
+
+def test_chat_content_parts_and_roles():
+    builder = PromptBuilder(CharTokenizer(), None)
+    parts = [s.ContentPart(type="text", text="a"), s.ContentPart(type="text", text="b")]
+    assert builder.chat([s.ChatMessage(role="developer", content=parts)]) == \
+        builder.chat([s.ChatMessage(role="system", content="a\nb")])
+    with pytest.raises(APIError) as err:
+        builder.chat([s.ChatMessage(role="user", content="x"),
+                      s.ChatMessage(role="user", content=[s.ContentPart(type="image_url")])])
+    assert err.value.status == 400 and err.value.param == "messages[1].content[0].type"
+
+
+def test_completion_prompt_forms():
+    builder = PromptBuilder(CharTokenizer(adds_bos=False), vocab_size=100)
+    assert builder.completion("ab") == [[ord("a") + 10, ord("b") + 10]]
+    assert builder.completion(["a", "b"]) == [[107], [108]]
+    assert builder.completion([5, 6]) == [[5, 6]]
+    assert builder.completion([[5], [6, 7]]) == [[5], [6, 7]]
+    for bad, param in (([5, "a"], "prompt"), ([[5], []], "prompt[1]"), ([500], "prompt"), ("", "prompt")):
+        with pytest.raises(APIError) as err:
+            builder.completion(bad)
+        assert err.value.status == 400 and err.value.param == param
+
+
+def test_context_checks():
+    check_context(10, 5, 16, param="prompt")
+    check_context(10, None, 16, param="prompt")
+    for prompt_len, max_new in ((16, None), (10, 7)):
+        with pytest.raises(APIError) as err:
+            check_context(prompt_len, max_new, 16, param="prompt")
+        assert err.value.code == "context_length_exceeded" and err.value.param == "prompt"
+
+
+def test_token_text_bytes_of_partial_characters():
+    from transformers import AutoTokenizer
+
+    from llminfer.models import builtin_model_path
+
+    tok = AutoTokenizer.from_pretrained(str(builtin_model_path()))
+    text = TokenText(tok)
+    assert text.byte_level
+    ids = tok.encode("日本語 🎉", add_special_tokens=False)
+    raw = b"".join(bytes(text.lookup(i)[1]) for i in ids)
+    assert raw.decode("utf-8") == "日本語 🎉"
+
+
+def test_parse_body_names_the_field():
+    with pytest.raises(APIError) as err:
+        s.parse_body({"messages": [{"role": "user", "content": "x"}], "n": "2"}, s.ChatCompletionRequest)
+    assert err.value.param == "n"
+    with pytest.raises(APIError) as err:
+        s.parse_body({"messages": [{"content": "x"}]}, s.ChatCompletionRequest)
+    assert err.value.param == "messages[0].role" and err.value.code == "missing_required_parameter"
+    with pytest.raises(APIError) as err:
+        s.parse_body([1], s.ChatCompletionRequest)
+    assert err.value.param is None and err.value.status == 400
+    body = s.parse_body({"prompt": "x", "max_tokens": None}, s.CompletionRequest)
+    assert max_new_tokens(body, 16) == (None, "max_tokens")
+    assert max_new_tokens(s.parse_body({"prompt": "x"}, s.CompletionRequest), 16) == (16, "max_tokens")
+    both = s.parse_body({"prompt": "x", "max_tokens": 3, "max_completion_tokens": 5}, s.CompletionRequest)
+    assert max_new_tokens(both, 16) == (5, "max_completion_tokens")
+
+
+def test_sampling_kwargs_defaults_and_extras():
+    body = s.parse_body({"prompt": "x"}, s.CompletionRequest)
+    assert sampling_kwargs(body, 16, None) == {"max_new_tokens": 16, "temperature": 1.0, "top_p": 1.0}
+    body = s.parse_body({"prompt": "x", "stop": "END", "top_k": -1, "seed": 3, "presence_penalty": 0.5,
+                         "bad_words": ["a"], "ignore_eos": True}, s.CompletionRequest)
+    kw = sampling_kwargs(body, 4, 2)
+    assert kw["stop_sequences"] == ["END"] and kw["top_k"] == 0 and kw["seed"] == 3
+    assert kw["presence_penalty"] == 0.5 and kw["bad_words"] == ("a",) and kw["ignore_eos"] and kw["logprobs"] == 2
+
+
+def test_engine_errors_map_to_openai_errors():
+    e = from_engine_error(InvalidRequestError("prompt has 5000 tokens but the model's context is 2048 tokens"))
+    assert (e.status, e.code, e.param) == (400, "context_length_exceeded", "prompt")
+    e = from_engine_error(CapacityError("needs 900 blocks, the pool has 64"), prompt_param="messages")
+    assert (e.status, e.code, e.param) == (400, "context_length_exceeded", "messages")
+    e = from_engine_error(InvalidRequestError("top_k must be an integer >= 0, got -3"))
+    assert (e.status, e.param) == (400, "top_k")
+    e = from_engine_error(InvalidRequestError("max_new_tokens must be a positive integer, got 0"))
+    assert e.param == "max_tokens"
+    e = from_engine_error(InvalidRequestError("unknown sampling argument: __init__() got an unexpected keyword "
+                                              "argument 'typical_p'"))
+    assert (e.status, e.param, e.code) == (400, "typical_p", "unsupported_parameter")
+    assert from_engine_error(EngineError("backend step failed")).status == 500
+    assert from_engine_error(RequestAbortedError("the engine shut down")).status == 503
