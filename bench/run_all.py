@@ -22,7 +22,8 @@ def suites(quick: bool) -> dict[str, list[str]]:
         "scheduler": ["bench_scheduler.py", "--reps", reps] + (["--num-requests", "32"] if quick else []),
         "speculative": ["bench_speculative.py", "--reps", reps],
         "tracing": ["bench_tracing.py", "--reps", "2" if quick else "3"],
-        "compiled": ["bench_compiled.py"],
+        "serving": ["bench_serving.py"] + (["--num-requests", "32"] if quick else []),
+        "compiled": ["bench_compiled.py", "--reps", reps],
     }
 
 
@@ -49,10 +50,16 @@ def summary_table() -> str:
         ("0% hits: throughput cache on / off", RESULTS / "scheduler_kv.json",
          ("zero_hit", "ratio_on_over_off"), ">= 0.97"),
         ("tracing on / off throughput", RESULTS / "tracing.json", ("ratio_on_over_off",), ">= 0.98"),
+        ("served (32 streams) / in-process throughput", RESULTS / "serving.json",
+         ("ratio_served_over_in_process",), ">= 0.9"),
         ("speculative (draft = target) / plain", RESULTS / "speculative.json",
          ("speed_ratio_vs_plain", "draft=target"), "report"),
         ("speculative (draft = 2-layer) / plain", RESULTS / "speculative.json",
          ("speed_ratio_vs_plain", "draft=2-layer"), "report"),
+        ("compiled / eager tokens/s, batch 1 (CPU)", RESULTS / "compiled_vs_eager.json",
+         ("results", "batch_1", "speed_ratio_compiled_over_eager"), "report"),
+        ("compiled / eager tokens/s, batch 32 (CPU)", RESULTS / "compiled_vs_eager.json",
+         ("results", "batch_32", "speed_ratio_compiled_over_eager"), "report"),
     ]
     lines = [f"{'figure':52s} {'ratio':>8s}  target"]
     for label, path, keys, target in rows:
