@@ -1,0 +1,446 @@
+"""The compiled backend: the eager backend's packed step under ``torch.compile``.
+
+How the step is split
+---------------------
+The paged attention (``kv.attention.paged_attention_forward``) is data-dependent Python: it loops over
+the step's prefill segments and gathers a different context length for each sequence. Traced by dynamo
+it would specialise on every segment length and recompile nearly every step. So the attention is hidden
+from the compiler behind one opaque custom operator, ``torch.ops.llminfer.paged_attention(query, key,
+value, layer_idx, scaling)``, that reads the step's metadata from a thread-local "step context" set just
+before the compiled call (the design vLLM uses for its ``unified_attention`` op). Everything else, the
+embedding, every decoder layer's projections, rotary embedding, norms and MLP, compiles as **one graph**
+(``fullgraph=True``, no graph breaks), whose only inputs are ``input_ids`` and ``position_ids`` of shape
+``[1, T]``. The op is tagged ``cudagraph_unsafe``, so with CUDA graphs inductor partitions the graph
+around it: the dense pieces replay as CUDA graphs, the attention runs eagerly between them.
+
+Shapes never vary inside the graph except ``T``, and ``T`` is padded up to a bucket (powers of two by
+default, see :func:`token_buckets`), so each bucket compiles once and nothing recompiles in steady state
+(:attr:`CompiledBackend.num_compiles` counts graph compilations; it is in ``engine.info()``).
+Padded tokens are never seen by the attention op: it computes and writes K/V for the first ``T_real``
+tokens only (so no KV slot is touched for padding, and real rows attend only to real context) and returns
+zeros for the padded rows, which every later layer processes row-wise and which are dropped at the end.
+
+The language-model head runs outside the graph on the rows whose logits are wanted (one GEMM; compiling
+it gains nothing and would add the number of sampled rows as a second varying shape), exactly as the
+eager backend applies it. Models whose head post-processes logits (soft-capping, logit scales) compile
+the whole ``CausalLM`` forward instead, with the kept-row count padded to a bucket too.
+
+Failures
+--------
+With ``compile_fallback_to_eager`` (the default) a compile or runtime error of the compiled step logs one
+structlog warning and the same step is rerun on the eager path (re-writing the same KV slots with the
+same values, so nothing is lost); every later step stays eager. Without it the step fails and its
+requests get the error.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import types
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import structlog
+import torch
+
+from llminfer.backends.hf import HFBackend
+from llminfer.kv.attention import METADATA_KWARG, PagedKVCache, build_metadata, paged_attention_forward
+from llminfer.protocols.messages import SchedulerOutput
+
+log = structlog.get_logger("llminfer.compiled")
+
+ATTN_OP_IMPLEMENTATION = "llminfer_paged_op"
+"""Name of the op-based paged attention in ``transformers.AttentionInterface``."""
+
+COMPILE_BACKEND_ENV = "LLMINFER_COMPILE_BACKEND"
+"""Environment variable naming the ``torch.compile`` backend (default ``inductor``; ``aot_eager`` and
+``eager`` are useful to debug or to test quickly on slow machines)."""
+
+_HEAD_POSTPROCESSING_ATTRS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+# ----------------------------------------------------------------------------------------------- the op
+_step = threading.local()
+
+
+class _Layer:
+    """Stands in for the attention module inside the op (the paged attention only reads ``layer_idx``)."""
+
+    __slots__ = ("layer_idx",)
+
+    def __init__(self, layer_idx: int) -> None:
+        self.layer_idx = layer_idx
+
+
+_TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+
+
+@torch.library.custom_op("llminfer::paged_attention", mutates_args=(), tags=_TAGS)
+def paged_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int,
+                       scaling: float | None) -> torch.Tensor:
+    """Paged attention of one layer for the current step (metadata from the thread's step context).
+
+    Args:
+        query: ``[1, H, T_pad, D]``; key, value: ``[1, H_kv, T_pad, D]``. Only the first ``T_real`` tokens
+            (the step context's ``num_tokens``) are real; the rest is padding.
+        layer_idx: the cache layer.
+        scaling: softmax scale (None: ``1/sqrt(D)``).
+
+    Returns:
+        ``[1, T_pad, H, D]`` contiguous, zeros in the padded rows.
+
+    Raises:
+        RuntimeError: called outside a step (no step context in this thread).
+    """
+    meta = getattr(_step, "meta", None)
+    if meta is None:
+        raise RuntimeError("llminfer::paged_attention called outside an llminfer step")
+    n = _step.num_tokens
+    t_pad = query.shape[2]
+    out, _ = paged_attention_forward(_Layer(layer_idx), query[:, :, :n], key[:, :, :n], value[:, :, :n], None,
+                                     scaling=scaling, **{METADATA_KWARG: meta})
+    if n == t_pad:
+        return out.contiguous()
+    full = query.new_zeros(1, t_pad, query.shape[1], query.shape[3])
+    full[:, :n] = out
+    return full
+
+
+@paged_attention_op.register_fake
+def _paged_attention_fake(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int,
+                          scaling: float | None) -> torch.Tensor:
+    return query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])
+
+
+def paged_attention_op_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                               attention_mask: torch.Tensor | None, scaling: float | None = None,
+                               dropout: float = 0.0, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """The attention function registered as ``"llminfer_paged_op"``: calls the opaque op.
+
+    Shapes as :func:`llminfer.kv.attention.paged_attention_forward` (``[1, T, H, D]`` out).
+    """
+    return paged_attention_op(query, key, value, int(module.layer_idx),
+                              None if scaling is None else float(scaling)), None
+
+
+def register_paged_attention_op() -> str:
+    """Register :func:`paged_attention_op_forward` with transformers (idempotent); return its name."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_OP_IMPLEMENTATION, paged_attention_op_forward)
+    return ATTN_OP_IMPLEMENTATION
+
+
+# ----------------------------------------------------------------------------------------------- buckets
+def token_buckets(max_tokens: int, smallest: int = 1) -> tuple[int, ...]:
+    """Padded sizes for a step of up to ``max_tokens`` tokens: powers of two from ``smallest``, and
+    ``max_tokens`` itself as the last bucket.
+
+    Returns:
+        Increasing bucket sizes (tokens); ``max_tokens`` is always the last one.
+    """
+    if max_tokens < 1:
+        raise ValueError("max_tokens must be >= 1")
+    out = []
+    b = max(1, smallest)
+    while b < max_tokens:
+        out.append(b)
+        b *= 2
+    out.append(max_tokens)
+    return tuple(out)
+
+
+def bucket_for(n: int, buckets: Sequence[int]) -> int | None:
+    """The smallest bucket >= ``n``, or None when ``n`` exceeds every bucket."""
+    for b in buckets:
+        if b >= n:
+            return b
+    return None
+
+
+# ----------------------------------------------------------------------------------------------- options
+def inductor_options(mode: str, cudagraphs: bool, device: torch.device) -> dict[str, Any]:
+    """Inductor config patches for ``compile_mode`` and the CUDA-graph toggle.
+
+    ``"reduce-overhead"`` means CUDA graphs; ``"max-autotune"`` means GEMM autotuning, with CUDA graphs
+    only when ``cudagraphs`` is set; ``"default"`` uses CUDA graphs only when ``cudagraphs`` is set.
+    CUDA graphs are never used off CUDA.
+    """
+    import torch._inductor
+
+    opts = dict(torch._inductor.list_mode_options(mode))
+    use_cg = device.type == "cuda" and (cudagraphs or mode == "reduce-overhead")
+    opts["triton.cudagraphs"] = use_cg
+    if use_cg:
+        opts["graph_partition"] = True  # run the cudagraph-unsafe attention op between captured pieces
+    return opts
+
+
+class _CountingBackend:
+    """A ``torch.compile`` backend that counts the graphs it compiles, then hands them to the real one."""
+
+    def __init__(self, name: str | Callable, options: dict[str, Any]) -> None:
+        self.name = name
+        self.options = options
+        self.count = 0
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
+        self.count += 1
+        if callable(self.name):
+            return self.name(gm, example_inputs)
+        if self.name == "inductor":
+            from torch._inductor.compile_fx import compile_fx
+
+            return compile_fx(gm, example_inputs, config_patches=self.options)
+        from torch._dynamo import lookup_backend
+
+        return lookup_backend(self.name)(gm, example_inputs)
+
+
+def _fresh_function(fn: Callable, tag: str) -> Callable:
+    """A copy of ``fn`` with its own code object, so dynamo keeps a separate compile cache for it (one per
+    backend: engines in one process never share, or evict, each other's compiled graphs)."""
+    code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_{tag}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+
+
+def _body_forward(base: torch.nn.Module, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    return base(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state
+
+
+def _full_forward(model: torch.nn.Module, ids: torch.Tensor, pos: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep).logits
+
+
+# ----------------------------------------------------------------------------------------------- backend
+class CompiledBackend(HFBackend):
+    """:class:`HFBackend` with the model step under ``torch.compile`` (see the module docstring).
+
+    Args:
+        model: a causal LM; its attention implementation is switched to ``"llminfer_paged_op"``.
+        cache: the paged KV tensors.
+        eos_token_ids: as for :class:`HFBackend`.
+        max_num_tokens: most tokens in one step (the scheduler's ``max_num_batched_tokens``); the largest
+            bucket.
+        max_batch_size: most sampled rows in one step (buckets of the kept rows in whole-forward mode).
+        mode: ``compile_mode`` (``default``, ``reduce-overhead``, ``max-autotune``).
+        cudagraphs: ``compile_cudagraphs`` (CUDA only).
+        fallback_to_eager: ``compile_fallback_to_eager``.
+        compile_backend: ``torch.compile`` backend name or callable; default ``$LLMINFER_COMPILE_BACKEND``
+            or ``"inductor"``.
+        buckets: padded step sizes in tokens (default :func:`token_buckets` of ``max_num_tokens``).
+    """
+
+    name = "compiled"
+
+    def __init__(self, model: torch.nn.Module, cache: PagedKVCache, eos_token_ids: Sequence[int] = (), *,
+                 max_num_tokens: int = 2048, max_batch_size: int = 16, mode: str = "default",
+                 cudagraphs: bool = False, fallback_to_eager: bool = True,
+                 compile_backend: str | Callable | None = None, buckets: Sequence[int] | None = None) -> None:
+        super().__init__(model, cache, eos_token_ids)
+        register_paged_attention_op()
+        text_cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self._eager_attn_implementation = text_cfg._attn_implementation
+        _set_attn_implementation(model, ATTN_OP_IMPLEMENTATION)
+        self.mode = mode
+        self.fallback_to_eager = fallback_to_eager
+        self.buckets = tuple(sorted(set(buckets))) if buckets else token_buckets(max_num_tokens)
+        self.keep_buckets = token_buckets(max(max_batch_size, 1))
+        self.use_cudagraphs = self.device.type == "cuda" and (cudagraphs or mode == "reduce-overhead")
+        self.compile_backend_name = compile_backend or os.environ.get(COMPILE_BACKEND_ENV) or "inductor"
+        self._counter = _CountingBackend(self.compile_backend_name, inductor_options(mode, cudagraphs, self.device))
+        self.split_head = not any(getattr(text_cfg, a, None) not in (None, 1, 1.0)
+                                  for a in _HEAD_POSTPROCESSING_ATTRS)
+        tag = f"{id(self):x}"
+        if self.split_head:
+            self._module = model.base_model
+            self._head = model.get_output_embeddings()
+            fn = _fresh_function(_body_forward, tag)
+        else:
+            self._module = model
+            fn = _fresh_function(_full_forward, tag)
+        self._target: Callable = torch.compile(fn, backend=self._counter, fullgraph=True, dynamic=False)
+        _raise_recompile_limit(len(self.buckets) * (1 if self.split_head else len(self.keep_buckets)))
+        self.compiled_ok = True
+        self.fallback_error: str | None = None
+        self.num_compiled_steps = 0
+        self.num_eager_steps = 0
+        if any(hasattr(getattr(m, "weight", None), "quant_state") or hasattr(getattr(m, "weight", None), "SCB")
+               for m in model.modules()):
+            reason = RuntimeError("bitsandbytes-quantized layers do not compile (dynamo cannot trace their "
+                                  "in-place weight casts)")
+            if not fallback_to_eager:
+                from llminfer.errors import BackendUnavailableError
+
+                raise BackendUnavailableError(f"the compiled backend cannot run this model: {reason}; use "
+                                              "--backend eager or allow compile_fallback_to_eager")
+            self.disable_compiled(reason)
+
+    @property
+    def num_compiles(self) -> int:
+        """Graphs compiled so far (one per bucket in use; more means recompilation)."""
+        return self._counter.count
+
+    def stats(self) -> dict[str, Any]:
+        """Compile facts for ``engine.info()``: counts, buckets, mode, whether it fell back to eager."""
+        return {
+            "compile_backend": self.compile_backend_name if isinstance(self.compile_backend_name, str)
+            else getattr(self.compile_backend_name, "__name__", "custom"),
+            "compile_mode": self.mode,
+            "cudagraphs": self.use_cudagraphs,
+            "num_compiles": self.num_compiles,
+            "compiled_steps": self.num_compiled_steps,
+            "eager_steps": self.num_eager_steps,
+            "token_buckets": list(self.buckets),
+            "fell_back_to_eager": not self.compiled_ok,
+            "fallback_error": self.fallback_error,
+        }
+
+    def forward(self, plan: SchedulerOutput) -> torch.Tensor:
+        """Run the plan's packed tokens through the compiled graph (or the eager path after a fallback, or
+        for a step larger than every bucket).
+
+        Returns:
+            ``[S, V]`` float32 logits, one row per sampling sequence, in plan order.
+
+        Raises:
+            Exception: the compiled step failed and ``fallback_to_eager`` is off.
+        """
+        if not self.compiled_ok:
+            self.num_eager_steps += 1
+            return super().forward(plan)
+        seqs = plan.sequences
+        total = sum(len(s.token_ids) for s in seqs)
+        t_pad = bucket_for(total, self.buckets)
+        n_keep = sum(1 for s in seqs if s.sample)
+        k_pad = n_keep if self.split_head else bucket_for(max(n_keep, 1), self.keep_buckets)
+        if t_pad is None or k_pad is None:
+            self.num_eager_steps += 1
+            return super().forward(plan)
+        try:
+            logits = self._compiled_forward(plan, total, t_pad, n_keep, k_pad)
+        except Exception as exc:
+            if not self.fallback_to_eager:
+                raise
+            self.disable_compiled(exc)
+            self.num_eager_steps += 1
+            return super().forward(plan)
+        self.num_compiled_steps += 1
+        return logits
+
+    def disable_compiled(self, exc: BaseException | None = None) -> None:
+        """Switch to the eager path for good (the model gets its eager attention implementation back);
+        logs one warning naming ``exc``."""
+        if not self.compiled_ok:
+            return
+        self.compiled_ok = False
+        self.fallback_error = _describe(exc) if exc is not None else "disabled"
+        _set_attn_implementation(self.model, self._eager_attn_implementation)
+        log.warning("torch.compile path disabled; continuing on the eager path", error=self.fallback_error)
+
+    @torch.inference_mode()
+    def warmup(self, max_tokens: int | None = None) -> int:
+        """Compile the graph of every bucket up to ``max_tokens`` (default: all) before serving.
+
+        Runs the compiled graph on padding only: the attention op sees zero real tokens, so no KV slot is
+        written. Call it while no step runs (before the engine serves requests).
+
+        Returns:
+            Graphs compiled by this call.
+
+        Raises:
+            Exception: compilation failed and ``fallback_to_eager`` is off (with it, the backend falls back
+            to eager and this returns).
+        """
+        before = self.num_compiles
+        dev = self.device
+        meta, _ = build_metadata(self.cache, [], [], [], dev)
+        for t_pad in self.buckets:
+            if not self.compiled_ok or (max_tokens is not None and t_pad > max_tokens):
+                break
+            ids = torch.zeros(1, t_pad, dtype=torch.long, device=dev)
+            pos = torch.zeros(1, t_pad, dtype=torch.long, device=dev)  # distinct: aliased inputs guard apart
+            _step.meta, _step.num_tokens = meta, 0
+            try:
+                if self.use_cudagraphs:
+                    torch.compiler.cudagraph_mark_step_begin()
+                if self.split_head:
+                    self._target(self._module, ids, pos)
+                else:
+                    for k_pad in self.keep_buckets:
+                        if k_pad <= t_pad:
+                            keep = torch.zeros(k_pad, dtype=torch.long, device=dev)
+                            self._target(self._module, ids, pos, keep)
+            except Exception as exc:
+                if not self.fallback_to_eager:
+                    raise
+                self.disable_compiled(exc)
+            finally:
+                _step.meta = None
+        return self.num_compiles - before
+
+    @torch.inference_mode()  # inputs must be inference tensors in every call, or dynamo's guards differ
+    def _compiled_forward(self, plan: SchedulerOutput, total: int, t_pad: int, n_keep: int, k_pad: int) -> torch.Tensor:
+        seqs = plan.sequences
+        dev = self.device
+        keep: list[int] = []
+        offset = 0
+        for s in seqs:
+            offset += len(s.token_ids)
+            if s.sample:
+                keep.append(offset - 1)
+        meta, position_ids = build_metadata(self.cache, [s.start_position for s in seqs],
+                                            [len(s.token_ids) for s in seqs], [s.block_table for s in seqs], dev)
+        ids = torch.zeros(1, t_pad, dtype=torch.long, device=dev)
+        pos = torch.zeros(1, t_pad, dtype=torch.long, device=dev)
+        ids[0, :total] = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.long, device=dev)
+        pos[:, :total] = position_ids
+        keep_t = torch.tensor(keep + [0] * (k_pad - n_keep), dtype=torch.long, device=dev)
+        _step.meta, _step.num_tokens = meta, total
+        try:
+            if self.use_cudagraphs:
+                torch.compiler.cudagraph_mark_step_begin()
+            if self.split_head:
+                hidden = self._target(self._module, ids, pos)  # [1, t_pad, hidden]
+                logits = self._head(hidden[0, keep_t[:n_keep]]).float()
+            else:
+                logits = self._target(self._module, ids, pos, keep_t)[0, :n_keep].float()
+        finally:
+            _step.meta = None
+        return logits.clone() if self.use_cudagraphs else logits
+
+
+def _describe(exc: BaseException) -> str:
+    """``Type: first line`` of ``exc`` and of its root cause (dynamo wraps backend errors)."""
+    def line(e: BaseException) -> str:
+        text = str(e).strip()
+        return f"{type(e).__name__}: {text.splitlines()[0][:200]}" if text else type(e).__name__
+
+    root = getattr(exc, "inner_exception", None) or exc.__cause__
+    seen = {id(exc)}
+    while root is not None and id(root) not in seen and (getattr(root, "inner_exception", None) or root.__cause__):
+        seen.add(id(root))
+        root = getattr(root, "inner_exception", None) or root.__cause__
+    return line(exc) if root is None else f"{line(exc)} <- {line(root)}"
+
+
+def _set_attn_implementation(model: torch.nn.Module, name: str) -> None:
+    """Point the config of ``model`` and of every submodule at attention implementation ``name`` (a name
+    registered with ``transformers.AttentionInterface``; layers look it up on every call)."""
+    seen: set[int] = set()
+    for module in model.modules():
+        cfg = getattr(module, "config", None)
+        if cfg is not None and id(cfg) not in seen and hasattr(cfg, "_attn_implementation"):
+            seen.add(id(cfg))
+            cfg._attn_implementation = name
+
+
+def _raise_recompile_limit(needed: int) -> None:
+    """Make room in dynamo's per-code-object cache for every bucket, times a few adapter / grad-mode states
+    (never lowers the limit; a full cache would make dynamo run new shapes uncompiled)."""
+    import torch._dynamo.config as dcfg
+
+    want = max(64, 4 * needed)
+    for attr in ("recompile_limit", "cache_size_limit"):
+        if hasattr(dcfg, attr) and getattr(dcfg, attr) < want:
+            setattr(dcfg, attr, want)

@@ -1,0 +1,92 @@
+"""Hugging Face loading controls: the token never shows up in logs, outputs, info, configs, artifacts or
+errors; loading flags reach ``from_pretrained``; parallelism flags outside vLLM are refused."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import structlog
+
+from helpers import make_engine
+from llminfer import Backend, ConfigError, EngineConfig, InferenceEngine, ModelLoadError
+from llminfer.backends.loading import hf_kwargs
+from llminfer.cli import main
+
+
+@pytest.fixture(autouse=True)
+def _reset_logging():
+    """In-process CLI runs bind structlog to the captured stderr, closed after the test: reset it."""
+    yield
+    structlog.reset_defaults()
+
+
+TOKEN = "hf_DummyTokenValue1234567890abcdef"
+
+
+def _assert_clean(*texts: str) -> None:
+    for text in texts:
+        assert TOKEN not in text
+        assert TOKEN[3:20] not in text  # not even a slice of it
+
+
+def test_token_never_in_cli_output_or_logs(qwen2_dir, capsys, caplog):
+    caplog.set_level(logging.DEBUG)
+    common = ["--model", str(qwen2_dir), "--device", "cpu", "--dtype", "float32", "--hf-token", TOKEN,
+              "--log-level", "debug"]
+    main(["run", "hello", "--max-new-tokens", "4", "--json", *common])
+    main(["stream", "hello", "--max-new-tokens", "4", *common])
+    main(["info", "--json", *common])
+    out, err = capsys.readouterr()
+    _assert_clean(out, err, caplog.text)
+    assert "engine loaded" in err  # the debug-level logs were on and captured
+    facts = json.loads(out.strip().splitlines()[-1])
+    _assert_clean(json.dumps(facts))
+
+
+def test_token_never_in_info_config_or_repr(qwen2_dir):
+    engine = make_engine(qwen2_dir, hf_token=TOKEN)
+    with engine:
+        result = engine.run("hi", max_new_tokens=2)
+    cfg = engine.cfg
+    assert cfg.to_dict()["hf_token"] == "***"
+    _assert_clean(json.dumps(engine.info(), default=str), json.dumps(cfg.to_dict()), repr(cfg), str(cfg),
+                  repr(result))
+    assert EngineConfig.from_dict(cfg.to_dict()).hf_token == "***"  # an artifact never round-trips the secret
+    assert hf_kwargs(cfg)["token"] == TOKEN  # ...but from_pretrained does get it
+
+
+def test_token_never_in_load_errors(tmp_path, capsys):
+    missing = str(tmp_path / "no-such-model")
+    with pytest.raises(ModelLoadError) as err:
+        InferenceEngine(EngineConfig(model_name=missing, hf_token=TOKEN)).load()
+    _assert_clean(str(err.value), repr(err.value))
+    with pytest.raises(ModelLoadError) as err:  # a hub id, offline: transformers' own error text
+        InferenceEngine(EngineConfig(model_name="llminfer-test/does-not-exist", hf_token=TOKEN,
+                                     hf_local_files_only=True)).load()
+    _assert_clean(str(err.value))
+    with pytest.raises(SystemExit):
+        main(["run", "x", "--model", "llminfer-test/does-not-exist", "--local-files-only", "--hf-token", TOKEN])
+    out, err_text = capsys.readouterr()
+    _assert_clean(out, err_text)
+    assert err_text.startswith("error: ")
+
+
+def test_loading_flags_reach_from_pretrained(tmp_path):
+    cfg = EngineConfig(hf_revision="v1", hf_token=TOKEN, hf_local_files_only=True, hf_cache_dir=str(tmp_path),
+                       hf_trust_remote_code=True)
+    assert hf_kwargs(cfg) == {"revision": "v1", "local_files_only": True, "trust_remote_code": True,
+                              "cache_dir": str(tmp_path), "token": TOKEN}
+    assert hf_kwargs(EngineConfig()) == {"local_files_only": False, "trust_remote_code": False}
+
+
+@pytest.mark.parametrize("backend", ["eager", "compiled"])
+def test_cli_parallelism_refused_naming_vllm(backend, capsys):
+    with pytest.raises(SystemExit) as code:
+        main(["run", "x", "--backend", backend, "--tp-size", "2"])
+    assert code.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "vLLM backend" in err and err.count("\n") == 1
+    with pytest.raises(ConfigError, match="vLLM backend"):
+        EngineConfig(backend=Backend(backend), pp_size=2).validate()
