@@ -19,7 +19,7 @@ def test_decode_attention_matches_sdpa(dtype, tol, heads, kv_heads):
     v = torch.randn(b, kv_heads, length, d)
     mask = (torch.arange(length)[None] < torch.randint(1, length + 1, (b,))[:, None])[:, None, None, :]
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=heads != kv_heads)
-    out = masked_attention(q.to(dtype), k.to(dtype), v.to(dtype), mask, None).float()
+    out = masked_attention(q.to(dtype), k.transpose(0, 1).to(dtype), v.transpose(0, 1).to(dtype), mask, None).float()
     torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
 
 
@@ -33,5 +33,5 @@ def test_chunk_over_cached_context_matches_sdpa(dtype, tol):
     v = torch.randn(1, kv_heads, start + n, d)
     mask = (torch.arange(start + n)[None, :] <= torch.arange(start, start + n)[:, None])[None, None]
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-    out = masked_attention(q.to(dtype), k.to(dtype), v.to(dtype), mask, None).float()
+    out = masked_attention(q.to(dtype), k.transpose(0, 1).to(dtype), v.transpose(0, 1).to(dtype), mask, None).float()
     torch.testing.assert_close(out, ref, atol=tol, rtol=tol)

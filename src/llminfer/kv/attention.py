@@ -29,9 +29,11 @@ METADATA_KWARG = "llminfer_attn"
 class PagedKVCache:
     """The KV pool's tensors, allocated once.
 
-    Per layer, K and V are ``[num_blocks, block_size, num_kv_heads, head_dim]`` tensors of ``dtype`` on
+    Per layer, K and V are ``[num_kv_heads, num_blocks, block_size, head_dim]`` tensors of ``dtype`` on
     ``device``; bytes in all: ``2 * num_layers * num_blocks * block_size * num_kv_heads * head_dim *
-    itemsize``.
+    itemsize``. Head-major (rather than vLLM's ``[num_blocks, block_size, heads, dim]``) so that gathering a
+    batch's context slots gives ``[heads, batch, len, dim]``, already contiguous per (head, sequence) for
+    the attention matmuls: one copy per layer instead of two.
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -41,7 +43,7 @@ class PagedKVCache:
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        shape = (num_kv_heads, num_blocks, block_size, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
@@ -200,13 +202,11 @@ def paged_attention_forward(
     layer = module.layer_idx
     k_cache = meta.cache.k[layer]
     v_cache = meta.cache.v[layer]
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    flat_k = k_cache.view(-1, num_kv_heads, head_dim)
-    flat_v = v_cache.view(-1, num_kv_heads, head_dim)
-    new_k = key[0].transpose(0, 1)  # [T, H_kv, D]
-    new_v = value[0].transpose(0, 1)
-    flat_k.index_copy_(0, meta.slot_mapping, new_k.to(flat_k.dtype))
-    flat_v.index_copy_(0, meta.slot_mapping, new_v.to(flat_v.dtype))
+    num_kv_heads, head_dim = k_cache.shape[0], k_cache.shape[3]
+    flat_k = k_cache.view(num_kv_heads, -1, head_dim)  # [H_kv, slots, D]
+    flat_v = v_cache.view(num_kv_heads, -1, head_dim)
+    flat_k.index_copy_(1, meta.slot_mapping, key[0].to(flat_k.dtype))  # key[0]: [H_kv, T, D]
+    flat_v.index_copy_(1, meta.slot_mapping, value[0].to(flat_v.dtype))
 
     q = query[0]  # [H, T, D]
     num_heads, num_tokens = q.shape[0], q.shape[1]
@@ -215,8 +215,8 @@ def paged_attention_forward(
 
     if meta.decode_index is not None:
         qd = q.index_select(1, meta.decode_index).transpose(0, 1).unsqueeze(2)  # [B, H, 1, D]
-        kd = flat_k[meta.decode_gather].transpose(1, 2).to(q.dtype)  # [B, H_kv, L, D]
-        vd = flat_v[meta.decode_gather].transpose(1, 2).to(q.dtype)
+        kd = flat_k[:, meta.decode_gather].to(q.dtype)  # [H_kv, B, L, D]
+        vd = flat_v[:, meta.decode_gather].to(q.dtype)
         od = masked_attention(qd, kd, vd, meta.decode_mask, scaling)
         if meta.all_decode:
             out = od[:, :, 0, :]
@@ -230,8 +230,8 @@ def paged_attention_forward(
             vs = value[:, :, seg.start : seg.start + seg.length]
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=seg.length > 1, scale=scaling, enable_gqa=gqa)
         else:
-            ks = flat_k[seg.gather].transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, H_kv, ctx, D]
-            vs = flat_v[seg.gather].transpose(0, 1).unsqueeze(0).to(q.dtype)
+            ks = flat_k[:, seg.gather].unsqueeze(1).to(q.dtype)  # [H_kv, 1, ctx, D]
+            vs = flat_v[:, seg.gather].unsqueeze(1).to(q.dtype)
             o = masked_attention(qs, ks, vs, seg.mask, scaling)
         out[seg.start : seg.start + seg.length] = o[0].transpose(0, 1)
 
@@ -243,8 +243,9 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     """Attention of ``n`` query tokens per sequence over a padded context, with an explicit mask.
 
     Args:
-        q: ``[B, H, n, D]``; k, v: ``[B, H_kv, L, D]``; mask: bool, broadcastable to ``[B, 1, n, L]``
-            (True = attend).
+        q: ``[B, H, n, D]``.
+        k, v: head-major ``[H_kv, B, L, D]`` (as gathered from :class:`PagedKVCache`).
+        mask: bool, broadcastable to ``[B, 1, n, L]`` (True = attend).
 
     Returns:
         ``[B, H, n, D]``.
@@ -254,17 +255,19 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     L=500, 8:2 GQA heads); elsewhere (fp32, CUDA, long queries) SDPA is used.
     """
     batch, num_heads, n, head_dim = q.shape
-    num_kv_heads, length = k.shape[1], k.shape[2]
+    num_kv_heads, length = k.shape[0], k.shape[2]
     if q.device.type != "cpu" or q.dtype == torch.float32 or n > 128:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
-                                              enable_gqa=num_heads != num_kv_heads)
+        return F.scaled_dot_product_attention(q, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
+                                              scale=scale, enable_gqa=num_heads != num_kv_heads)
     group = num_heads // num_kv_heads
-    qg = q.reshape(batch, num_kv_heads, group * n, head_dim)
-    scores = torch.matmul(qg, k.transpose(-1, -2)).float().view(batch, num_kv_heads, group, n, length)
+    # [B, H, n, D] -> [H_kv, B, G*n, D]: query heads h = kv * G + g share K/V head kv (HF's repeat_kv order).
+    qh = q.reshape(batch, num_kv_heads, group * n, head_dim).transpose(0, 1)
+    scores = torch.matmul(qh, k.transpose(-1, -2)).float().view(num_kv_heads, batch, group, n, length)
     scores = scores * (scale if scale is not None else head_dim**-0.5)
-    scores.masked_fill_(~mask.reshape(mask.shape[0], 1, 1, n, length), float("-inf"))
-    probs = scores.softmax(dim=-1).to(q.dtype).view(batch, num_kv_heads, group * n, length)
-    return torch.matmul(probs, v).view(batch, num_heads, n, head_dim)
+    scores.masked_fill_(~mask.reshape(1, mask.shape[0], 1, n, length), float("-inf"))
+    probs = scores.softmax(dim=-1).to(q.dtype).view(num_kv_heads, batch, group * n, length)
+    out = torch.matmul(probs, v)  # [H_kv, B, G*n, D]
+    return out.transpose(0, 1).reshape(batch, num_heads, n, head_dim)
 
 
 decode_attention = masked_attention

@@ -129,10 +129,21 @@ class SamplingState:
             self.forced.update(self.token_ids[self.num_prompt :])
 
     @property
+    def can_ban_everything(self) -> bool:
+        return self.ngrams is not None or bool(self.bad_single or self.bad_multi)
+
+    @property
     def needs_history(self) -> bool:
         p = self.params
         return bool(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or self.ngrams is not None
-                    or self.bad_single or self.bad_multi or self.forced is not None or p.min_new_tokens)
+                    or self.bad_single or self.bad_multi or self.forced is not None)
+
+    def banned_stop_ids(self) -> list[int]:
+        """EOS and stop ids to mask now: below ``min_new_tokens``, or while forced words are pending."""
+        p = self.params
+        if self.num_generated < p.min_new_tokens or (self.forced is not None and self.forced.pending):
+            return [*p.stop_token_ids, *([] if p.ignore_eos else self.eos_token_ids)]
+        return []
 
     def process(self, row: torch.Tensor) -> None:
         """Apply this request's history-dependent processors to its ``[V]`` float32 logits, in place."""
@@ -159,9 +170,6 @@ class SamplingState:
             prefix = word[:-1]
             if len(self.token_ids) >= len(prefix) and tuple(self.token_ids[-len(prefix) :]) == prefix:
                 row[word[-1]] = NEG_INF
-        stop_ids = [*p.stop_token_ids, *([] if p.ignore_eos else self.eos_token_ids)]
-        if stop_ids and (self.num_generated < p.min_new_tokens or (self.forced is not None and self.forced.pending)):
-            row[stop_ids] = NEG_INF
         if self.forced is not None:
             token = self.forced.forced_token(self.num_generated)
             if token is not None:
@@ -247,12 +255,22 @@ def sample(
     Returns:
         ``S`` token ids, and per row a :class:`TokenLogprob` when the request asked for ``logprobs``.
     """
+    mask_rows: list[int] = []
+    mask_ids: list[int] = []
+    for row, state in enumerate(states):
+        ids = state.banned_stop_ids()
+        mask_rows.extend([row] * len(ids))
+        mask_ids.extend(ids)
+    if mask_rows:  # one indexed write for the whole batch (min_new_tokens is common in benchmarks)
+        logits[torch.tensor(mask_rows), torch.tensor(mask_ids)] = NEG_INF
     for row, state in enumerate(states):
         if state.needs_history:
-            saved = logits[row].clone()
+            # Bans (n-grams, bad words) could in principle cover the whole vocabulary: keep a copy to fall
+            # back on. EOS masking and penalties alone cannot, and a 150k-entry copy per row per step costs.
+            saved = logits[row].clone() if state.can_ban_everything else None
             state.process(logits[row])
-            if not bool(torch.isfinite(logits[row]).any()):
-                logits[row] = saved  # every token banned (e.g. bad words cover the vocabulary): ignore the bans
+            if saved is not None and not bool(torch.isfinite(logits[row]).any()):
+                logits[row] = saved  # every token banned: ignore the bans rather than fail the request
 
     logprobs: list[TokenLogprob | None] = [None] * len(states)
     want_lp = [i for i, s in enumerate(states) if s.params.logprobs is not None]

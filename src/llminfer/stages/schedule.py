@@ -198,7 +198,7 @@ class StepStage:
     async def run(self, inbox: ObjectReceiveStream[Any], outbox: ObjectSendStream[Any]) -> None:
         async with outbox:
             async for plan in inbox:
-                result: StepOutput = await anyio.to_thread.run_sync(
+                result = await anyio.to_thread.run_sync(
                     self.backend.execute, plan, limiter=self._limiter, abandon_on_cancel=False
                 )
                 if self.tracer.enabled:
