@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
 import time
@@ -21,7 +22,16 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-from common import BENCH_VOCAB, bench_model_path, environment, peak_rss_bytes, random_prompts, save, timed
+from common import (
+    BENCH_VOCAB,
+    RESULTS_DIR,
+    bench_model_path,
+    environment,
+    peak_rss_bytes,
+    random_prompts,
+    save,
+    timed,
+)
 from llminfer import CacheConfig, EngineConfig, InferenceEngine, SchedulerConfig
 from llminfer.logging import configure_logging
 
@@ -185,7 +195,10 @@ def main() -> dict:
     configure_logging("warning")
     path = bench_model_path()
     which = set(args.only.split(","))
-    payload: dict = {"benchmark": "scheduler_kv", "model": str(path), "environment": environment()}
+    # Merge into an earlier result so that `--only` reruns keep the other suites' figures.
+    previous = RESULTS_DIR / "scheduler_kv.json"
+    payload: dict = json.loads(previous.read_text()) if previous.exists() else {}
+    payload.update({"benchmark": "scheduler_kv", "model": str(path), "environment": environment()})
     if "mixed" in which:
         payload["mixed"] = bench_mixed(path, args.reps, args.num_requests)
     if "shared_prefix" in which:
