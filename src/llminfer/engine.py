@@ -163,15 +163,7 @@ class InferenceEngine:
             from llminfer.backends.quant import bnb_config
 
             quantization_config = bnb_config(cfg.quant, self.device)
-        self.model_path = resolve_model_path(cfg)
-        self.model_config = load_config(self.model_path, cfg)
-        self.dtype = resolve_dtype(cfg, self.model_config, self.device)
-        text_cfg = self.model_config.get_text_config()
-        model_max = getattr(text_cfg, "max_position_embeddings", None) or 2048
-        if cfg.max_model_len is not None and cfg.max_model_len > model_max:
-            raise ConfigError(f"max_model_len {cfg.max_model_len} exceeds the model's context of {model_max} tokens")
-        self.max_model_len = cfg.max_model_len or model_max
-        self.tokenizer = load_tokenizer(self.model_path, cfg)
+        self._load_config_and_tokenizer()
         register_paged_attention()
         t0 = time.perf_counter()
         self.model = load_model(self.model_path, cfg, self.dtype, self.device, attn_implementation="llminfer_paged",
@@ -187,6 +179,24 @@ class InferenceEngine:
                  kv_blocks=self.kv_manager.num_blocks, block_size=self.kv_manager.block_size)
         return self
 
+    def _load_config_and_tokenizer(self) -> None:
+        """Resolve the model folder, read its config, pick the dtype and context length, load the tokenizer.
+
+        Raises:
+            ModelLoadError: the model or tokenizer cannot be found.
+            ConfigError: ``max_model_len`` exceeds the model's context.
+        """
+        cfg = self.cfg
+        self.model_path = resolve_model_path(cfg)
+        self.model_config = load_config(self.model_path, cfg)
+        self.dtype = resolve_dtype(cfg, self.model_config, self.device)
+        text_cfg = self.model_config.get_text_config()
+        model_max = getattr(text_cfg, "max_position_embeddings", None) or 2048
+        if cfg.max_model_len is not None and cfg.max_model_len > model_max:
+            raise ConfigError(f"max_model_len {cfg.max_model_len} exceeds the model's context of {model_max} tokens")
+        self.max_model_len = cfg.max_model_len or model_max
+        self.tokenizer = load_tokenizer(self.model_path, cfg)
+
     def _load_vllm(self) -> InferenceEngine:
         """The vLLM backend: tokenizer and config here (llminfer tokenizes and validates), model, KV cache
         and scheduling in vLLM.
@@ -200,15 +210,7 @@ class InferenceEngine:
         cfg = self.cfg
         require_vllm()  # fail at once, before anything is loaded
         self.device = resolve_device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else cfg.device)
-        self.model_path = resolve_model_path(cfg)
-        self.model_config = load_config(self.model_path, cfg)
-        self.dtype = resolve_dtype(cfg, self.model_config, self.device)
-        text_cfg = self.model_config.get_text_config()
-        model_max = getattr(text_cfg, "max_position_embeddings", None) or 2048
-        if cfg.max_model_len is not None and cfg.max_model_len > model_max:
-            raise ConfigError(f"max_model_len {cfg.max_model_len} exceeds the model's context of {model_max} tokens")
-        self.max_model_len = cfg.max_model_len or model_max
-        self.tokenizer = load_tokenizer(self.model_path, cfg)
+        self._load_config_and_tokenizer()
         t0 = time.perf_counter()
         self.vllm = VLLMBackend.from_config(cfg, self.model_path, self.max_model_len)
         self.load_time_s = time.perf_counter() - t0
