@@ -113,10 +113,16 @@ def _split(value: str | None) -> list[str]:
     return [s for s in (value or "").split(",") if s]
 
 
+def _check_log_level(level: str) -> None:
+    if level.lower() not in ("debug", "info", "warning", "error"):
+        raise typer.BadParameter(f"--log-level must be debug, info, warning or error, got {level!r}")
+
+
 def _engine(cfg: EngineConfig, log_level: str, adapter: str | None = None, adapter_name: str | None = None):
     from llminfer.engine import InferenceEngine
     from llminfer.logging import configure_logging
 
+    _check_log_level(log_level)
     configure_logging(log_level)
     engine = InferenceEngine(cfg).load()
     if adapter:
@@ -360,8 +366,11 @@ def bench(
                        no_prefix_cache, kv_cache_bytes)
     cfg.cache.enable_paged_kv = paged_kv
     with _engine(cfg, log_level) as engine, _Progress(len(sizes) * (runs + warmup)) as progress:
-        result = Benchmarker(engine, prompt_len=prompt_len).run(sizes, runs, max_new_tokens, warmup, continuous,
-                                                                progress=progress)
+        try:
+            result = Benchmarker(engine, prompt_len=prompt_len).run(sizes, runs, max_new_tokens, warmup,
+                                                                    continuous, progress=progress)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc)) from None
     result.print_summary()
     _write_outputs(result, artifacts_dir, json_out, csv_out, plot, plot_suite_dir, "benchmark")
 
@@ -382,6 +391,7 @@ def compare(
     from llminfer.benchmark import BackendComparison
     from llminfer.logging import configure_logging
 
+    _check_log_level(log_level)
     configure_logging(log_level)
     names = _split(backends)
     for name in names:
@@ -397,8 +407,11 @@ def compare(
                                                               "compile_cudagraphs")},
                                "tp_size": tp_size, "pp_size": pp_size, "backend": Backend.VLLM})
     with _Progress(len(names) * len(sizes) * (runs + warmup)) as progress:
-        result = BackendComparison(model, names, base).run(sizes, runs, max_new_tokens, warmup, prompt_len,
-                                                           progress=progress)
+        try:
+            result = BackendComparison(model, names, base).run(sizes, runs, max_new_tokens, warmup, prompt_len,
+                                                               progress=progress)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc)) from None
     result.print_table()
     if result.results:
         _write_outputs(result, artifacts_dir, json_out, csv_out, plot, plot_suite_dir, "comparison")
@@ -431,6 +444,10 @@ def bench_serve(
     """Load-test an OpenAI-compatible server (llminfer, vLLM, TGI) and report TTFT/TPOT/ITL/E2E and goodput."""
     from llminfer.benchmark.serving import ServingConfig, ServingWorkload, run_serving_benchmark_sync
 
+    if num_requests < 1:
+        raise typer.BadParameter(f"--num-requests must be >= 1, got {num_requests}")
+    if concurrency is not None and concurrency < 1:
+        raise typer.BadParameter(f"--concurrency must be >= 1 (omit it for no limit), got {concurrency}")
     if endpoint not in ("completions", "chat"):
         raise typer.BadParameter(f"--endpoint must be completions or chat, got {endpoint!r}")
     p_lo, p_hi = (_int_list(prompt_len, "--prompt-len") * 2)[:2]
@@ -444,8 +461,9 @@ def bench_serve(
         result = run_serving_benchmark_sync(cfg, workload)
     except (OSError, ValueError) as exc:
         raise typer.BadParameter(str(exc)) from None
-    except Exception as exc:  # httpx errors: cannot reach the server
-        raise typer.BadParameter(f"cannot reach {base_url}: {type(exc).__name__}: {exc}") from None
+    except Exception as exc:  # httpx errors: unreachable server, 401 without --api-key, ...
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise typer.BadParameter(f"request to {base_url} failed: {type(exc).__name__}: {first}") from None
     if result.summary["completed"] == 0:
         first = next((r["error"] for r in result.requests if r.get("error")), "unknown error")
         typer.echo(f"error: all {num_requests} requests failed; first error: {first}", err=True)

@@ -672,6 +672,8 @@ class InferenceEngine:
         from llminfer.errors import ModelLoadError
 
         self._require_adapters("load an adapter")
+        if str(path_or_id).startswith(("/", ".", "~")) and not Path(str(path_or_id)).expanduser().exists():
+            raise ModelLoadError(f"adapter folder {path_or_id!r} does not exist")
         name = adapter_name or Path(str(path_or_id).rstrip("/")).name or "default"
         if not re.fullmatch(r"[A-Za-z0-9_\-]{1,64}", name):
             raise ConfigError(f"adapter_name {name!r}: use 1-64 letters, digits, '_' or '-'")

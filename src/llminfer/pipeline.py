@@ -105,7 +105,7 @@ class Pipeline:
             self._failure = exc
             log.error("stage failed", stage=stage.name, error=repr(exc))
             self.running = False
-            self.sink.fail_all(EngineError(f"stage {stage.name} failed: {exc!r}"))
+            self.sink.fail_all(EngineError(f"stage {stage.name} failed: {type(exc).__name__}: {exc}"))
             self._inner.cancel_scope.cancel()
 
     @staticmethod
@@ -118,17 +118,26 @@ class Pipeline:
         """Send a request in; return the stream of its deltas (ends after the final delta).
 
         Raises:
-            EngineError: the pipeline is not running.
+            EngineError: the pipeline is not running (or stopped because a stage failed: the message says
+                which error).
         """
         if not self.running or self._input is None:
-            raise EngineError("the engine pipeline is not running")
+            raise EngineError(f"the engine pipeline is not running ({self._failure_text()})")
         stream = self.sink.open(request.request_id)
         try:
             await self._input.send(request)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            self.sink.close(request.request_id)
+            raise EngineError(f"the engine pipeline stopped ({self._failure_text()})") from None
         except BaseException:
             self.sink.close(request.request_id)
             raise
         return stream
+
+    def _failure_text(self) -> str:
+        if self._failure is None:
+            return "shut down"
+        return f"a stage failed: {type(self._failure).__name__}: {self._failure}"
 
     async def abort(self, request_id: str, reason: str = "cancelled") -> None:
         """Cancel a request wherever it is; its blocks are freed at once."""

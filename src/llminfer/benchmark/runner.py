@@ -144,10 +144,18 @@ class Benchmarker:
             progress: called with a short label before each run (the CLI drives a progress bar with it).
 
         Raises:
-            ValueError: empty ``batch_sizes`` or a non-positive size / count.
+            ValueError: empty ``batch_sizes``, a non-positive size / count / length, or a negative warm-up.
         """
-        if not batch_sizes or any(b <= 0 for b in batch_sizes) or num_runs <= 0 or max_new_tokens <= 0:
-            raise ValueError("batch_sizes, num_runs and max_new_tokens must be positive")
+        if not batch_sizes or any(b <= 0 for b in batch_sizes):
+            raise ValueError("batch sizes must be positive integers")
+        if num_runs <= 0:
+            raise ValueError(f"runs must be >= 1, got {num_runs}")
+        if max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if warmup < 0:
+            raise ValueError(f"warmup must be >= 0, got {warmup}")
+        if not self.prompts and self.prompt_len <= 0:
+            raise ValueError(f"prompt_len must be >= 1, got {self.prompt_len}")
         engine = self.engine
         engine.start()
         go = engine.run_batch_continuous if continuous else engine.run_batch
