@@ -3,7 +3,9 @@
 1. mixed: 64 requests, prompt lengths U[16, 256], output lengths U[16, 256] (EOS ignored), max_batch_size 32.
    llminfer continuous batching vs HF generate() in static batches of 32 (left padding, each batch runs to
    its longest requested output) vs transformers' own continuous batching (generate_batch manager).
-   Throughput counts the requested output tokens each engine actually delivered.
+   Throughput counts the requested output tokens each engine actually delivered. llminfer runs twice: FCFS
+   (the default, the headline figure) and with the priority policy given priority = -max_new_tokens
+   (longest output first, the LPT rule for makespan: the tail of the run stays fuller).
 2. shared_prefix: 16 requests sharing a 1,024-token prefix with distinct 32-token suffixes, one at a time:
    mean TTFT with a warm prefix cache over mean TTFT with prefix caching off.
 3. zero_hit: unique prompts (0% hit rate): throughput with prefix caching on over off.
@@ -36,17 +38,20 @@ from llminfer import CacheConfig, EngineConfig, InferenceEngine, SchedulerConfig
 from llminfer.logging import configure_logging
 
 
-def make_engine(path, *, prefix_cache: bool = True, max_batch_size: int = 32) -> InferenceEngine:
+def make_engine(path, *, prefix_cache: bool = True, max_batch_size: int = 32, policy: str = "fcfs") -> InferenceEngine:
     cfg = EngineConfig(model_name=str(path), dtype="bfloat16", device="cpu", max_batch_size=max_batch_size,
                        batch_timeout_ms=0,
                        cache=CacheConfig(page_size_tokens=16, enable_prefix_cache=prefix_cache,
                                          kv_cache_memory_bytes=1 << 30),
-                       scheduler=SchedulerConfig(max_num_batched_tokens=2048))
+                       scheduler=SchedulerConfig(max_num_batched_tokens=2048, policy=policy))
     return InferenceEngine(cfg).load().start()
 
 
-def llminfer_workload(engine, prompts, outputs) -> int:
-    requests = [engine.make_request(p, max_new_tokens=n, ignore_eos=True) for p, n in zip(prompts, outputs)]
+def llminfer_workload(engine, prompts, outputs, longest_first: bool = False) -> int:
+    """Run the workload; with ``longest_first`` each request's priority is minus its output budget (the
+    engine must use the priority policy), so long requests start first and the tail runs fuller."""
+    requests = [engine.make_request(p, max_new_tokens=n, ignore_eos=True, priority=-n if longest_first else 0)
+                for p, n in zip(prompts, outputs)]
     results = engine.run_requests(requests)
     return sum(r.stats.completion_tokens for r in results)
 
@@ -92,8 +97,11 @@ def bench_mixed(path, reps: int, num_requests: int) -> dict:
     requested = sum(outputs)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
     engine = make_engine(path)
+    lpt_engine = make_engine(path, policy="priority")
     # Warm-up, excluded.
     llminfer_workload(engine, prompts[:4], [4] * 4)
+    llminfer_workload(lpt_engine, prompts[:4], [4] * 4, longest_first=True)
+    lpt_engine.kv_manager.pool.reset_cache()
     hf_static(model, prompts[:4], [4] * 4)
     engine.kv_manager.pool.reset_cache()
 
@@ -107,29 +115,36 @@ def bench_mixed(path, reps: int, num_requests: int) -> dict:
         cb_skip = f"{type(exc).__name__}: {exc}"[:300]
         cb_model = None
 
-    times: dict[str, list[float]] = {"llminfer": [], "hf_static": [], "hf_continuous": []}
+    times: dict[str, list[float]] = {"llminfer": [], "llminfer_longest_first": [], "hf_static": [],
+                                     "hf_continuous": []}
     delivered: dict[str, int] = {}
     for _ in range(reps):
         t, delivered["llminfer"] = timed(llminfer_workload, engine, prompts, outputs)
         times["llminfer"].append(t)
         engine.kv_manager.pool.reset_cache()  # distinct random prompts: nothing to reuse anyway
+        t, delivered["llminfer_longest_first"] = timed(llminfer_workload, lpt_engine, prompts, outputs, True)
+        times["llminfer_longest_first"].append(t)
+        lpt_engine.kv_manager.pool.reset_cache()
         t, delivered["hf_static"] = timed(hf_static, model, prompts, outputs)
         times["hf_static"].append(t)
         if cb_model is not None:
             t, delivered["hf_continuous"] = timed(hf_continuous, cb_model, prompts, outputs)
             times["hf_continuous"].append(t)
     engine.close()
+    lpt_engine.close()
     tps = {k: delivered[k] / statistics.median(v) for k, v in times.items() if v}
     out = {
         "requests": num_requests, "requested_output_tokens": requested,
         "seconds": times, "output_tokens_per_s": tps,
         "ratio_vs_hf_static": tps["llminfer"] / tps["hf_static"],
+        "ratio_longest_first_vs_hf_static": tps["llminfer_longest_first"] / tps["hf_static"],
         "ratio_vs_hf_continuous": tps["llminfer"] / tps["hf_continuous"] if "hf_continuous" in tps else None,
         "hf_continuous_skipped": cb_skip,
         "kv_budget_bytes": 1 << 30,
     }
     print("[mixed] output tok/s: " + ", ".join(f"{k} {v:.1f}" for k, v in tps.items()))
-    print(f"[mixed] llminfer / HF static batches = {out['ratio_vs_hf_static']:.2f}")
+    print(f"[mixed] llminfer / HF static batches = {out['ratio_vs_hf_static']:.2f} (FCFS), "
+          f"{out['ratio_longest_first_vs_hf_static']:.2f} (priority = longest output first)")
     if out["ratio_vs_hf_continuous"] is not None:
         print(f"[mixed] llminfer / transformers continuous batching = {out['ratio_vs_hf_continuous']:.2f}")
     else:

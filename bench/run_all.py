@@ -43,6 +43,8 @@ def summary_table() -> str:
          ("ratio_llminfer_over_hf",), ">= 1.0"),
         ("mixed workload: llminfer / HF static batches", RESULTS / "scheduler_kv.json",
          ("mixed", "ratio_vs_hf_static"), ">= 1.6"),
+        ("  same, priority = longest output first", RESULTS / "scheduler_kv.json",
+         ("mixed", "ratio_longest_first_vs_hf_static"), "report"),
         ("mixed workload: llminfer / transformers CB", RESULTS / "scheduler_kv.json",
          ("mixed", "ratio_vs_hf_continuous"), ">= 1.5"),
         ("shared 1k prefix: TTFT warm cache / cache off", RESULTS / "scheduler_kv.json",

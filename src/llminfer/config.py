@@ -187,6 +187,9 @@ class EngineConfig:
     compile_mode: str = attrs.field(default="default", validator=_one_of(COMPILE_MODES))
     compile_cudagraphs: bool = attrs.field(default=False, validator=_bool)
     compile_fallback_to_eager: bool = attrs.field(default=True, validator=_bool)
+    #: On CPU in bf16/fp16 (eager backend), keep the LM head's weight prepacked in oneDNN's blocked layout
+    #: (one extra copy of the head; see :mod:`llminfer.backends.prepack`).
+    cpu_prepack_lm_head: bool = attrs.field(default=True, validator=_bool)
 
     tp_size: int = attrs.field(default=1, validator=[_int, _positive])
     pp_size: int = attrs.field(default=1, validator=[_int, _positive])

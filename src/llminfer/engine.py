@@ -7,9 +7,11 @@ loop once it is entered with ``async with engine.running():`` (the HTTP server d
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
@@ -45,6 +47,18 @@ from llminfer.stages.tokenize import TokenizeStage
 from llminfer.trace import Tracer
 
 log = structlog.get_logger("llminfer.engine")
+
+# Engines whose background event loop is running. At interpreter exit the loop's daemon thread stops
+# before garbage collection would close the portal, which then waits for it forever: a script that
+# forgets close() (or dies of an exception) would hang instead of exiting. Closing them at exit avoids it.
+_STARTED_ENGINES: weakref.WeakSet[InferenceEngine] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_started_engines() -> None:
+    for engine in list(_STARTED_ENGINES):
+        with contextlib.suppress(Exception):
+            engine.close()
 
 _CPU_DEFAULT_KV_BYTES_CAP = 2 * 1024**3
 
@@ -168,6 +182,11 @@ class InferenceEngine:
         t0 = time.perf_counter()
         self.model = load_model(self.model_path, cfg, self.dtype, self.device, attn_implementation="llminfer_paged",
                                 quantization_config=quantization_config)
+        self.lm_head_prepacked = False
+        if cfg.cpu_prepack_lm_head and cfg.backend is Backend.EAGER:
+            from llminfer.backends.prepack import prepack_lm_head
+
+            self.lm_head_prepacked = prepack_lm_head(self.model)
         self.load_time_s = time.perf_counter() - t0
         self.eos_token_ids = self._eos_ids()
         self.kv_cache, self.kv_manager = self._allocate_kv()
@@ -235,6 +254,10 @@ class InferenceEngine:
         path = resolve_model_path(EngineConfig(model_name=None if name == "builtin" else name))
         load_config(path, cfg)  # a clear error for a missing folder
         self.draft_model = load_model(path, cfg, self.dtype, self.device, attn_implementation="llminfer_paged")
+        if cfg.cpu_prepack_lm_head:
+            from llminfer.backends.prepack import prepack_lm_head
+
+            prepack_lm_head(self.draft_model)
         target_vocab = self.model.get_output_embeddings().weight.shape[0]
         draft_vocab = self.draft_model.get_output_embeddings().weight.shape[0]
         if target_vocab != draft_vocab:
@@ -364,6 +387,7 @@ class InferenceEngine:
             self._portal = self._portal_cm.__enter__()
             self._pipeline_cm = self._portal.wrap_async_context_manager(self._pipeline)
             self._pipeline_cm.__enter__()
+            _STARTED_ENGINES.add(self)
         return self
 
     @contextlib.asynccontextmanager
@@ -380,6 +404,7 @@ class InferenceEngine:
 
     def close(self) -> None:
         """Stop the pipeline (in-flight requests finish first, up to 30 s)."""
+        _STARTED_ENGINES.discard(self)
         if self._pipeline_cm is not None:
             cm, self._pipeline_cm = self._pipeline_cm, None
             cm.__exit__(None, None, None)
