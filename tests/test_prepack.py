@@ -75,3 +75,20 @@ def test_script_that_forgets_close_or_raises_still_exits(tmp_path):
     """))
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "user bug" in proc.stderr
+
+
+@needs_bf16
+def test_lora_on_a_prepacked_head_matches_the_plain_head():
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 40, bias=False)).to(torch.bfloat16)
+    packed = nn.Sequential(plain[0], PrepackedLinear(plain[1]))
+    cfg = dict(r=4, target_modules=["1"], init_lora_weights=False)
+    torch.manual_seed(1)
+    a = get_peft_model(plain, LoraConfig(**cfg))
+    torch.manual_seed(1)
+    b = get_peft_model(packed, LoraConfig(**cfg))
+    x = torch.randn(3, 16, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        torch.testing.assert_close(b(x), a(x), atol=2e-2, rtol=2e-2)

@@ -36,11 +36,11 @@ def prepack_supported(dtype: torch.dtype, device: torch.device) -> bool:
         return False
 
 
-class PrepackedLinear(nn.Module):
+class PrepackedLinear(nn.Linear):
     """A drop-in for an ``nn.Linear`` whose weight is also kept reordered for oneDNN.
 
-    The original ``weight`` (and ``bias``) stay registered under the same names, so tied embeddings,
-    ``state_dict`` keys and adapters see an unchanged module. The packed copy (same bytes again, e.g. 155 MB
+    It is an ``nn.Linear`` (so PEFT can wrap it like any linear layer), and the original ``weight`` (and
+    ``bias``) stay registered under the same names, so tied embeddings and ``state_dict`` keys are unchanged. The packed copy (same bytes again, e.g. 155 MB
     for a 151k x 512 bf16 head) is rebuilt whenever the weight is modified in place (its version counter
     moves), so it can never serve stale values.
 
@@ -52,7 +52,7 @@ class PrepackedLinear(nn.Module):
     """
 
     def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # not nn.Linear.__init__: that would allocate a second weight
         self.weight = linear.weight
         self.bias = linear.bias
         self.in_features = linear.in_features
@@ -76,8 +76,6 @@ class PrepackedLinear(nn.Module):
         out = torch.ops.mkldnn._linear_pointwise(flat, self._packed_weight(), self.bias, "none", [], "")
         return out.reshape(*x.shape[:-1], self.out_features)
 
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
 def prepack_lm_head(model: nn.Module) -> bool:
