@@ -11,7 +11,8 @@ from llminfer import CacheConfig, EngineConfig, InferenceEngine, SchedulerConfig
 
 
 def make_engine(model_dir, *, max_batch_size: int = 8, block_size: int = 4, prefix_cache: bool = True,
-                max_num_batched_tokens: int = 2048, num_blocks: int | None = None, dtype: str = "float32", **kw) -> InferenceEngine:
+                max_num_batched_tokens: int = 2048, num_blocks: int | None = None, dtype: str = "float32",
+                **kw) -> InferenceEngine:
     cfg = EngineConfig(
         model_name=str(model_dir),
         dtype=dtype,

@@ -84,7 +84,7 @@ def test_decode_metadata_pads_to_whole_chunks():
     meta, positions = build_metadata(cache, [5, 130, 3], [1, 1, 4], [[7], list(range(9, 18)), [2]], "cpu")
     group = meta.decode
     assert decode_chunk_blocks(16) == 8 and group.chunk == 128
-    assert group.num_blocks == 16  # 131 slots need 9 blocks; padded to 2 chunks of 8
+    assert group.block_ids.numel() == 2 * 16  # 131 slots need 9 blocks; padded to 2 chunks of 8
     assert group.index.tolist() == [0, 1] and not meta.all_decode
     assert group.mask.shape == (2, 1, 1, 256) and group.mask[0].sum() == 6 and group.mask[1].sum() == 131
     assert group.block_ids.view(2, 16)[1, :9].tolist() == list(range(9, 18))

@@ -182,11 +182,10 @@ class InferenceEngine:
         t0 = time.perf_counter()
         self.model = load_model(self.model_path, cfg, self.dtype, self.device, attn_implementation="llminfer_paged",
                                 quantization_config=quantization_config)
-        self.lm_head_prepacked = False
         if cfg.cpu_prepack_lm_head and cfg.backend is Backend.EAGER:
             from llminfer.backends.prepack import prepack_lm_head
 
-            self.lm_head_prepacked = prepack_lm_head(self.model)
+            prepack_lm_head(self.model)
         self.load_time_s = time.perf_counter() - t0
         self.eos_token_ids = self._eos_ids()
         self.kv_cache, self.kv_manager = self._allocate_kv()
@@ -401,6 +400,15 @@ class InferenceEngine:
         async with self._pipeline:
             yield self
         self._pipeline = None
+
+    @property
+    def lm_head_prepacked(self) -> bool:
+        """Whether the LM head runs on a oneDNN-prepacked weight (see :mod:`llminfer.backends.prepack`)."""
+        from llminfer.backends.prepack import PrepackedLinear
+
+        model = getattr(self, "model", None)
+        head = model.get_output_embeddings() if model is not None else None
+        return isinstance(head, PrepackedLinear)
 
     def close(self) -> None:
         """Stop the pipeline (in-flight requests finish first, up to 30 s)."""

@@ -1,12 +1,12 @@
 """CPU weight prepacking: the LM head's weight held in oneDNN's blocked layout.
 
-On CPU, a decode step of a small model is dominated by the LM head (``[V, d]`` read once per step; 151,646 x 512
-bf16 = 155 MB for the Qwen2 vocabulary). oneDNN's matmul on a weight reordered once into its blocked layout
-runs that product much faster than ``torch.nn.functional.linear`` on the plain row-major weight, which reorders
-on the fly (measured on a 2-core AVX512-BF16 machine: 21.3 -> 13.6 ms at 32 rows, 11.7 -> 6.5 ms at 1 row).
-This is the same reorder that Inductor's weight-prepack pass inserts under ``torch.compile`` with freezing
-(``torch/_inductor/fx_passes/mkldnn_fusion.py``); here it is applied to one eager module, so no compilation
-and no graph breaks are involved.
+On CPU, a decode step of a small model is dominated by the LM head (``[V, d]`` read once per step;
+151,646 x 512 bf16 = 155 MB for the Qwen2 vocabulary). oneDNN's matmul on a weight reordered once into
+its blocked layout runs that product much faster than ``torch.nn.functional.linear`` on the plain
+row-major weight, which reorders on the fly (measured on a 2-core AVX512-BF16 machine: 21.3 -> 13.6 ms at
+32 rows, 11.7 -> 6.5 ms at 1 row). This is the same reorder that Inductor's weight-prepack pass inserts
+under ``torch.compile`` with freezing (``torch/_inductor/fx_passes/mkldnn_fusion.py``); here it is applied
+to one eager module, so no compilation and no graph breaks are involved.
 """
 
 from __future__ import annotations
@@ -40,9 +40,9 @@ class PrepackedLinear(nn.Linear):
     """A drop-in for an ``nn.Linear`` whose weight is also kept reordered for oneDNN.
 
     It is an ``nn.Linear`` (so PEFT can wrap it like any linear layer), and the original ``weight`` (and
-    ``bias``) stay registered under the same names, so tied embeddings and ``state_dict`` keys are unchanged. The packed copy (same bytes again, e.g. 155 MB
-    for a 151k x 512 bf16 head) is rebuilt whenever the weight is modified in place (its version counter
-    moves), so it can never serve stale values.
+    ``bias``) stay registered under the same names, so tied embeddings and ``state_dict`` keys are
+    unchanged. The packed copy (same bytes again, e.g. 155 MB for a 151k x 512 bf16 head) is rebuilt
+    whenever the weight is modified in place (its version counter moves), so it never serves stale values.
 
     Args:
         linear: the module to wrap; its weight must be ``[out_features, in_features]`` in bf16 or fp16.
@@ -75,7 +75,6 @@ class PrepackedLinear(nn.Linear):
         flat = x.reshape(-1, self.in_features)
         out = torch.ops.mkldnn._linear_pointwise(flat, self._packed_weight(), self.bias, "none", [], "")
         return out.reshape(*x.shape[:-1], self.out_features)
-
 
 
 def prepack_lm_head(model: nn.Module) -> bool:

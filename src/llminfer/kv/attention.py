@@ -5,8 +5,8 @@ A step runs the model on one packed row: every scheduled token of every sequence
 as an extra keyword argument (transformers passes unknown keyword arguments of ``model(...)`` through to
 the attention function), writes the new K/V into the paged cache at ``slot_mapping``, and attends:
 
-* decode sequences (one query token each) in batched calls over their gathered, padded contexts, grouped
-  by context length so that short contexts are not padded to the longest;
+* decode sequences (one query token each) in one batched call over their gathered contexts, padded to
+  whole 128-slot chunks (see :func:`masked_attention` for why this keeps results batch-invariant);
 * each prefill chunk by itself: causal SDPA over its own keys when nothing is cached before it, otherwise
   over the gathered context with an offset causal mask.
 
@@ -76,7 +76,7 @@ class PrefillSegment:
 
 
 @attrs.define
-class DecodeGroup:
+class DecodeBatch:
     """The step's decode sequences (one query token each), attended in one batched call.
 
     Their contexts are gathered block by block (one ``index_select`` of whole blocks per layer, K and V)
@@ -84,15 +84,14 @@ class DecodeGroup:
 
     Attributes:
         index: ``[b]`` int64, packed-row index of each sequence's token.
-        block_ids: ``[b * num_blocks]`` int64, each sequence's block ids, padded with block 0 to ``num_blocks``.
-        num_blocks: blocks gathered per sequence.
-        mask: ``[b, 1, 1, num_blocks * block_size]`` bool, True where a slot is real context.
-        chunk: slots per attention chunk (divides ``num_blocks * block_size``).
+        block_ids: ``[b * n]`` int64, each sequence's block ids, padded with block 0 to ``n`` blocks (the
+            longest context's, rounded up to whole chunks).
+        mask: ``[b, 1, 1, n * block_size]`` bool, True where a slot is real context.
+        chunk: slots per attention chunk (divides ``n * block_size``).
     """
 
     index: torch.Tensor
     block_ids: torch.Tensor
-    num_blocks: int
     mask: torch.Tensor
     chunk: int
 
@@ -111,7 +110,7 @@ class PagedAttentionMetadata:
 
     cache: PagedKVCache
     slot_mapping: torch.Tensor
-    decode: DecodeGroup | None
+    decode: DecodeBatch | None
     prefills: list[PrefillSegment]
     all_decode: bool = False
 
@@ -177,10 +176,9 @@ def build_metadata(
             ids[r, :n] = torch.tensor(block_tables[i][:n], dtype=torch.long)
         ctx_lens = torch.tensor([starts[i] + 1 for i in decode_seqs], dtype=torch.long)
         mask = torch.arange(num_blocks * bs)[None, :] < ctx_lens[:, None]
-        decode = DecodeGroup(
+        decode = DecodeBatch(
             index=torch.tensor(decode_rows, dtype=torch.long, device=device),
             block_ids=ids.view(-1).to(device),
-            num_blocks=num_blocks,
             mask=mask.to(device)[:, None, None, :],
             chunk=chunk * bs,
         )
@@ -249,7 +247,7 @@ def paged_attention_forward(
     group = meta.decode
     if group is not None:
         qd = q.index_select(1, group.index).transpose(0, 1).unsqueeze(2)  # [b, H, 1, D]
-        kd, vd = gather(group.block_ids, len(group.index))  # [H_kv, b, num_blocks * block_size, D]
+        kd, vd = gather(group.block_ids, len(group.index))  # [H_kv, b, n * block_size, D]
         od = masked_attention(qd, kd, vd, group.mask, scaling, chunk=group.chunk)[:, :, 0, :]  # [b, H, D]
         if meta.all_decode:
             out = od
