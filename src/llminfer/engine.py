@@ -774,6 +774,25 @@ class InferenceEngine:
         self.active_adapter = name
 
     # ------------------------------------------------------------------ introspection
+    @property
+    def vocab_size(self) -> int | None:
+        """The model's vocabulary size from its config (token ids must be below it), None if unknown."""
+        return getattr(self.model_config.get_text_config(), "vocab_size", None)
+
+    @property
+    def inputs(self) -> Any:
+        """The :class:`~llminfer.frontend.input.InputProcessor` requests are validated with."""
+        from llminfer.frontend.input import InputProcessor
+
+        return InputProcessor(self.tokenizer, self.max_model_len, self.vocab_size)
+
+    def scheduler_stats(self) -> dict[str, int]:
+        """``running`` and ``waiting`` request counts in the engine core (0 before it starts)."""
+        scheduler = getattr(self, "scheduler", None)
+        if scheduler is None:
+            return {"running": 0, "waiting": 0}
+        return {"running": scheduler.num_running, "waiting": scheduler.num_waiting}
+
     def cache_stats(self) -> dict[str, float | int]:
         """Prefix-cache and KV pool statistics: ``hit_rate``, ``queries``, ``hits``, ``cached_tokens``,
         ``blocks_total/used/free/cached``, ``evictions``, ``block_size``. With the vLLM backend: ``hit_rate``,

@@ -12,7 +12,23 @@ class ConfigError(LLMInferError, ValueError):
 
 
 class InvalidRequestError(LLMInferError, ValueError):
-    """A request cannot be served as given (empty prompt, too long, bad sampling value)."""
+    """A request cannot be served as given (empty prompt, too long, bad sampling value).
+
+    Attributes:
+        param: the request field at fault, by its engine name (``"prompt"``, ``"temperature"``,
+            ``"max_new_tokens"``, ...), or None when no single field is.
+        code: a machine-readable reason: ``"invalid_value"`` (default), ``"context_length_exceeded"``
+            (the prompt, or prompt plus output, does not fit), ``"unsupported_parameter"`` (a field this
+            engine or backend does not take). The HTTP layer maps errors by type, ``param`` and ``code``,
+            never by the message text.
+    """
+
+    default_code = "invalid_value"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code or self.default_code
 
 
 class ModelLoadError(LLMInferError):
@@ -22,9 +38,25 @@ class ModelLoadError(LLMInferError):
 class CapacityError(InvalidRequestError):
     """A request can never fit in the KV cache, even alone; it fails at once instead of stalling the queue."""
 
+    default_code = "context_length_exceeded"
+
+    def __init__(self, message: str, *, param: str | None = "prompt", code: str | None = None) -> None:
+        super().__init__(message, param=param, code=code)
+
 
 class RequestAbortedError(LLMInferError):
     """The request was cancelled (client disconnect, explicit abort, engine shutdown)."""
+
+
+def one_line(exc: BaseException, secrets: tuple[str | None, ...] = (), limit: int = 300) -> str:
+    """The first line of ``exc``'s message (its type name when empty), at most ``limit`` characters, with
+    every non-empty string of ``secrets`` (an HF token, an API key) replaced by ``***``."""
+    text = str(exc).strip()
+    line = text.splitlines()[0][:limit] if text else type(exc).__name__
+    for secret in secrets:
+        if secret:
+            line = line.replace(secret, "***")
+    return line
 
 
 class EngineError(LLMInferError):

@@ -10,9 +10,9 @@ import attrs
 from llminfer.errors import InvalidRequestError
 
 
-def _check(condition: bool, message: str) -> None:
+def _check(condition: bool, param: str, message: str) -> None:
     if not condition:
-        raise InvalidRequestError(message)
+        raise InvalidRequestError(message, param=param)
 
 
 def _is_num(value: Any) -> bool:
@@ -83,37 +83,37 @@ class SamplingParams:
     def __attrs_post_init__(self) -> None:
         m = self.max_new_tokens
         _check(m is None or (isinstance(m, int) and not isinstance(m, bool) and m > 0),
-               f"max_new_tokens must be a positive integer, got {m!r}")
+               "max_new_tokens", f"max_new_tokens must be a positive integer, got {m!r}")
         _check(_is_int(self.min_new_tokens) and self.min_new_tokens >= 0,
-               f"min_new_tokens must be >= 0, got {self.min_new_tokens!r}")
+               "min_new_tokens", f"min_new_tokens must be >= 0, got {self.min_new_tokens!r}")
         _check(m is None or self.min_new_tokens <= m,
-               f"min_new_tokens ({self.min_new_tokens}) must not exceed max_new_tokens ({m})")
+               "min_new_tokens", f"min_new_tokens ({self.min_new_tokens}) must not exceed max_new_tokens ({m})")
         t = self.temperature
         _check(_is_num(t) and t >= 0,
-               f"temperature must be a finite number >= 0, got {t!r}")
+               "temperature", f"temperature must be a finite number >= 0, got {t!r}")
         _check(_is_num(self.top_p) and 0.0 < self.top_p <= 1.0,
-               f"top_p must be in (0, 1], got {self.top_p!r}")
-        _check(_is_int(self.top_k) and self.top_k >= 0, f"top_k must be an integer >= 0, got {self.top_k!r}")
+               "top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
+        _check(_is_int(self.top_k) and self.top_k >= 0, "top_k", f"top_k must be an integer >= 0, got {self.top_k!r}")
         _check(_is_num(self.min_p) and 0.0 <= self.min_p <= 1.0,
-               f"min_p must be in [0, 1], got {self.min_p!r}")
+               "min_p", f"min_p must be in [0, 1], got {self.min_p!r}")
         _check(all(isinstance(s, str) and s for s in self.stop_sequences),
-               "stop_sequences must be non-empty strings")
+               "stop_sequences", "stop_sequences must be non-empty strings")
         _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
-               "stop_token_ids must be non-negative integers")
-        _check(self.seed is None or _is_int(self.seed), f"seed must be an integer, got {self.seed!r}")
+               "stop_token_ids", "stop_token_ids must be non-negative integers")
+        _check(self.seed is None or _is_int(self.seed), "seed", f"seed must be an integer, got {self.seed!r}")
         _check(_is_num(self.repetition_penalty) and 0.01 <= self.repetition_penalty <= 100,
-               f"repetition_penalty must be in [0.01, 100], got {self.repetition_penalty!r}")
+               "repetition_penalty", f"repetition_penalty must be in [0.01, 100], got {self.repetition_penalty!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            _check(_is_num(value) and -2.0 <= value <= 2.0, f"{name} must be in [-2, 2], got {value!r}")
+            _check(_is_num(value) and -2.0 <= value <= 2.0, name, f"{name} must be in [-2, 2], got {value!r}")
         _check(_is_int(self.no_repeat_ngram_size) and self.no_repeat_ngram_size >= 0,
-               f"no_repeat_ngram_size must be an integer >= 0, got {self.no_repeat_ngram_size!r}")
-        _check(all(isinstance(w, str) and w.strip() for w in self.bad_words), "bad_words must be non-empty strings")
+               "no_repeat_ngram_size", f"no_repeat_ngram_size must be an integer >= 0, got {self.no_repeat_ngram_size!r}")
+        _check(all(isinstance(w, str) and w.strip() for w in self.bad_words), "bad_words", "bad_words must be non-empty strings")
         _check(all(isinstance(w, str) and w.strip() for w in self.force_words),
-               "force_words must be non-empty strings")
+               "force_words", "force_words must be non-empty strings")
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
-               f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
-        _check(_is_int(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
+               "logprobs", f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+        _check(_is_int(self.n) and self.n >= 1, "n", f"n must be an integer >= 1, got {self.n!r}")
 
     @property
     def greedy(self) -> bool:

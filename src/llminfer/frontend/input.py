@@ -1,0 +1,157 @@
+"""Request input: validation and tokenization, one path for the Python API and the HTTP layer.
+
+:class:`InputProcessor` is what turns a :class:`~llminfer.protocols.messages.GenerationRequest` into a
+:class:`~llminfer.protocols.messages.TokenizedRequest` (the tokenize stage calls :meth:`process`), and the
+HTTP routes call :meth:`encode` and :meth:`check_prompt_ids` on the prompts they render themselves (chat
+templates, token-id lists), so a prompt is judged the same way whichever door it came through. Every
+error is an :class:`~llminfer.errors.InvalidRequestError` carrying ``param="prompt"`` and a ``code``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from llminfer.errors import InvalidRequestError, one_line
+from llminfer.kv.hashing import encode_extra_keys
+from llminfer.protocols import Tokenizer
+from llminfer.protocols.messages import GenerationRequest, TokenizedRequest
+from llminfer.sampling.params import SamplingParams
+
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+
+
+def build_request(prompt: str | Sequence[int], *, max_new_tokens: int | None = 64, temperature: float = 0.0,
+                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+                  stop_sequences: Sequence[str] | str | None = None, ignore_eos: bool = False, priority: int = 0,
+                  cache_salt: str | None = None, adapter_name: str | None = None,
+                  **sampling: Any) -> GenerationRequest:
+    """Validate the arguments of one request and build its :class:`GenerationRequest` (a fresh id, the
+    arrival time now). ``sampling`` takes the other :class:`SamplingParams` fields by name.
+
+    Raises:
+        InvalidRequestError: an empty prompt (``param="prompt"``), a bad sampling value (``param`` names
+            the field), an unknown keyword (``code="unsupported_parameter"``), or ``n`` other than 1.
+    """
+    if isinstance(prompt, str):
+        p: str | tuple[int, ...] = prompt
+    else:
+        try:
+            p = tuple(int(t) for t in prompt)
+        except (TypeError, ValueError):
+            raise InvalidRequestError("prompt must be a string or a sequence of token ids", param="prompt") from None
+    if not p:
+        raise InvalidRequestError("prompt is empty", param="prompt")
+    if sampling.get("n", 1) != 1:
+        raise InvalidRequestError("n > 1 makes several requests: use make_requests(..., n=) or run_n()", param="n")
+    unknown = sorted(set(sampling) - SAMPLING_FIELDS)
+    if unknown:
+        raise InvalidRequestError(f"unknown sampling argument {unknown[0]!r}", param=unknown[0],
+                                  code="unsupported_parameter")
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                            seed=seed, stop_sequences=stop_sequences or (), ignore_eos=ignore_eos, **sampling)
+    return GenerationRequest(uuid.uuid4().hex, p, params, time.perf_counter_ns(), priority=priority,
+                             cache_salt=cache_salt, adapter_name=adapter_name)
+
+
+SAMPLING_FIELDS = frozenset(a.name for a in SamplingParams.__attrs_attrs__)  # type: ignore[attr-defined]
+
+
+class InputProcessor:
+    """Tokenizes and validates prompts.
+
+    Args:
+        tokenizer: encodes text prompts (token-id prompts skip it).
+        max_model_len: context length in tokens; a prompt must leave room for one generated token.
+        vocab_size: token-id prompts must be below it (None: not checked, the backend checks).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, max_model_len: int, vocab_size: int | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+
+    def encode(self, text: str, *, param: str = "prompt", add_special_tokens: bool = True) -> tuple[int, ...]:
+        """Token ids of ``text``.
+
+        Raises:
+            InvalidRequestError: the text is empty, cannot be tokenized (a lone surrogate, ...), or
+                tokenizes to no tokens.
+        """
+        if not text:
+            raise InvalidRequestError(f"{param} is empty", param=param)
+        try:
+            ids = tuple(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        except Exception as exc:  # noqa: BLE001 - the tokenizer's own errors are the input's fault
+            raise InvalidRequestError(f"{param} could not be tokenized: {one_line(exc)}", param=param) from None
+        if not ids:
+            raise InvalidRequestError(f"{param} is empty (it tokenizes to no tokens)", param=param)
+        return ids
+
+    def check_prompt_ids(self, ids: Sequence[int], *, max_new_tokens: int | None = None,
+                         param: str = "prompt") -> tuple[int, ...]:
+        """Check a tokenized prompt against the vocabulary and the context; returns it as a tuple.
+
+        ``max_new_tokens`` (when given) must fit in the context after the prompt too.
+
+        Raises:
+            InvalidRequestError: empty, token ids outside the vocabulary (``code="invalid_value"``), or
+                too long (``code="context_length_exceeded"``).
+        """
+        ids = tuple(ids)
+        if not ids:
+            raise InvalidRequestError(f"{param} is empty", param=param)
+        if self.vocab_size is not None and any(not 0 <= t < self.vocab_size for t in ids):
+            raise InvalidRequestError(f"{param} token ids must be in [0, {self.vocab_size})", param=param)
+        n, limit = len(ids), self.max_model_len
+        if n >= limit:
+            raise InvalidRequestError(
+                f"{param} has {n} tokens but the model's context is {limit} tokens; it must leave room for at "
+                "least one generated token", param=param, code=CONTEXT_LENGTH_EXCEEDED)
+        if max_new_tokens is not None and n + max_new_tokens > limit:
+            raise InvalidRequestError(
+                f"the model's context is {limit} tokens, but {n + max_new_tokens} were requested ({n} in the "
+                f"{param}, {max_new_tokens} to generate); shorten the prompt or lower the output length",
+                param=param, code=CONTEXT_LENGTH_EXCEEDED)
+        return ids
+
+    def word_variants(self, word: str) -> tuple[tuple[int, ...], ...]:
+        """Token sequences of ``word`` with a leading space (first) and without, duplicates removed.
+
+        Raises:
+            InvalidRequestError: the word cannot be tokenized.
+        """
+        texts = [" " + word.lstrip(), word] if not word.startswith(" ") else [word, word.lstrip()]
+        try:
+            seqs = [tuple(self.tokenizer.encode(t, add_special_tokens=False)) for t in texts]
+        except Exception as exc:  # noqa: BLE001 - see encode
+            raise InvalidRequestError(f"word {word!r} could not be tokenized: {one_line(exc)}",
+                                      param="bad_words") from None
+        return tuple(dict.fromkeys(s for s in seqs if s))
+
+    def process(self, req: GenerationRequest) -> TokenizedRequest:
+        """Tokenize and validate one request (prompt, bad and forced words, the prefix-cache keys).
+
+        Raises:
+            InvalidRequestError: see :meth:`encode` and :meth:`check_prompt_ids`.
+        """
+        if isinstance(req.prompt, str):
+            ids = self.encode(req.prompt)
+        else:
+            ids = tuple(req.prompt)
+        ids = self.check_prompt_ids(ids)
+        params = req.params
+        bad = tuple(dict.fromkeys(v for w in params.bad_words for v in self.word_variants(w)))
+        force = tuple(self.word_variants(w) for w in params.force_words)
+        return TokenizedRequest(
+            request_id=req.request_id,
+            prompt_token_ids=ids,
+            params=params,
+            arrival_ns=req.arrival_ns,
+            priority=req.priority,
+            extra_keys=encode_extra_keys(req.adapter_name, req.cache_salt),
+            bad_words_ids=bad,
+            force_words_ids=force,
+        )
