@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from llminfer.api import schemas as s
+from llminfer.api import protocol as s
 from llminfer.api.errors import APIError, from_engine_error
 from llminfer.api.serving import PromptBuilder, TokenText, check_context, max_new_tokens, sampling_kwargs
 from llminfer.errors import CapacityError, EngineError, InvalidRequestError, RequestAbortedError

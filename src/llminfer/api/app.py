@@ -30,7 +30,7 @@ from litestar.response import Stream
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
 from llminfer import __version__
-from llminfer.api import schemas as s
+from llminfer.api import protocol as s
 from llminfer.api.errors import (
     EXCEPTION_HANDLERS,
     SERVER_ERROR,

@@ -21,7 +21,7 @@ import attrs
 from anyio.abc import TaskGroup
 from msgspec import UNSET
 
-from llminfer.api import schemas as s
+from llminfer.api import protocol as s
 from llminfer.api.errors import APIError, bad_request, from_engine_error
 from llminfer.errors import InvalidRequestError
 from llminfer.protocols.messages import GenerationRequest

@@ -1,4 +1,4 @@
-"""OpenAI request and response bodies as msgspec structs.
+"""The wire protocol: OpenAI request and response bodies as msgspec structs, and :func:`parse_body`.
 
 Litestar decodes request bodies into these structs (types and ranges are checked there, and a failure
 becomes a 400 naming the field), and they make up the OpenAPI document. Unknown request fields are
