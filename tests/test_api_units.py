@@ -7,8 +7,10 @@ import pytest
 
 from llminfer.api import protocol as s
 from llminfer.api.errors import APIError, from_engine_error
-from llminfer.api.serving import PromptBuilder, TokenText, check_context, max_new_tokens, sampling_kwargs
+from llminfer.api.logprobs import TokenText
+from llminfer.api.translate import PromptBuilder, check_context, max_new_tokens, sampling_kwargs
 from llminfer.errors import CapacityError, EngineError, InvalidRequestError, RequestAbortedError
+from llminfer.frontend.input import InputProcessor
 
 
 class CharTokenizer:
@@ -76,11 +78,12 @@ def test_completion_prompt_forms():
 
 
 def test_context_checks():
-    check_context(10, 5, 16, param="prompt")
-    check_context(10, None, 16, param="prompt")
+    inputs = InputProcessor(CharTokenizer(), 16)
+    check_context(inputs, [5] * 10, 5, param="prompt")
+    check_context(inputs, [5] * 10, None, param="prompt")
     for prompt_len, max_new in ((16, None), (10, 7)):
         with pytest.raises(APIError) as err:
-            check_context(prompt_len, max_new, 16, param="prompt")
+            check_context(inputs, [5] * prompt_len, max_new, param="prompt")
         assert err.value.code == "context_length_exceeded" and err.value.param == "prompt"
 
 
@@ -125,16 +128,30 @@ def test_sampling_kwargs_defaults_and_extras():
 
 
 def test_engine_errors_map_to_openai_errors():
-    e = from_engine_error(InvalidRequestError("prompt has 5000 tokens but the model's context is 2048 tokens"))
-    assert (e.status, e.code, e.param) == (400, "context_length_exceeded", "prompt")
-    e = from_engine_error(CapacityError("needs 900 blocks, the pool has 64"), prompt_param="messages")
-    assert (e.status, e.code, e.param) == (400, "context_length_exceeded", "messages")
-    e = from_engine_error(InvalidRequestError("top_k must be an integer >= 0, got -3"))
-    assert (e.status, e.param) == (400, "top_k")
-    e = from_engine_error(InvalidRequestError("max_new_tokens must be a positive integer, got 0"))
-    assert e.param == "max_tokens"
-    e = from_engine_error(InvalidRequestError("unknown sampling argument: __init__() got an unexpected keyword "
-                                              "argument 'typical_p'"))
+    # Mapped by type, param and code, never by the message: rewording a message changes nothing but the text.
+    for text in ("whatever text", "a reworded message about the context"):
+        e = from_engine_error(InvalidRequestError(text, param="temperature"))
+        assert (e.status, e.param, e.code, e.message) == (400, "temperature", "invalid_value", text)
+        e = from_engine_error(InvalidRequestError(text, param="prompt", code="context_length_exceeded"))
+        assert (e.status, e.param, e.code) == (400, "prompt", "context_length_exceeded")
+        e = from_engine_error(InvalidRequestError(text, param="prompt", code="context_length_exceeded"),
+                              prompt_param="messages")
+        assert (e.status, e.param, e.code) == (400, "messages", "context_length_exceeded")
+        e = from_engine_error(CapacityError(text), prompt_param="messages")
+        assert (e.status, e.param, e.code) == (400, "messages", "context_length_exceeded")
+        e = from_engine_error(InvalidRequestError(text))
+        assert (e.status, e.param, e.code) == (400, None, "invalid_value")
+    # Engine field names become the OpenAI ones.
+    for engine_name, api_name in (("max_new_tokens", "max_tokens"), ("min_new_tokens", "max_tokens"),
+                                  ("stop_sequences", "stop"), ("stop_token_ids", "stop"), ("top_k", "top_k"),
+                                  ("prompt[1]", "prompt[1]")):
+        assert from_engine_error(InvalidRequestError("x", param=engine_name)).param == api_name
+    e = from_engine_error(InvalidRequestError("unknown sampling argument 'typical_p'", param="typical_p",
+                                              code="unsupported_parameter"))
     assert (e.status, e.param, e.code) == (400, "typical_p", "unsupported_parameter")
+    assert e.message == "'typical_p' is not supported by this server's engine"
+    # A message that once steered the old text matching no longer does.
+    e = from_engine_error(InvalidRequestError("unknown sampling argument: context", param="seed"))
+    assert (e.param, e.code) == ("seed", "invalid_value")
     assert from_engine_error(EngineError("backend step failed")).status == 500
     assert from_engine_error(RequestAbortedError("the engine shut down")).status == 503

@@ -7,10 +7,8 @@ server is a 500 (``type: "server_error"``).
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
-import attrs
 import msgspec
 import structlog
 from litestar import Request, Response
@@ -22,9 +20,10 @@ from litestar.exceptions import (
     NotFoundException,
     ValidationException,
 )
+from litestar.openapi import ResponseSpec
 
-from llminfer.errors import CapacityError, InvalidRequestError, LLMInferError, RequestAbortedError
-from llminfer.sampling.params import SamplingParams
+from llminfer.api.request_info import request_info
+from llminfer.errors import InvalidRequestError, LLMInferError, RequestAbortedError
 
 log = structlog.get_logger("llminfer.api")
 
@@ -79,53 +78,56 @@ class APIError(Exception):
                         media_type="application/json")
 
 
+OPENAPI_ERRORS = {
+    400: ResponseSpec(ErrorResponse, description="Invalid request (the `param` names the field)."),
+    401: ResponseSpec(ErrorResponse, description="Missing or wrong API key."),
+    404: ResponseSpec(ErrorResponse, description="Unknown model."),
+    429: ResponseSpec(ErrorResponse, description="Queue full; retry after `Retry-After` seconds."),
+    500: ResponseSpec(ErrorResponse, description="Internal error."),
+}
+"""The error responses of the ``/v1`` routes, for the OpenAPI document."""
+
+
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     """A 400 ``invalid_request_error``."""
     return APIError(400, message, param=param, code=code)
 
 
-# Engine field names that differ from the OpenAI request field that sets them.
+# Engine field names that differ from the OpenAI request field that sets them ("prompt" is the
+# ``prompt_param`` of the call: "messages" for chat).
 _ENGINE_TO_API_PARAM = {
     "max_new_tokens": "max_tokens",
     "stop_sequences": "stop",
     "min_new_tokens": "max_tokens",
     "stop_token_ids": "stop",
 }
+UNSUPPORTED_PARAMETER = "unsupported_parameter"
 
 
-def _engine_param(message: str) -> str | None:
-    """The request field an engine validation message is about (its first word names the field)."""
-    m = re.search(r"keyword argument '(\w+)'", message)
-    name = m.group(1) if m else re.split(r"[\s:(]", message, maxsplit=1)[0]
-    if m or name in attrs.fields_dict(SamplingParams):
-        return _ENGINE_TO_API_PARAM.get(name, name)
-    if name == "prompt":
-        return "prompt"
-    return None
+def api_param(engine_param: str | None, prompt_param: str = "prompt") -> str | None:
+    """The OpenAI request field for an engine field name (``None`` stays ``None``)."""
+    if engine_param == "prompt":
+        return prompt_param
+    if engine_param is None:
+        return None
+    return _ENGINE_TO_API_PARAM.get(engine_param, engine_param)
 
 
 def from_engine_error(exc: LLMInferError, *, prompt_param: str = "prompt") -> APIError:
-    """Map an llminfer exception to the error the client gets.
+    """Map an llminfer exception to the error the client gets, by its type and fields, never its text.
 
-    ``InvalidRequestError`` (bad value, prompt too long) and ``CapacityError`` (can never fit in the KV cache)
-    are 400s; a shutdown abort is a 503; anything else the engine raises is a 500.
+    ``InvalidRequestError`` (``CapacityError`` included) is a 400 whose ``param`` is the OpenAI name of
+    ``exc.param`` (``prompt_param`` for the prompt) and whose ``code`` is ``exc.code``; a shutdown abort
+    (``RequestAbortedError``) is a 503; anything else the engine raises is a 500.
     """
-    message = str(exc)
-    if isinstance(exc, CapacityError):
-        return bad_request(message, prompt_param, "context_length_exceeded")
     if isinstance(exc, InvalidRequestError):
-        if "unknown sampling argument" in message:
-            param = _engine_param(message)
-            return bad_request(f"'{param}' is not supported by this server's engine", param, "unsupported_parameter")
-        if "context" in message:
-            return bad_request(message, prompt_param, "context_length_exceeded")
-        param = _engine_param(message)
-        if param == "prompt":
-            param = prompt_param
-        return bad_request(message, param, "invalid_value")
+        param = api_param(exc.param, prompt_param)
+        if exc.code == UNSUPPORTED_PARAMETER:
+            return bad_request(f"'{param}' is not supported by this server's engine", param, exc.code)
+        return bad_request(str(exc), param, exc.code)
     if isinstance(exc, RequestAbortedError):
-        return APIError(503, f"the request was aborted: {message}", type=SERVER_ERROR, code="aborted")
-    return APIError(500, f"the engine failed: {message}", type=SERVER_ERROR)
+        return APIError(503, f"the request was aborted: {exc}", type=SERVER_ERROR, code="aborted")
+    return APIError(500, f"the engine failed: {exc}", type=SERVER_ERROR)
 
 
 _DECODE_WORDS = ("json", "truncated", "malformed", "decode", "$", "expected", "invalid", "number", "utf-8")
@@ -169,9 +171,9 @@ def http_exception_to_api_error(exc: HTTPException) -> APIError:
 
 
 def _note(request: Request, error: APIError) -> None:
-    info = request.scope.setdefault("state", {}).setdefault("llminfer", {})
-    info["error"] = error.message if error.status < 500 else error.message[:200]
-    info["error_code"] = error.code
+    info = request_info(request.scope)
+    info.error = error.message if error.status < 500 else error.message[:200]
+    info.error_code = error.code
 
 
 def handle_api_error(request: Request, exc: APIError) -> Response:

@@ -97,8 +97,7 @@ class ServerMetrics:
             in_flight: engine requests the server has submitted and not yet seen finish.
         """
         m = self.model_name
-        scheduler = getattr(engine, "scheduler", None)
-        running = scheduler.num_running if scheduler is not None else 0
+        running = engine.scheduler_stats()["running"]
         self.running.labels(m).set(running)
         self.waiting.labels(m).set(max(in_flight - running, 0))
         if getattr(engine, "loaded", False):

@@ -1,0 +1,366 @@
+"""Running one API call: its engine requests, the ``n`` fan-out, accounting, and the HTTP response.
+
+A :class:`Job` holds a call's engine requests (one per choice, built by :func:`new_job`);
+:func:`generate_choices` runs them and merges their chunks (the one place that knows choices are separate
+engine requests); :func:`run_job` adds the accounting (metrics, the :class:`JobOutcome`, the admission
+:class:`Ticket` released at the end); :func:`execute` runs a job for an HTTP request, cancelling it when
+the client goes away, and renders it as JSON or as SSE frames (:func:`sse_frames`, shared by chat and
+completions).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import attrs
+import structlog
+from anyio.abc import TaskGroup
+from litestar import Request, Response
+
+from llminfer.api import protocol as s
+from llminfer.api.errors import SERVER_ERROR, APIError, from_engine_error
+from llminfer.api.logprobs import TokenText
+from llminfer.api.middleware import EventStream, watch_disconnect
+from llminfer.api.request_info import RequestInfo, request_info
+from llminfer.errors import InvalidRequestError, LLMInferError
+from llminfer.protocols.messages import GenerationRequest
+from llminfer.results import StreamChunk
+
+if TYPE_CHECKING:
+    from llminfer.api.app import ServerState
+
+log = structlog.get_logger("llminfer.api")
+
+Item = tuple[int, StreamChunk]  #: (choice index, chunk)
+RenderJSON = Callable[["Job", Sequence[Item], "JobOutcome", TokenText], Any]
+RenderEvents = Callable[["Job", Sequence[Item], AsyncIterator[Item], "JobOutcome", TokenText], AsyncIterator[bytes]]
+
+
+# ---------------------------------------------------------------------------- jobs
+@attrs.define
+class Job:
+    """One API call: its engine requests (one per choice) and what the response needs.
+
+    Attributes:
+        kind: ``"chat"`` or ``"completion"``.
+        prompt_ids: token ids of each prompt.
+        choice_prompt: for each choice, the index of its prompt.
+        requests: the engine requests, one per choice, in choice order.
+        logprobs: top alternatives per token to report (``None``: no logprobs).
+        echo_texts: for completions with ``echo``, the prompt text of each prompt.
+    """
+
+    kind: str
+    id: str
+    created: int
+    model: str
+    prompt_ids: list[list[int]]
+    choice_prompt: list[int]
+    requests: list[GenerationRequest]
+    logprobs: int | None = None
+    echo_texts: list[str] | None = None
+    include_usage: bool = False
+
+
+def new_job(kind: str, model: str, prompt_ids: list[list[int]], n: int, make: Callable[..., GenerationRequest],
+            kwargs: dict[str, Any], *, logprobs: int | None = None) -> Job:
+    """Build the engine requests of a call: ``n`` per prompt (seed + i for the i-th sample when seeded).
+
+    Raises:
+        APIError: 400 when the engine rejects a sampling value (the param is named).
+    """
+    requests: list[GenerationRequest] = []
+    choice_prompt: list[int] = []
+    seed = kwargs.get("seed")
+    try:
+        for p, ids in enumerate(prompt_ids):
+            for i in range(n):
+                kw = dict(kwargs)
+                if seed is not None:
+                    kw["seed"] = seed + i
+                requests.append(make(ids, **kw))
+                choice_prompt.append(p)
+    except InvalidRequestError as exc:
+        raise from_engine_error(exc) from None
+    prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
+    return Job(kind=kind, id=prefix + uuid.uuid4().hex, created=int(time.time()), model=model,
+               prompt_ids=prompt_ids, choice_prompt=choice_prompt, requests=requests, logprobs=logprobs)
+
+
+async def generate_choices(engine: Any, requests: Sequence[GenerationRequest],
+                           task_group: TaskGroup | None) -> AsyncIterator[Item]:
+    """Run the engine requests of one call and yield ``(choice index, chunk)`` as chunks arrive.
+
+    This is the one place that knows choices are separate engine requests; an engine-level ``n`` would
+    replace its body. One request is iterated directly; several are pumped by tasks in ``task_group`` (a
+    long-lived group, so no cancel scope spans a ``yield``) into one channel.
+
+    Raises:
+        LLMInferError: the first error any choice's request raised (the others are then cancelled).
+
+    Closing the iterator early cancels every request that has not finished (their KV blocks are freed).
+    """
+    if len(requests) == 1:
+        async with contextlib.aclosing(engine.generate_request(requests[0])) as chunks:
+            async for chunk in chunks:
+                yield 0, chunk
+        return
+    if task_group is None:
+        raise RuntimeError("several choices need the server's task group")
+    send, receive = anyio.create_memory_object_stream[tuple[int, Any, BaseException | None]](math.inf)
+    scopes = [anyio.CancelScope() for _ in requests]
+
+    async def pump(i: int, out: Any) -> None:
+        with scopes[i]:
+            try:
+                async with contextlib.aclosing(engine.generate_request(requests[i])) as chunks:
+                    async for chunk in chunks:
+                        out.send_nowait((i, chunk, None))
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                pass  # the reader went away; closing ``chunks`` cancelled the request
+            except Exception as exc:  # noqa: BLE001 - handed to the reader, never lost in the task group
+                with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    out.send_nowait((i, None, exc))
+            finally:
+                out.close()
+
+    try:
+        for i in range(len(requests)):
+            task_group.start_soon(pump, i, send.clone())
+        send.close()
+        async for i, chunk, error in receive:
+            if error is not None:
+                raise error
+            yield i, chunk
+    finally:
+        send.close()
+        receive.close()
+        for scope in scopes:
+            scope.cancel()
+
+
+class Ticket:
+    """A slot reservation for ``count`` engine requests; :meth:`release` (idempotent) gives it back."""
+
+    def __init__(self, release: Callable[[int], None], count: int) -> None:
+        self._release = release
+        self.count = count
+        self.released = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self._release(self.count)
+
+
+@attrs.define
+class JobOutcome:
+    """Per-call bookkeeping filled while the job runs (read by the request log line)."""
+
+    completion_tokens: int = 0
+    cached_tokens: dict[int, int] = attrs.field(factory=dict)
+    finish_reasons: dict[int, str] = attrs.field(factory=dict)
+    aborted: int = 0
+    failed: bool = False
+
+
+async def run_job(job: Job, engine: Any, task_group: TaskGroup | None, ticket: Ticket, metrics: Any,
+                  outcome: JobOutcome) -> AsyncIterator[Item]:
+    """:func:`generate_choices` plus accounting: metrics for each finished choice, the aborted count when
+    the reader stops early (client disconnect), and the ticket released at the end, however it ends.
+
+    Raises:
+        LLMInferError: as :func:`generate_choices` (counted as failed, not aborted).
+    """
+    finished: set[int] = set()
+    done = False
+    try:
+        async with contextlib.aclosing(generate_choices(engine, job.requests, task_group)) as chunks:
+            async for index, chunk in chunks:
+                if chunk.is_final:
+                    finished.add(index)
+                    outcome.finish_reasons[index] = chunk.finish_reason or "stop"
+                    if chunk.stats is not None:
+                        outcome.completion_tokens += chunk.stats.completion_tokens
+                        outcome.cached_tokens[index] = chunk.stats.cached_tokens
+                    metrics.observe_finished(chunk.stats, chunk.finish_reason)
+                yield index, chunk
+        done = True
+    except Exception:  # LLMInferError from the engine, or a bug: the requests failed, they were not aborted
+        outcome.failed = True
+        metrics.failed(len(job.requests) - len(finished))
+        raise
+    finally:
+        if not done and not outcome.failed and len(finished) < len(job.requests):
+            outcome.aborted = len(job.requests) - len(finished)
+            metrics.aborted(outcome.aborted)
+        ticket.release()
+
+
+def usage_of(job: Job, outcome: JobOutcome) -> s.Usage:
+    """Usage of a finished call: each prompt counted once (its cached tokens: the fewest any of its choices
+    got from the prefix cache), completion tokens summed over choices."""
+    prompt = sum(len(ids) for ids in job.prompt_ids)
+    cached = 0
+    for p in range(len(job.prompt_ids)):
+        hits = [outcome.cached_tokens.get(i, 0) for i, q in enumerate(job.choice_prompt) if q == p]
+        cached += min(hits, default=0)
+    details = s.PromptTokensDetails(cached_tokens=cached) if cached else None
+    return s.Usage(prompt, outcome.completion_tokens, prompt + outcome.completion_tokens, details)
+
+
+@attrs.define
+class _Choice:
+    text: list[str] = attrs.field(factory=list)
+    logprobs: list[Any] = attrs.field(factory=list)
+    finish_reason: str | None = None
+
+
+def collect(job: Job, items: Sequence[Item]) -> list[_Choice]:
+    """Fold all chunks of a finished call into per-choice text, logprob entries and finish reasons."""
+    choices = [_Choice() for _ in job.requests]
+    for index, chunk in items:
+        c = choices[index]
+        c.text.append(chunk.token)
+        c.logprobs.extend(getattr(chunk, "logprobs", ()) or ())
+        if chunk.is_final:
+            c.finish_reason = chunk.finish_reason
+    return choices
+
+
+# ---------------------------------------------------------------------------- SSE
+DONE_FRAME = b"data: [DONE]\n\n"
+
+
+def frame(obj: Any) -> bytes:
+    """One SSE event carrying ``obj`` as JSON."""
+    return b"data: " + s.json_encoder.encode(obj) + b"\n\n"
+
+
+def error_frame(error: APIError) -> bytes:
+    """An SSE event carrying an OpenAI error object (sent when a stream fails after it started)."""
+    return frame(error.body())
+
+
+async def sse_frames(job: Job, first: Sequence[Item], rest: AsyncIterator[Item], outcome: JobOutcome, *,
+                     opening: Iterable[bytes], render: Callable[[int, StreamChunk], Iterable[bytes]],
+                     usage_frame: Callable[[s.Usage], bytes]) -> AsyncIterator[bytes]:
+    """The frames of a streamed call: ``opening``, then ``render`` of every chunk (``first``: the chunks
+    already pulled, then ``rest``, which the caller closes), then ``usage_frame`` of the usage when the
+    client asked for it (``include_usage``), then ``[DONE]``."""
+    for f in opening:
+        yield f
+    for index, item in first:
+        for f in render(index, item):
+            yield f
+    async for index, item in rest:
+        for f in render(index, item):
+            yield f
+    if job.include_usage:
+        yield usage_frame(usage_of(job, outcome))
+    yield DONE_FRAME
+
+
+async def _guarded(events: AsyncIterator[bytes], chunks: AsyncIterator[Any], info: RequestInfo) -> AsyncIterator[bytes]:
+    """Frames of ``events``; a failure after the stream started becomes an error event, then ``[DONE]``."""
+    finished = False
+    try:
+        async with contextlib.aclosing(events) as frames:  # type: ignore[type-var]
+            async for f in frames:
+                yield f
+        finished = True
+    except LLMInferError as exc:
+        error = from_engine_error(exc)
+        log.error("stream failed", error=repr(exc))
+        info.error = error.message
+        yield error_frame(error)
+        yield DONE_FRAME
+        finished = True
+    except Exception as exc:
+        log.exception("stream failed", error=repr(exc))
+        error = APIError(500, f"internal server error ({type(exc).__name__})", type=SERVER_ERROR)
+        info.error = error.message
+        yield error_frame(error)
+        yield DONE_FRAME
+        finished = True
+    finally:
+        if not finished:
+            info.disconnected = True
+        await chunks.aclose()  # type: ignore[attr-defined]
+
+
+# ---------------------------------------------------------------------------- one HTTP call
+async def execute(request: Request, state: ServerState, job: Job, *, stream: bool, prompt_param: str,
+                  render_json: RenderJSON, render_events: RenderEvents) -> Response:
+    """Admit, run and render one call (streamed or not), cancelling it if the client goes away.
+
+    Until every choice has produced a chunk the call can still fail as a plain error response; after
+    that, a failure becomes an error event in the stream.
+
+    Raises:
+        APIError: 429 when the server is full (see ``ServerState.admit``), or the engine's error mapped by
+            :func:`~llminfer.api.errors.from_engine_error` (a prompt that can never fit: 400).
+    """
+    ticket = state.admit(len(job.requests))
+    outcome = JobOutcome()
+    info = request_info(request.scope)
+    info.prompt_tokens = sum(len(p) for p in job.prompt_ids)
+    info.choices = len(job.requests)
+    info.outcome = outcome
+    chunks = run_job(job, state.engine, state.task_group, ticket, state.metrics, outcome)
+
+    async def collect_all() -> list[Item]:
+        return [item async for item in chunks]
+
+    async def preroll() -> list[Item]:
+        # Until every choice has produced a chunk: a request that fails at once (prompt too long, cannot fit
+        # in the KV cache) becomes a plain error response instead of a broken stream.
+        items: list[Item] = []
+        seen: set[int] = set()
+        while len(seen) < len(job.requests):
+            try:
+                item = await chunks.__anext__()
+            except StopAsyncIteration:
+                break
+            items.append(item)
+            seen.add(item[0])
+        return items
+
+    try:
+        items, disconnected = await watch_disconnect(request.receive, preroll if stream else collect_all)
+    except LLMInferError as exc:
+        await chunks.aclose()
+        raise from_engine_error(exc, prompt_param=prompt_param) from None
+    except BaseException:
+        await chunks.aclose()
+        ticket.release()
+        raise
+    if disconnected:
+        await chunks.aclose()
+        ticket.release()
+        info.status_override = 499
+        info.disconnected = True
+        return Response(b"", status_code=499)
+    token_text = state.token_text
+    assert token_text is not None
+    if not stream:
+        await chunks.aclose()
+        return Response(render_json(job, items, outcome, token_text), status_code=200)
+    frames = _guarded(render_events(job, items, chunks, outcome, token_text), chunks, info)
+
+    async def cleanup() -> None:
+        # Run by the request middleware once the response is over, however it ended: a stream cancelled
+        # while parked at a ``yield`` (or never started) is closed here, so its requests are cancelled now
+        # rather than whenever the generator is garbage-collected.
+        await frames.aclose()
+        await chunks.aclose()
+
+    info.cleanup = cleanup
+    return EventStream(frames, media_type="text/event-stream",
+                       headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -1,0 +1,251 @@
+"""From an OpenAI request body to engine request arguments.
+
+:class:`PromptBuilder` turns chat messages and completion prompts into token ids, :func:`check_context`
+checks they fit in the model's context, :func:`max_new_tokens` and :func:`sampling_kwargs` build the
+arguments of ``engine.make_request``, and the ``check_*`` functions refuse options this server does not
+support. Prompts are judged by the engine's own :class:`~llminfer.frontend.input.InputProcessor`
+(``engine.inputs``); its :class:`~llminfer.errors.InvalidRequestError` becomes an
+:class:`~llminfer.api.errors.APIError` naming the OpenAI field (``messages``, ``prompt``, ``prompt[1]``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from msgspec import UNSET
+
+from llminfer.api import protocol as s
+from llminfer.api.errors import bad_request, from_engine_error
+from llminfer.errors import InvalidRequestError
+from llminfer.frontend.input import InputProcessor
+
+Body = s.ChatCompletionRequest | s.CompletionRequest
+
+
+# ---------------------------------------------------------------------------- prompts
+class PromptBuilder:
+    """Turns chat messages and completion prompts into token ids the way the model expects.
+
+    Args:
+        tokenizer: the engine's Hugging Face tokenizer.
+        vocab_size: token ids must be below it (``None``: not checked here); used when ``inputs`` is not given.
+        inputs: the engine's input validation (``engine.inputs``). Default: one over ``tokenizer`` and
+            ``vocab_size`` with no context limit (the context is then checked by :func:`check_context` only).
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int | None = None, *, inputs: InputProcessor | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.inputs = inputs if inputs is not None else InputProcessor(tokenizer, sys.maxsize, vocab_size)
+        bos = getattr(tokenizer, "bos_token_id", None)
+        self.bos_id: int | None = bos if isinstance(bos, int) else None
+        self.adds_bos = False
+        if self.bos_id is not None:
+            with contextlib.suppress(Exception):
+                self.adds_bos = tokenizer.encode("a")[:1] == [self.bos_id]
+
+    def encode(self, text: str, param: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Tokenize a prompt as the engine's tokenize stage does (special tokens added by default).
+
+        Raises:
+            APIError: 400 naming ``param`` when the text is empty, cannot be tokenized or tokenizes to nothing.
+        """
+        try:
+            return list(self.inputs.encode(text, param=param, add_special_tokens=add_special_tokens))
+        except InvalidRequestError as exc:
+            raise from_engine_error(exc, prompt_param=param) from None
+
+    def chat(self, messages: Sequence[s.ChatMessage]) -> list[int]:
+        """Render the conversation with the chat template (generation prompt added) and tokenize it with
+        exactly one BOS token (when the model uses one).
+
+        Raises:
+            APIError: 400 for a non-text content part, a model without a chat template, messages the
+                template rejects, or an empty rendering.
+        """
+        conversation = []
+        for i, message in enumerate(messages):
+            content = message.content
+            if content is None:
+                text = ""
+            elif isinstance(content, str):
+                text = content
+            else:
+                parts = []
+                for j, part in enumerate(content):
+                    if part.type != "text":
+                        raise bad_request(f"content parts of type '{part.type}' are not supported; only 'text'",
+                                          f"messages[{i}].content[{j}].type", "unsupported_content_type")
+                    if part.text is None:
+                        raise bad_request("a 'text' content part needs a 'text' field",
+                                          f"messages[{i}].content[{j}].text", "missing_required_parameter")
+                    parts.append(part.text)
+                text = "\n".join(parts)
+            role = "system" if message.role == "developer" else message.role
+            conversation.append({"role": role, "content": text})
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise bad_request("this model has no chat template; use /v1/completions", "messages",
+                              "no_chat_template")
+        try:
+            rendered = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # noqa: BLE001 - jinja TemplateError and the like: the messages' fault
+            raise bad_request(f"the messages could not be rendered with the chat template: {exc}",
+                              "messages") from None
+        ids = self.encode(rendered, "messages", add_special_tokens=False)
+        bos = self.bos_id
+        if bos is not None:
+            while len(ids) > 1 and ids[0] == bos and ids[1] == bos:
+                del ids[0]
+            if self.adds_bos and ids[0] != bos:
+                ids.insert(0, bos)
+        return ids
+
+    def completion(self, prompt: str | list[Any]) -> list[list[int]]:
+        """Split ``prompt`` into prompts (a string, strings, token ids, or token-id lists) as token ids.
+
+        Raises:
+            APIError: 400 for a mixed or empty list, an empty prompt, or token ids outside the vocabulary.
+        """
+        if isinstance(prompt, str):
+            return [self.encode(prompt, "prompt")]
+        kinds = {type(x) for x in prompt}
+        if kinds == {str}:
+            return [self.encode(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+        if kinds == {int}:
+            return [self._check_ids(prompt, "prompt")]
+        if kinds == {list}:
+            return [self._check_ids(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+        raise bad_request("prompt must be a string, a list of strings, a list of token ids or a list of token-id "
+                          "lists (not a mix)", "prompt", "invalid_type")
+
+    def _check_ids(self, ids: list[int], param: str) -> list[int]:
+        """The engine's prompt check (empty, vocabulary, context).
+
+        Raises:
+            APIError: 400 naming ``param`` (``invalid_value`` or ``context_length_exceeded``).
+        """
+        try:
+            return list(self.inputs.check_prompt_ids(ids, param=param))
+        except InvalidRequestError as exc:
+            raise from_engine_error(exc, prompt_param=param) from None
+
+
+def check_context(inputs: InputProcessor, ids: Sequence[int], max_new: int | None, *, param: str) -> None:
+    """Refuse a prompt that leaves no room in the context, or that with ``max_new`` tokens overflows it
+    (the engine's check: ``inputs.check_prompt_ids``).
+
+    Raises:
+        APIError: 400 naming ``param``, code ``context_length_exceeded`` (or ``invalid_value`` for ids the
+            engine refuses).
+    """
+    try:
+        inputs.check_prompt_ids(ids, max_new_tokens=max_new, param=param)
+    except InvalidRequestError as exc:
+        raise from_engine_error(exc, prompt_param=param) from None
+
+
+# ---------------------------------------------------------------------------- body checks
+def check_common(body: Body, num_prompts: int) -> None:
+    """Checks shared by chat and completions: ``stream_options``, ``logit_bias``, the number of choices.
+
+    Raises:
+        APIError: 400 naming the field.
+    """
+    if body.stream_options is not None and not body.stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    if body.logit_bias:
+        raise bad_request("logit_bias is not supported by this server", "logit_bias", "unsupported_parameter")
+    if num_prompts * (body.n or 1) > s.MAX_CHOICES:
+        raise bad_request(f"at most {s.MAX_CHOICES} choices per request (prompts x n)", "n", "invalid_value")
+
+
+def check_chat(body: s.ChatCompletionRequest) -> int | None:
+    """Refuse chat options this server does not support; return the logprobs to report (``None``: none).
+
+    Raises:
+        APIError: 400 naming the field (``tools``, ``response_format``, ``top_logprobs``, or see
+            :func:`check_common`).
+    """
+    check_common(body, 1)
+    if body.tools:
+        raise bad_request("tools are not supported by this server", "tools", "unsupported_parameter")
+    if body.response_format and body.response_format.get("type", "text") != "text":
+        raise bad_request("only response_format type 'text' is supported", "response_format",
+                          "unsupported_parameter")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
+    return (body.top_logprobs or 0) if body.logprobs else None
+
+
+def check_completion(body: s.CompletionRequest) -> None:
+    """Refuse completion options this server does not support.
+
+    Raises:
+        APIError: 400 naming the field (``suffix``, ``best_of``, ``echo``, or see :func:`check_common`).
+    """
+    if body.suffix:
+        raise bad_request("suffix is not supported by this server", "suffix", "unsupported_parameter")
+    if body.best_of is not None and body.best_of != (body.n or 1):
+        raise bad_request("best_of is not supported (it must equal n)", "best_of", "unsupported_parameter")
+    if body.echo and body.logprobs is not None:
+        raise bad_request("echo together with logprobs is not supported (no prompt logprobs)", "echo",
+                          "unsupported_parameter")
+    prompt = body.prompt
+    num_prompts = len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else 1
+    check_common(body, num_prompts)
+
+
+def include_usage(body: Body) -> bool:
+    """A streamed call asked for the final usage chunk."""
+    return bool(body.stream and body.stream_options and body.stream_options.include_usage)
+
+
+# ---------------------------------------------------------------------------- sampling arguments
+_MIN_TEMPERATURE = 1e-5
+_PASS_THROUGH = ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "no_repeat_ngram_size")
+
+
+def max_new_tokens(body: Body, default: int | None) -> tuple[int | None, str]:
+    """The completion length the client asked for, and the field it came from.
+
+    ``max_completion_tokens`` wins over ``max_tokens``; an explicit ``null`` means "until the context fills".
+    """
+    if body.max_completion_tokens is not UNSET:
+        return body.max_completion_tokens, "max_completion_tokens"  # type: ignore[return-value]
+    if body.max_tokens is not UNSET:
+        return body.max_tokens, "max_tokens"  # type: ignore[return-value]
+    return default, "max_tokens"
+
+
+def sampling_kwargs(body: Body, max_new: int | None, logprobs: int | None) -> dict[str, Any]:
+    """Keyword arguments of ``engine.make_request`` for an OpenAI request (OpenAI defaults: temperature 1,
+    top_p 1; a temperature below 1e-5 is greedy). Fields the client did not send are left out, so the
+    engine's defaults apply; the engine validates the values (see :func:`~llminfer.api.execution.new_job`)."""
+    temperature = 1.0 if body.temperature is None else float(body.temperature)
+    kw: dict[str, Any] = {
+        "max_new_tokens": max_new,
+        # Below 1e-5 the logits / temperature can overflow to inf; such a temperature means greedy anyway.
+        "temperature": 0.0 if temperature < _MIN_TEMPERATURE else temperature,
+        "top_p": 1.0 if body.top_p is None else float(body.top_p),
+    }
+    if body.top_k is not None:
+        kw["top_k"] = max(body.top_k, 0)  # -1 (vLLM's "off") is 0 here
+    if body.stop:
+        kw["stop_sequences"] = [body.stop] if isinstance(body.stop, str) else list(body.stop)
+    if body.seed is not None:
+        kw["seed"] = body.seed
+    if body.ignore_eos:
+        kw["ignore_eos"] = True
+    for name in _PASS_THROUGH:
+        value = getattr(body, name)
+        if value is not None:
+            kw[name] = value
+    if body.bad_words:
+        kw["bad_words"] = tuple(body.bad_words)
+    if body.force_words:
+        kw["force_words"] = tuple(body.force_words)
+    if logprobs is not None:
+        kw["logprobs"] = logprobs
+    return kw
