@@ -1,4 +1,6 @@
-"""OpenAI error objects: one exception class, the mapping from llminfer and Litestar errors, the handlers.
+"""OpenAI error objects: one exception class (:class:`APIError`), the mapping from llminfer errors (by type,
+``param`` and ``code``: :func:`from_engine_error`) and Litestar errors, the exception handlers, and the
+error responses of the OpenAPI document.
 
 Every error the server returns has the OpenAI shape ``{"error": {"message", "type", "param", "code"}}``.
 Bad input is always a 4xx naming the offending ``param`` where there is one; only a failure inside the

@@ -253,7 +253,11 @@ async def sse_frames(job: Job, first: Sequence[Item], rest: AsyncIterator[Item],
                      usage_frame: Callable[[s.Usage], bytes]) -> AsyncIterator[bytes]:
     """The frames of a streamed call: ``opening``, then ``render`` of every chunk (``first``: the chunks
     already pulled, then ``rest``, which the caller closes), then ``usage_frame`` of the usage when the
-    client asked for it (``include_usage``), then ``[DONE]``."""
+    client asked for it (``include_usage``), then ``[DONE]``.
+
+    Raises:
+        LLMInferError: what ``rest`` raised (the caller turns it into an error event).
+    """
     for f in opening:
         yield f
     for index, item in first:

@@ -93,8 +93,10 @@ class ServerMetrics:
         """Refresh the engine gauges and return the text exposition format.
 
         Args:
-            engine: the :class:`~llminfer.engine.InferenceEngine` (gauges stay 0 before it loads).
-            in_flight: engine requests the server has submitted and not yet seen finish.
+            engine: the :class:`~llminfer.engine.InferenceEngine` (gauges stay 0 before it loads); running
+                requests come from ``engine.scheduler_stats()``.
+            in_flight: engine requests the server has submitted and not yet seen finish (those not running
+                are reported as waiting: queued in the engine or still in transit to it).
         """
         m = self.model_name
         running = engine.scheduler_stats()["running"]
