@@ -310,7 +310,8 @@ def test_engine_failure_mid_stream_sends_error_event_then_done(server, client, m
     assert lines[-1] == "data: [DONE]"
     error = json.loads(lines[-2].removeprefix("data: "))["error"]
     assert error["type"] == "server_error" and "simulated backend failure" in error["message"]
-    assert wait_until(lambda: engine.cache_stats()["blocks_used"] == 0)
+    engine.wait_drained()
+    assert engine.cache_stats()["blocks_used"] == 0
     assert wait_until(lambda: app.state["llminfer"].in_flight == 0)
     assert_serves(client)
 
@@ -323,8 +324,8 @@ def test_disconnect_non_streaming_cancels_the_request(server, client):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(url + COMPLETIONS, headers=AUTH, timeout=httpx.Timeout(60, read=0.4),
                    json={"model": "tiny", "prompt": "Hi", "max_tokens": 250, "ignore_eos": True})
-    assert wait_until(lambda: engine.scheduler.num_running == 0, timeout_s=5)
-    assert wait_until(lambda: engine.cache_stats()["blocks_used"] == 0, timeout_s=5)
+    engine.wait_drained()
+    assert engine.cache_stats()["blocks_used"] == 0 and engine.scheduler_stats()["running"] == 0
     assert wait_until(lambda: app.state["llminfer"].in_flight == 0, timeout_s=5)
     assert metric(client, "llminfer_requests_aborted_total") == aborted_before + 1
     assert metric(client, "llminfer_generation_tokens_total") == generated_before  # it never finished
@@ -340,8 +341,8 @@ def test_disconnect_streaming_cancels_the_request(server, client):
         for _ in range(6):
             next(lines)
     # Leaving the block closes the connection half-way through the stream.
-    assert wait_until(lambda: engine.scheduler.num_running == 0, timeout_s=5)
-    assert wait_until(lambda: engine.cache_stats()["blocks_used"] == 0, timeout_s=5)
+    engine.wait_drained()
+    assert engine.cache_stats()["blocks_used"] == 0 and engine.scheduler_stats()["running"] == 0
     assert wait_until(lambda: app.state["llminfer"].in_flight == 0, timeout_s=5)
     assert metric(client, "llminfer_requests_aborted_total") == aborted_before + 2
     assert_serves(client)

@@ -72,5 +72,5 @@ def test_no_server_errors(fuzz_server):
 def test_fuzzing_left_nothing_behind(fuzz_server):
     url, engine = fuzz_server
     assert httpx.get(url + "/healthz").status_code == 200
-    assert wait_until(lambda: engine.scheduler.num_running == 0 and engine.cache_stats()["blocks_used"] == 0,
-                      timeout_s=10)
+    engine.wait_drained()
+    assert engine.scheduler_stats()["running"] == 0 and engine.cache_stats()["blocks_used"] == 0

@@ -108,8 +108,10 @@ def test_load_with_disconnects(served):
             assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
     # Afterwards: nothing running, nothing queued, every KV block free.
     state = app.state["llminfer"]
-    assert wait_until(lambda: state.in_flight == 0 and engine.scheduler.num_running == 0, timeout_s=10)
-    assert wait_until(lambda: engine.cache_stats()["blocks_used"] == 0, timeout_s=10)
+    engine.wait_drained()
+    assert engine.scheduler_stats()["running"] == 0
+    assert engine.cache_stats()["blocks_used"] == 0
+    assert wait_until(lambda: state.in_flight == 0, timeout_s=10)  # the server's own admission count
     assert _metric(url, "llminfer_num_requests_running") == 0
     assert _metric(url, "llminfer_num_requests_waiting") == 0
     assert _metric(url, "llminfer_kv_blocks_used") == 0

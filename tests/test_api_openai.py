@@ -255,4 +255,5 @@ def test_client_sees_openai_errors(client, engine):
         if i == 3:
             break
     stream.close()
-    assert wait_until(lambda: engine.cache_stats()["blocks_used"] == 0, timeout_s=10)
+    engine.wait_drained()
+    assert engine.cache_stats()["blocks_used"] == 0

@@ -53,7 +53,8 @@ def test_stop_string_across_token_boundary(engine):
                                                       stop_sequences=["zzzz-never", stop]))
     assert streamed == expected
     assert stop not in streamed
-    assert wait_until(lambda: engine.cache_stats()["blocks_used"] == 0)
+    engine.wait_drained()
+    assert engine.cache_stats()["blocks_used"] == 0
 
 
 def test_earliest_stop_string_wins(engine):
@@ -69,7 +70,8 @@ def test_cancelled_stream_frees_blocks(engine):
         if n == 3:
             break
     stream.close()
-    assert wait_until(lambda: engine.cache_stats()["blocks_used"] == 0)
+    engine.wait_drained()
+    assert engine.cache_stats()["blocks_used"] == 0
     # The engine keeps serving afterwards.
     assert engine.run("again", max_new_tokens=3).stats.completion_tokens == 3
 

@@ -7,12 +7,17 @@ import json
 import sys
 from pathlib import Path
 
+import time
+import uuid
+
 import anyio
 import pytest
 
 from helpers import make_engine
-from llminfer import Pipeline
+from llminfer import EngineError, Pipeline, RequestAbortedError, SamplingParams
 from llminfer.models import builtin_model_path
+from llminfer.protocols import EngineCore, SendsUpstream, Sink
+from llminfer.protocols.messages import Control, GenerationRequest
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -46,19 +51,15 @@ def test_user_stages_filter_and_record(tmp_path):
     assert engine.cache_stats()["blocks_used"] == 0
 
 
-def test_example_script_runs(tmp_path):
-    ex = _load_example()
-    texts = ex.main(str(tmp_path / "out.jsonl"), 4)
-    assert len(texts) == 2
-
-
 def test_pipeline_rejects_bad_assembly():
     engine = make_engine(builtin_model_path())
     stages = engine.default_stages()
-    with pytest.raises(ValueError, match="SchedulerStage"):
-        Pipeline([stages["tokenize"], stages["sink"]], step=stages["step"])
     with pytest.raises(ValueError, match="sink"):
-        Pipeline([stages["tokenize"], stages["scheduler"], stages["detokenize"]], step=stages["step"])
+        Pipeline([stages["tokenize"], stages["core"], stages["detokenize"]])
+    with pytest.raises(ValueError, match="not a stage"):
+        Pipeline([object(), stages["sink"]])
+    assert isinstance(stages["core"], EngineCore) and isinstance(stages["sink"], Sink)
+    assert isinstance(stages["detokenize"], SendsUpstream) and not isinstance(stages["tokenize"], SendsUpstream)
 
 
 def test_broken_user_stage_fails_requests_instead_of_hanging():
@@ -72,12 +73,94 @@ def test_broken_user_stage_fails_requests_instead_of_hanging():
                 async for _ in inbox:
                     raise RuntimeError("boom")
 
-    ex = _load_example()
     pipeline = engine.build_pipeline(after_detokenize=[Broken()])
 
     async def go():
-        with anyio.fail_after(10):
+        with anyio.fail_after(30):
             async with pipeline:
-                await ex.generate_all(pipeline, ["x"], 4)
+                stream = await pipeline.submit(_request("x"))
+                async with stream:
+                    return [delta async for delta in stream]
 
-    anyio.run(go)  # the request ends (with an error delta) rather than hanging
+    deltas = anyio.run(go)
+    assert deltas[-1].finished and isinstance(deltas[-1].error, EngineError)
+    assert "stage broken failed: RuntimeError: boom" in str(deltas[-1].error)
+
+
+class Gate:
+    """Holds every message in front of the core until ``open`` is set (a request stuck upstream, for as
+    long as the test likes); ``holding`` is set once it holds ``count`` messages."""
+
+    name = "gate"
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.held: list = []
+        self.holding = anyio.Event()
+        self.open = anyio.Event()
+
+    async def run(self, inbox, outbox):
+        async with outbox:
+            async for msg in inbox:
+                if not self.open.is_set():
+                    self.held.append(msg)
+                    if len(self.held) >= self.count:
+                        self.holding.set()
+                        await self.open.wait()
+                        for held in self.held:
+                            await outbox.send(held)
+                    continue
+                await outbox.send(msg)
+
+
+def _request(prompt, max_new_tokens=4):
+    return GenerationRequest(uuid.uuid4().hex, prompt, SamplingParams(max_new_tokens=max_new_tokens),
+                             time.perf_counter_ns())
+
+
+def test_abort_sent_before_the_request_reaches_the_core_cancels_it():
+    """The abort travels behind its request on the one ordered inbox: however long the request waits
+    upstream (here: until the test opens the gate; there is no timeout to outlast), the core sees the
+    request first, then its abort, and frees its blocks."""
+    engine = make_engine(builtin_model_path())
+    stages = engine.default_stages()
+    gate = Gate(count=2)
+    pipeline = Pipeline([stages["tokenize"], gate, stages["prefix_hash"], stages["core"], stages["detokenize"],
+                         stages["sink"]])
+    long = _request("a prompt that waits upstream", max_new_tokens=500)
+
+    async def go():
+        with anyio.fail_after(60):
+            async with pipeline:
+                stream = await pipeline.submit(long)
+                pipeline.abort(long.request_id)
+                await gate.holding.wait()  # both the request and its abort are stuck in front of the core
+                assert engine.cache_stats()["queries"] == 0
+                gate.open.set()
+                async with stream:
+                    deltas = [d async for d in stream]
+                done = anyio.Event()
+                pipeline.send_nowait(Control("drain", done))
+                await done.wait()
+                after = await pipeline.submit(_request("next"))
+                async with after:
+                    return deltas, [d async for d in after]
+
+    deltas, after = anyio.run(go)
+    assert deltas[-1].finish_reason == "abort" and isinstance(deltas[-1].error, RequestAbortedError)
+    assert sum(len(d.token_ids) for d in deltas) < 500  # cut short: the abort was not lost
+    assert after[-1].finish_reason == "length"
+    stats = engine.cache_stats()
+    assert stats["blocks_used"] == 0 and engine.scheduler_stats() == {"running": 0, "waiting": 0}
+
+
+def test_handle_cancel_while_waiting_upstream_frees_everything():
+    """The same through the engine's own API: a stream closed before its request reached the core."""
+    engine = make_engine(builtin_model_path())
+    with engine:
+        chunks = engine.stream("hello", max_new_tokens=300)
+        next(chunks)
+        chunks.close()
+        engine.wait_drained()
+        assert engine.cache_stats()["blocks_used"] == 0
+        assert engine.run("again", max_new_tokens=3).finish_reason == "length"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import zlib
 
 import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
@@ -11,13 +12,14 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from llminfer.kv.manager import KVCacheManager
 from llminfer.protocols.messages import StepOutput, TokenizedRequest
 from llminfer.sampling.params import SamplingParams
-from llminfer.scheduler import Scheduler, SchedulerLimits
+from llminfer.core.scheduler import Scheduler, SchedulerLimits
 
 SHARED_PREFIXES = [tuple(range(100, 100 + n)) for n in (0, 5, 8, 13)]
 
 
 def fake_token(request_id: str, position: int) -> int:
-    return (hash((request_id, position)) % 7) + 1
+    # zlib.crc32, not hash(): string hashes differ per process, and a failing example must replay.
+    return zlib.crc32(f"{request_id}:{position}".encode()) % 7 + 1
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -60,7 +62,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.live.add(rid)
         self.generated[rid] = []
 
-    def _step(self):
+    def _step(self, abort_during_step=None):
         plan, failures = self.sched.schedule()
         assert plan.num_tokens <= self.limits.max_num_batched_tokens, "token budget exceeded"
         assert len(plan.sequences) <= self.limits.max_batch_size
@@ -72,8 +74,16 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.finished.add(f.request_id)
         sampled = {s.request_id: fake_token(s.request_id, s.start_position + len(s.token_ids))
                    for s in plan.sequences if s.sample}
-        updates = self.sched.update(StepOutput(plan.step_id, sampled, 0, 0))
+        if abort_during_step is not None and plan.sequences:
+            # The core takes an abort between schedule() and update_from_output() when it arrives while
+            # the step runs: the plan still names the request, the update must skip it.
+            rid = plan.sequences[abort_during_step % len(plan.sequences)].request_id
+            if self.sched.finish_request(rid) is not None:
+                self.live.discard(rid)
+                self.finished.add(rid)
+        updates = self.sched.update_from_output(plan, StepOutput(plan.step_id, sampled, 0, 0))
         for u in updates:
+            assert u.request_id not in self.finished or u.finish_reason is not None, "update after finish"
             self.generated[u.request_id].extend(u.new_token_ids)
             if u.finish_reason is not None:
                 self.live.discard(u.request_id)
@@ -84,11 +94,15 @@ class SchedulerMachine(RuleBasedStateMachine):
     def step(self):
         self._step()
 
+    @rule(which=st.integers(0, 5))
+    def step_with_abort_in_flight(self, which):
+        self._step(abort_during_step=which)
+
     @precondition(lambda self: bool(self.live))
     @rule(data=st.data())
     def abort(self, data):
         rid = data.draw(st.sampled_from(sorted(self.live)))
-        assert self.sched.abort(rid)
+        assert self.sched.finish_request(rid) is not None
         self.live.discard(rid)
         self.finished.add(rid)
 
@@ -189,7 +203,7 @@ def test_preemption_happens_and_recovers():
         plan, failures = sched.schedule()
         assert not failures
         sampled = {s.request_id: 5 for s in plan.sequences if s.sample}
-        for u in sched.update(StepOutput(plan.step_id, sampled, 0, 0)):
+        for u in sched.update_from_output(plan, StepOutput(plan.step_id, sampled, 0, 0)):
             if u.finish_reason:
                 done.add(u.request_id)
         sched.check_invariants()
@@ -208,5 +222,5 @@ def test_full_prefix_hit_still_computes_last_token():
         plan, _ = sched.schedule()
         (seq,) = plan.sequences
         assert len(seq.token_ids) >= 1 and seq.sample
-        sched.update(StepOutput(plan.step_id, {rid: 3}, 0, 0))
+        sched.update_from_output(plan, StepOutput(plan.step_id, {rid: 3}, 0, 0))
     assert kv.num_hits == 1 and kv.hit_tokens == 4  # one block reused, the last block recomputed

@@ -96,3 +96,83 @@ def _layer_adapters(layer: Any) -> set[str]:
         if container is not None and hasattr(container, "keys"):
             names.update(container.keys())
     return names
+
+
+class AdapterManager:
+    """The LoRA adapter lifecycle of one engine: load, activate, unload, list.
+
+    The model runs one adapter at a time and the adapter's name partitions the prefix cache (it is part
+    of every block hash), so changes are refused while requests are in flight; unloading also resets the
+    prefix cache (through ``reset_prefix_cache``, a message the engine sends into the core's ordered
+    inbox, so that no later request can hit KV computed under the removed adapter).
+
+    Args:
+        model: the loaded transformers model.
+        download_kwargs: hub arguments (token, cache folder, offline) for adapter ids.
+        secrets: strings never to show in an error (the HF token).
+    """
+
+    def __init__(self, model: torch.nn.Module, download_kwargs: dict[str, Any],
+                 secrets: tuple[str | None, ...] = ()) -> None:
+        self.model = model
+        self.download_kwargs = download_kwargs
+        self.secrets = secrets
+        self.adapters: dict[str, str] = {}
+        self.active: str | None = None
+
+    def load(self, path_or_id: str, adapter_name: str | None = None, *, activate: bool = True) -> str:
+        """Load a PEFT LoRA adapter into the model (the base model is not reloaded). Returns its name.
+
+        Raises:
+            ConfigError: a bad or already used name.
+            ModelLoadError: the adapter cannot be found or does not fit the model.
+        """
+        import re
+        from pathlib import Path
+
+        from llminfer.errors import ConfigError, ModelLoadError, one_line
+
+        if str(path_or_id).startswith(("/", ".", "~")) and not Path(str(path_or_id)).expanduser().exists():
+            raise ModelLoadError(f"adapter folder {path_or_id!r} does not exist")
+        name = adapter_name or Path(str(path_or_id).rstrip("/")).name or "default"
+        if not re.fullmatch(r"[A-Za-z0-9_\-]{1,64}", name):
+            raise ConfigError(f"adapter_name {name!r}: use 1-64 letters, digits, '_' or '-'")
+        if name in self.adapters:
+            raise ConfigError(f"an adapter named {name!r} is already loaded; unload it or choose another name")
+        previous = self.active
+        try:
+            load(self.model, str(path_or_id), name, {k: v for k, v in self.download_kwargs.items() if v})
+        except Exception as exc:  # noqa: BLE001 - PEFT/transformers raise many kinds; one clear line
+            raise ModelLoadError(f"cannot load adapter {path_or_id!r}: {one_line(exc, self.secrets)}") from None
+        self.adapters[name] = str(path_or_id)
+        self.set(name if activate else previous)
+        return name
+
+    def set(self, adapter_name: str | None) -> None:
+        """Make ``adapter_name`` active (None: the base model).
+
+        Raises:
+            ConfigError: no adapter of that name is loaded.
+        """
+        from llminfer.errors import ConfigError
+
+        if adapter_name is not None and adapter_name not in self.adapters:
+            raise ConfigError(f"no adapter named {adapter_name!r} is loaded (loaded: {sorted(self.adapters)})")
+        activate(self.model, adapter_name)
+        self.active = adapter_name
+
+    def unload(self, adapter_name: str) -> None:
+        """Remove an adapter's weights; if it was active, the base model becomes active.
+
+        Raises:
+            ConfigError: no adapter of that name is loaded.
+        """
+        from llminfer.errors import ConfigError
+
+        if adapter_name not in self.adapters:
+            raise ConfigError(f"no adapter named {adapter_name!r} is loaded (loaded: {sorted(self.adapters)})")
+        if self.active == adapter_name:
+            self.set(None)
+        delete(self.model, adapter_name)
+        del self.adapters[adapter_name]
+        self.set(self.active)  # PEFT may pick another active adapter on deletion

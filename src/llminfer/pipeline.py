@@ -1,16 +1,21 @@
-"""Pipeline: wires stages with bounded anyio memory channels and runs them in one task group.
+"""Pipeline: wires stages with anyio memory channels and runs them in one task group.
 
-``Pipeline([tokenize, prefix_hash, scheduler, detokenize, ..., sink], step=step)`` connects each stage's
-outbox to the next stage's inbox (bounded: a slow stage applies backpressure upstream), loops the
-scheduler stage with the step stage, and gives every stage that has a ``control`` attribute a sender on
-the unbounded control channel the scheduler reads (aborts travel there, never blocked by data traffic).
-Any stage can be replaced or added as long as it has ``async def run(inbox, outbox)`` and passes on the
-messages it does not handle; the last stage must be a sink with ``open(request_id)``/``close(request_id)``.
+``Pipeline([tokenize, prefix_hash, core, detokenize, ..., sink])`` connects each stage's outbox to the next
+stage's inbox. The channels between stages are bounded (a slow stage applies backpressure upstream); the
+head channel, which :meth:`submit`, :meth:`abort` and :meth:`send_nowait` write to, is unbounded, so that it is
+one ordered inbox for the engine core that nothing can block on (see
+:data:`llminfer.core.engine_core.INBOX_CAPACITY`). Stages that send messages back into it (the detokenize
+stage's stop-string finishes, the sink's disconnect aborts) implement
+:class:`~llminfer.protocols.SendsUpstream` and are given the sender.
+
+The pipeline knows no stage by name: the engine core is a stage like the others (it just happens to own
+the scheduler and the model). Any stage can be replaced or added as long as it has ``name`` and
+``async def run(inbox, outbox)`` and passes on the messages it does not handle; the last stage must be a
+:class:`~llminfer.protocols.Sink`.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,10 +23,10 @@ import anyio
 import structlog
 from anyio.abc import ObjectReceiveStream, ObjectSendStream, TaskGroup
 
+from llminfer.core.engine_core import INBOX_CAPACITY
 from llminfer.errors import EngineError, RequestAbortedError
-from llminfer.protocols import Stage
-from llminfer.protocols.messages import Abort, GenerationRequest, RequestDelta
-from llminfer.stages.schedule import SchedulerStage
+from llminfer.protocols import SendsUpstream, Sink, Stage
+from llminfer.protocols.messages import Abort, Control, GenerationRequest, RequestDelta
 
 log = structlog.get_logger("llminfer.pipeline")
 
@@ -30,32 +35,24 @@ class Pipeline:
     """A running chain of stages (use as ``async with Pipeline(...) as p``).
 
     Args:
-        stages: in order; exactly one :class:`SchedulerStage`; the last one is the sink.
-        step: the step stage looped with the scheduler stage.
-        buffer_size: capacity of each inter-stage channel (messages).
+        stages: in order; the last one is the sink.
+        buffer_size: capacity of each channel between two stages (messages).
 
     Raises:
-        ValueError: no scheduler stage, or the last stage is not a sink.
+        ValueError: an element is not a :class:`Stage`, or the last one is not a :class:`Sink`.
     """
 
-    def __init__(self, stages: Sequence[Stage], step: Stage, buffer_size: int = 64) -> None:
-        schedulers = [s for s in stages if isinstance(s, SchedulerStage)]
-        if len(schedulers) != 1:
-            raise ValueError("a pipeline needs exactly one SchedulerStage")
-        sink = stages[-1]
-        if not (hasattr(sink, "open") and hasattr(sink, "close")):
-            raise ValueError("the last stage must be a sink with open(request_id) and close(request_id)")
+    def __init__(self, stages: Sequence[Stage], buffer_size: int = 64) -> None:
         for stage in stages:
             if not isinstance(stage, Stage):
                 raise ValueError(f"{stage!r} is not a stage (needs name and async run(inbox, outbox))")
+        if not stages or not isinstance(stages[-1], Sink):
+            raise ValueError("the last stage must be a sink (open, close, fail_all and run)")
         self.stages = list(stages)
-        self.step = step
-        self.scheduler_stage = schedulers[0]
-        self.sink: Any = sink
+        self.sink: Sink = stages[-1]  # type: ignore[assignment]
         self.buffer_size = buffer_size
         self._tg: TaskGroup | None = None
         self._input: ObjectSendStream[Any] | None = None
-        self._control: ObjectSendStream[Abort] | None = None
         self._failure: BaseException | None = None
         self._inner: TaskGroup | Any = None
         self.running = False
@@ -63,23 +60,14 @@ class Pipeline:
     async def __aenter__(self) -> Pipeline:
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
-        control_send, control_recv = anyio.create_memory_object_stream[Abort](math.inf)
-        self._control = control_send
-        self.scheduler_stage.control = control_recv
-        step_in_send, step_in_recv = anyio.create_memory_object_stream[Any](1)
-        step_out_send, step_out_recv = anyio.create_memory_object_stream[Any](1)
-        self.scheduler_stage.step_outbox = step_in_send
-        self.scheduler_stage.step_inbox = step_out_recv
-
-        self._input, inbox = anyio.create_memory_object_stream[Any](self.buffer_size)
+        self._input, inbox = anyio.create_memory_object_stream[Any](INBOX_CAPACITY)
         jobs = []
         for stage in self.stages:
-            if hasattr(stage, "control") and stage is not self.scheduler_stage:
-                stage.control = control_send.clone()
+            if isinstance(stage, SendsUpstream):
+                stage.bind_upstream(self.send_nowait)
             outbox, next_inbox = anyio.create_memory_object_stream[Any](self.buffer_size)
             jobs.append((stage, inbox, outbox))
             inbox = next_inbox
-        jobs.append((self.step, step_in_recv, step_out_send))
         await self._tg.start(self._supervise, jobs, inbox)
         self.running = True
         return self
@@ -107,6 +95,11 @@ class Pipeline:
             self.running = False
             self.sink.fail_all(EngineError(f"stage {stage.name} failed: {type(exc).__name__}: {exc}"))
             self._inner.cancel_scope.cancel()
+        finally:
+            # A stage that returns ends the pipeline (the core returns after Control("close") once its
+            # requests are done): end the head channel too, so the stages before it finish.
+            if self._input is not None:
+                self._input.close()
 
     @staticmethod
     async def _discard(inbox: ObjectReceiveStream[Any]) -> None:
@@ -125,13 +118,11 @@ class Pipeline:
             raise EngineError(f"the engine pipeline is not running ({self._failure_text()})")
         stream = self.sink.open(request.request_id)
         try:
-            await self._input.send(request)
+            self._input.send_nowait(request)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
             self.sink.close(request.request_id)
             raise EngineError(f"the engine pipeline stopped ({self._failure_text()})") from None
-        except BaseException:
-            self.sink.close(request.request_id)
-            raise
+        await anyio.lowlevel.checkpoint()
         return stream
 
     def _failure_text(self) -> str:
@@ -139,15 +130,22 @@ class Pipeline:
             return "shut down"
         return f"a stage failed: {type(self._failure).__name__}: {self._failure}"
 
-    async def abort(self, request_id: str, reason: str = "cancelled") -> None:
-        """Cancel a request wherever it is; its blocks are freed at once."""
-        if self._control is not None:
-            await self._control.send(Abort(request_id, reason))
+    def send_nowait(self, message: Any) -> bool:
+        """Put ``message`` (an :class:`Abort`, :class:`~llminfer.protocols.messages.Control`, ...) at the
+        tail of the ordered inbox, from inside the event loop; never blocks. False when the pipeline
+        no longer takes messages."""
+        if self._input is None:
+            return False
+        try:
+            self._input.send_nowait(message)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            return False
+        return True
 
-    def abort_nowait(self, request_id: str, reason: str = "cancelled") -> None:
-        """Like :meth:`abort`, callable from synchronous code inside the loop (never blocks)."""
-        if self._control is not None:
-            self._control.send_nowait(Abort(request_id, reason))
+    def abort(self, request_id: str, reason: str = "cancelled") -> None:
+        """Cancel a request wherever it is: the :class:`Abort` follows the request through the stages, so
+        it reaches the core after it and its blocks are freed at once."""
+        self.send_nowait(Abort(request_id, reason))
 
     async def __aexit__(self, *exc_info: Any) -> None:
         await self.aclose(exc_info=exc_info)
@@ -159,8 +157,8 @@ class Pipeline:
             return
         self.running = False
         tg, self._tg = self._tg, None
-        if self._input is not None:
-            await self._input.aclose()
+        # Ordered after every request already sent; aborts and stop-string finishes still get in.
+        self.send_nowait(Control("close"))
         if self._inner is not None:
             if timeout_s is not None and timeout_s <= 0:
                 self._inner.cancel_scope.cancel()

@@ -35,6 +35,14 @@ class GenerationStats:
     spec_proposed_tokens: int = 0
     spec_accepted_tokens: int = 0
 
+    def with_completion_tokens(self, n: int) -> GenerationStats:
+        """The same record counting ``n`` completion tokens (a stop string ended the output earlier than
+        the engine knew)."""
+        if n == self.completion_tokens:
+            return self
+        tps = n / (self.total_latency_ms / 1e3) if self.total_latency_ms > 0 else 0.0
+        return attrs.evolve(self, completion_tokens=n, throughput_tokens_per_sec=tps)
+
     @property
     def spec_acceptance_rate(self) -> float | None:
         """Accepted / proposed draft tokens (speculative decoding), None when nothing was proposed."""
@@ -50,7 +58,6 @@ class GenerationResult:
     token_ids: tuple[int, ...]
     finish_reason: str
     stats: GenerationStats
-    prefix_key: str | None = None
     logprobs: tuple[TokenLogprob, ...] = ()
 
 

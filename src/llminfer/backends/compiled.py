@@ -296,6 +296,10 @@ class CompiledBackend(HFBackend):
             "fallback_error": self.fallback_error,
         }
 
+    def describe(self) -> dict[str, Any]:
+        """Facts for ``engine.info()``: ``compile`` holds :meth:`stats`."""
+        return {"steps": self.num_steps, "compile": self.stats()}
+
     def forward(self, plan: SchedulerOutput) -> torch.Tensor:
         """Run the plan's packed tokens through the compiled graph (or the eager path after a fallback, or
         for a step larger than every bucket).

@@ -13,16 +13,6 @@ from llminfer.protocols.messages import SchedulerOutput, StepOutput
 from llminfer.sampling.sampler import SamplingState, sample
 
 
-def kv_geometry(model_config: Any) -> tuple[int, int, int]:
-    """``(num_layers, num_kv_heads, head_dim)`` of a transformers config (Llama, Qwen2, GPT-2, ...)."""
-    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    num_layers = text.num_hidden_layers
-    num_heads = text.num_attention_heads
-    num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
-    return num_layers, num_kv_heads, head_dim
-
-
 def run_packed(
     model: torch.nn.Module,
     cache: PagedKVCache,
@@ -87,6 +77,10 @@ class HFBackend:
                 keep.append(offset - 1)
         return run_packed(self.model, self.cache, [s.token_ids for s in seqs], [s.start_position for s in seqs],
                           [s.block_table for s in seqs], keep, self.device)
+
+    def describe(self) -> dict[str, Any]:
+        """Facts for ``engine.info()``: steps run so far."""
+        return {"steps": self.num_steps}
 
     def _register(self, plan: SchedulerOutput) -> None:
         for new in plan.new_requests:

@@ -1,12 +1,12 @@
 """The vLLM backend: vLLM's async engine owns scheduling, the KV cache and the model step.
 
-The engine's pipeline then is ``tokenize → vllm → [user stages] → sink``: llminfer tokenizes and
-validates the prompt (same tokenizer, same length checks, token ids go to vLLM as a ``TokensPrompt``),
-:class:`VLLMStage` submits each request to ``AsyncLLMEngine.generate`` with
-``RequestOutputKind.DELTA`` and turns every ``RequestOutput`` it yields into a :class:`DeltaBatch` the
-moment it arrives (true token streaming), and the usual sink delivers it. The prefix-hash, scheduler,
-step and detokenize stages are skipped: vLLM hashes, schedules, detokenizes and applies stop strings
-itself (:attr:`VLLMBackend.owns_scheduling` states this capability; the engine reads it).
+:class:`VLLMEngineCore` is a second implementation of the :class:`~llminfer.protocols.EngineCore`
+protocol, in the same pipeline slot as llminfer's own core: ``tokenize → vllm core → detokenize →
+[user stages] → sink``. llminfer tokenizes and validates the prompt (same tokenizer, same length checks,
+token ids go to vLLM as a ``TokensPrompt``); the core submits each request to ``AsyncLLMEngine.generate``
+with ``RequestOutputKind.DELTA`` and turns every ``RequestOutput`` it yields into a :class:`DeltaBatch`
+the moment it arrives (true token streaming). vLLM detokenizes and applies stop strings itself, so the
+detokenize stage passes those batches on untouched.
 
 Everything here is written against vLLM's public API (``vllm.AsyncLLMEngine`` / ``AsyncEngineArgs`` /
 ``SamplingParams`` / ``RequestOutput`` / ``inputs.TokensPrompt``) and imported lazily: without vLLM
@@ -16,6 +16,7 @@ installed, choosing the backend fails at once with :data:`INSTALL_HINT`. The par
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -24,6 +25,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import anyio
+import attrs
 import structlog
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
@@ -35,11 +37,11 @@ from llminfer.errors import (
     InvalidRequestError,
     LLMInferError,
     RequestAbortedError,
+    one_line,
 )
-from llminfer.protocols.messages import Abort, DeltaBatch, RequestDelta, RequestFailed, TokenizedRequest
-from llminfer.results import TokenLogprob
+from llminfer.protocols.messages import Abort, Control, DeltaBatch, FinishRequest, RequestDelta, TokenizedRequest
+from llminfer.results import GenerationStats, TokenLogprob
 from llminfer.sampling.params import SamplingParams
-from llminfer.stages.schedule import SchedulerStage
 from llminfer.trace import Tracer
 
 log = structlog.get_logger("llminfer.vllm")
@@ -196,8 +198,6 @@ class VLLMBackend:
     """
 
     name = "vllm"
-    owns_scheduling = True
-    """Capability: vLLM schedules, caches KV and detokenizes; the engine skips those stages."""
 
     def __init__(self, client: Any, make_sampling_params: Callable[..., Any], make_prompt: Callable[[list[int]], Any],
                  version: str = "?") -> None:
@@ -259,8 +259,9 @@ class VLLMBackend:
                     error = EngineError(f"vLLM finished the request with {comp.finish_reason!r}")
                 yield RequestDelta(
                     request_id=request.request_id, text=comp.text, token_ids=ids, finish_reason=reason, error=error,
-                    prompt_tokens=len(request.prompt_token_ids), cached_tokens=cached, time_ns=time.perf_counter_ns(),
+                    time_ns=time.perf_counter_ns(),
                     logprobs=convert_logprobs(list(ids), comp.logprobs, k) if request.params.logprobs is not None else (),
+                    stats=GenerationStats(0.0, 0.0, 0.0, len(request.prompt_token_ids), 0, cached > 0, cached),
                 )
                 if out.finished:
                     return
@@ -278,7 +279,15 @@ class VLLMBackend:
         return {"hit_rate": self.hit_tokens / q if q else 0.0, "queries": q, "hits": self.hit_tokens,
                 "cached_tokens": self.hit_tokens, "requests": self.num_requests, "source": "vllm"}
 
-    def info(self) -> dict[str, Any]:
+    async def reset_prefix_cache(self) -> None:
+        """Ask vLLM to drop its prefix cache (where its engine has ``reset_prefix_cache``)."""
+        reset = getattr(self.client, "reset_prefix_cache", None)
+        if reset is not None:
+            result = reset()
+            if hasattr(result, "__await__"):
+                await result
+
+    def describe(self) -> dict[str, Any]:
         """Facts vLLM knows after start-up (version, KV blocks when it exposes them)."""
         facts: dict[str, Any] = {"vllm": self.version}
         cache_cfg = getattr(getattr(self.client, "vllm_config", None), "cache_config", None)
@@ -309,107 +318,124 @@ def build_engine(cfg: EngineConfig, model_path: str, max_model_len: int | None) 
     try:
         return vllm.AsyncLLMEngine.from_engine_args(AsyncEngineArgs(**kw))
     except Exception as exc:  # noqa: BLE001 - one clear line, the token scrubbed
-        text = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
-        if cfg.hf_token:
-            text = text.replace(cfg.hf_token, "***")
-        raise BackendUnavailableError(f"vLLM could not start: {text}") from None
+        raise BackendUnavailableError(f"vLLM could not start: {one_line(exc, (cfg.hf_token,))}") from None
 
 
-# ----------------------------------------------------------------------------------------------- stages
-class VLLMStage(SchedulerStage):
-    """Takes the scheduler's place in the pipeline (it is one, to the pipeline: it receives the aborts on
-    the control channel) and streams each request through :class:`VLLMBackend`.
+# ----------------------------------------------------------------------------------------------- core
+class VLLMEngineCore:
+    """The engine core when vLLM schedules (see the module docstring): each request streams through
+    :meth:`VLLMBackend.generate` in its own task; an :class:`Abort` cancels that task, which aborts the
+    request in vLLM. The final delta gets the request's stats, measured here from the request's arrival.
 
-    Input: :class:`TokenizedRequest` / :class:`RequestFailed`; output: one :class:`DeltaBatch` per vLLM
-    output. Aborts (client disconnects, cancels) cancel the request's stream, which aborts it in vLLM.
-    On shutdown the inbox closes and in-flight requests finish first.
+    Args:
+        backend: the vLLM handle.
     """
 
     name = "vllm"
 
     def __init__(self, backend: VLLMBackend, tracer: Tracer | None = None) -> None:
-        # Deliberately not SchedulerStage.__init__: no llminfer scheduler or KV pool here.
         self.backend = backend
         self.tracer = tracer or Tracer(enabled=False)
-        self.step_outbox = None
-        self.step_inbox = None
-        self.control = None
         self._scopes: dict[str, anyio.CancelScope] = {}
-        self._aborted: set[str] = set()
+        self._drains: list[Any] = []
         self._steps = 0
+        self._reading = anyio.CancelScope()
+        self._closing = False
+
+    async def run(self, inbox: ObjectReceiveStream[Any], outbox: ObjectSendStream[Any]) -> None:
+        async with outbox, anyio.create_task_group() as requests_tg:
+            with self._reading:
+                async for msg in inbox:
+                    await self._handle(msg, outbox, requests_tg)
+            # the task group now waits for the requests in flight
+
+    async def _handle(self, msg: Any, outbox: ObjectSendStream[Any], requests_tg: Any) -> None:
+        if isinstance(msg, TokenizedRequest):
+            self._scopes[msg.request_id] = anyio.CancelScope()
+            requests_tg.start_soon(self._serve, msg, outbox)
+        elif isinstance(msg, Abort):
+            scope = self._scopes.get(msg.request_id)
+            if scope is not None:
+                scope.cancel()
+        elif isinstance(msg, Control):
+            if msg.action == "reset_prefix_cache":
+                await self.backend.reset_prefix_cache()
+                if msg.done is not None:
+                    msg.done.set()
+            elif msg.action == "drain":
+                self._drains.append(msg.done)
+                self._resolve_drains()
+            elif msg.action == "close":
+                self._closing = True
+                self._resolve_drains()
+        elif not isinstance(msg, FinishRequest):  # vLLM applies stop strings itself
+            await outbox.send(msg)
+
+    def _resolve_drains(self) -> None:
+        if not self._scopes:
+            for done in self._drains:
+                done.set()
+            self._drains.clear()
+            if self._closing:
+                self._reading.cancel()
 
     async def _send(self, outbox: ObjectSendStream[Any], delta: RequestDelta) -> None:
         self._steps += 1
         await outbox.send(DeltaBatch(self._steps, (delta,), delta.time_ns or time.perf_counter_ns()))
 
     async def _serve(self, req: TokenizedRequest, outbox: ObjectSendStream[Any]) -> None:
-        scope = self._scopes[req.request_id]
-        finished = False
+        rid = req.request_id
+        scope = self._scopes[rid]
+        first_ns = 0
+        num_tokens = 0
+        final: RequestDelta | None = None
         try:
             with scope:
-                self.tracer.record(req.request_id, self.name, "queued", len(req.prompt_token_ids))
+                self.tracer.record(rid, self.name, "queued", len(req.prompt_token_ids))
                 async for delta in self.backend.generate(req):
-                    await self._send(outbox, delta)
-                    finished = delta.finished
-                if not finished:
-                    await self._send(outbox, RequestDelta(req.request_id, "", (), finish_reason="error",
-                                                          error=EngineError("vLLM ended the stream early")))
-                    finished = True
+                    num_tokens += len(delta.token_ids)
+                    if delta.token_ids and not first_ns:
+                        first_ns = delta.time_ns
+                    if delta.finished:
+                        final = delta
+                        break
+                    await self._send(outbox, attrs.evolve(delta, stats=None))
+                if final is None and not scope.cancel_called:
+                    final = RequestDelta(rid, "", (), "error", EngineError("vLLM ended the stream early"))
         except LLMInferError as exc:
-            await self._send(outbox, RequestDelta(req.request_id, "", (), finish_reason="error", error=exc))
-            finished = True
-        except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the stage
-            await self._send(outbox, RequestDelta(req.request_id, "", (), finish_reason="error",
-                                                  error=EngineError(f"vLLM: {type(exc).__name__}: {exc}")))
-            finished = True
+            final = RequestDelta(rid, "", (), "error", exc)
+        except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the core
+            final = RequestDelta(rid, "", (), "error", EngineError(f"vLLM: {type(exc).__name__}: {exc}"))
         finally:
-            self._scopes.pop(req.request_id, None)
-        if not finished and req.request_id in self._aborted:
-            self._aborted.discard(req.request_id)
-            with anyio.CancelScope(shield=True):
-                try:
-                    await self.backend.abort(req.request_id)
-                except Exception:  # noqa: BLE001 - already gone
-                    pass
-                await self._send(outbox, RequestDelta(req.request_id, "", (), finish_reason="abort",
-                                                      error=RequestAbortedError("request cancelled")))
+            self._scopes.pop(rid, None)
+        with anyio.CancelScope(shield=True):
+            if final is None:  # aborted
+                with contextlib.suppress(Exception):
+                    await self.backend.abort(rid)
+                final = RequestDelta(rid, "", (), "abort", RequestAbortedError("request cancelled"))
+            end_ns = final.time_ns or time.perf_counter_ns()
+            await self._send(outbox, attrs.evolve(final, time_ns=end_ns,
+                                                  stats=_stats(req, final.stats, first_ns, end_ns, num_tokens)))
+        self._resolve_drains()
 
-    async def _watch_control(self) -> None:
-        if self.control is None:
-            return
-        async for msg in self.control:
-            if isinstance(msg, Abort):
-                scope = self._scopes.get(msg.request_id)
-                if scope is not None:
-                    self._aborted.add(msg.request_id)
-                    scope.cancel()
+    def cache_stats(self) -> dict[str, Any]:
+        return self.backend.cache_stats()
 
-    async def run(self, inbox: ObjectReceiveStream[Any], outbox: ObjectSendStream[Any]) -> None:
-        step_outbox = self.step_outbox
-        async with outbox:
-            async with anyio.create_task_group() as control_tg:
-                control_tg.start_soon(self._watch_control)
-                async with anyio.create_task_group() as requests_tg:
-                    async for msg in inbox:
-                        if isinstance(msg, TokenizedRequest):
-                            self._scopes[msg.request_id] = anyio.CancelScope()
-                            requests_tg.start_soon(self._serve, msg, outbox)
-                        elif isinstance(msg, RequestFailed):
-                            await self._send(outbox, RequestDelta(msg.request_id, "", (), finish_reason="error",
-                                                                  error=msg.error))
-                        else:
-                            await outbox.send(msg)
-                control_tg.cancel_scope.cancel()
-            if step_outbox is not None:
-                await step_outbox.aclose()
+    def scheduler_stats(self) -> dict[str, int]:
+        return {"running": self.backend.num_running, "waiting": max(len(self._scopes) - self.backend.num_running, 0)}
+
+    def describe(self) -> dict[str, Any]:
+        return self.backend.describe()
 
 
-class IdleStepStage:
-    """The pipeline's step slot when the backend owns scheduling: never receives a plan."""
-
-    name = "step"
-
-    async def run(self, inbox: ObjectReceiveStream[Any], outbox: ObjectSendStream[Any]) -> None:
-        async with outbox:
-            async for _ in inbox:
-                pass
+def _stats(req: TokenizedRequest, seen: GenerationStats | None, first_ns: int, end_ns: int,
+           num_tokens: int) -> GenerationStats:
+    """A vLLM request's stats record, from its arrival and the times its outputs came."""
+    total_ms = max(end_ns - req.arrival_ns, 0) / 1e6
+    cached = seen.cached_tokens if seen is not None else 0
+    return GenerationStats(
+        total_latency_ms=total_ms,
+        ttft_ms=max(first_ns - req.arrival_ns, 0) / 1e6 if first_ns else 0.0,
+        throughput_tokens_per_sec=num_tokens / (total_ms / 1e3) if total_ms > 0 else 0.0,
+        prompt_tokens=len(req.prompt_token_ids), completion_tokens=num_tokens, cache_hit=cached > 0,
+        cached_tokens=cached)

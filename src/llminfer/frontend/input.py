@@ -26,10 +26,13 @@ CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 def build_request(prompt: str | Sequence[int], *, max_new_tokens: int | None = 64, temperature: float = 0.0,
                   top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                   stop_sequences: Sequence[str] | str | None = None, ignore_eos: bool = False, priority: int = 0,
-                  cache_salt: str | None = None, adapter_name: str | None = None,
+                  cache_salt: str | None = None, adapter_name: str | None = None, prefix_key: str | None = None,
                   **sampling: Any) -> GenerationRequest:
     """Validate the arguments of one request and build its :class:`GenerationRequest` (a fresh id, the
     arrival time now). ``sampling`` takes the other :class:`SamplingParams` fields by name.
+
+    ``prefix_key`` is accepted for compatibility and has no effect: automatic prefix caching finds shared
+    prefixes by their content (chained block hashes), with no key to give.
 
     Raises:
         InvalidRequestError: an empty prompt (``param="prompt"``), a bad sampling value (``param`` names

@@ -77,10 +77,6 @@ class BlockPool:
         """Blocks findable by hash (referenced or not)."""
         return len(self._cached)
 
-    def usage(self) -> float:
-        """Fraction of blocks referenced by some request, 0.0 to 1.0."""
-        return 1.0 - len(self._free) / self.num_blocks
-
     def allocate(self, n: int) -> list[KVBlock]:
         """Take ``n`` blocks from the head of the free queue (LRU first), evicting their cached identity.
 
@@ -180,6 +176,19 @@ class BlockPool:
                 self._evict(block)
                 n += 1
         return n
+
+    def check_integrity(self) -> None:
+        """Assert the pool's own invariants: a block is free xor referenced, and every cached hash maps to
+        a block that holds it.
+
+        Raises:
+            AssertionError: naming the broken invariant.
+        """
+        for block in self.blocks:
+            assert block.ref_cnt >= 0, f"negative ref count on {block!r}"
+            assert (block.ref_cnt == 0) == self.is_free(block), f"{block!r} free xor referenced broken"
+        for block_hash, block in self._cached.items():
+            assert block.block_hash == block_hash, f"hash map points at {block!r}, which holds another hash"
 
     def is_free(self, block: KVBlock) -> bool:
         return block.block_id in self._free

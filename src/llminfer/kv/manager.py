@@ -95,15 +95,12 @@ class KVCacheManager:
         return hits, len(hits) * self.block_size
 
     def record_query(self, num_tokens: int, num_cached_tokens: int) -> None:
-        """Count one prefix-cache query (at a request's first admission)."""
+        """Count one prefix-cache query (at each admission: first, and after a preemption)."""
         self.num_queries += 1
         self.query_tokens += num_tokens
         if num_cached_tokens:
             self.num_hits += 1
             self.hit_tokens += num_cached_tokens
-
-    def can_allocate(self, num_blocks: int, reserve: int = 0) -> bool:
-        return num_blocks + reserve <= self.pool.num_free_blocks
 
     def allocate_slots(
         self,
@@ -182,6 +179,21 @@ class KVCacheManager:
             seq.block_hashes[:] = hash_full_blocks(
                 seq.token_ids[:num_tokens], self.block_size, seq.extra_keys, seq.block_hashes
             )
+
+    def check_integrity(self) -> None:
+        """Assert that every block's ref count equals the number of block tables holding it, and that
+        each block is free xor referenced (see :meth:`BlockPool.check_integrity`).
+
+        Raises:
+            AssertionError: naming the broken invariant.
+        """
+        refs: dict[int, int] = {}
+        for table in self.block_tables.values():
+            for block in table:
+                refs[block.block_id] = refs.get(block.block_id, 0) + 1
+        for block in self.pool.blocks:
+            assert block.ref_cnt == refs.get(block.block_id, 0), f"ref count drift on {block!r}"
+        self.pool.check_integrity()
 
     def stats(self) -> dict[str, float | int]:
         """Prefix-cache and pool statistics (the ``cache_stats()`` payload)."""

@@ -3,6 +3,10 @@
 Granularity: requests enter one message each; after that, one message per *engine step* carries every
 scheduled sequence (``SchedulerOutput``, ``StepOutput``, ``EngineStepOutput``, ``DeltaBatch``), never one
 message per token per stage.
+
+Into the engine core, everything travels on one ordered channel: :class:`GenerationRequest` /
+:class:`TokenizedRequest`, :class:`Abort`, :class:`FinishRequest` and :class:`Control`. A request's abort
+therefore always reaches the core after the request itself, wherever it was when the abort was sent.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from typing import Any
 
 import attrs
 
+from llminfer.results import GenerationStats, TokenLogprob
 from llminfer.sampling.params import SamplingParams
 
 
@@ -22,7 +27,6 @@ class GenerationRequest:
     prompt: str | tuple[int, ...]
     params: SamplingParams
     arrival_ns: int
-    prefix_key: str | None = None
     priority: int = 0
     cache_salt: str | None = None
     adapter_name: str | None = None
@@ -36,7 +40,6 @@ class TokenizedRequest:
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
     arrival_ns: int
-    prefix_key: str | None = None
     priority: int = 0
     extra_keys: tuple[str, ...] = ()
     block_hashes: tuple[bytes, ...] = ()
@@ -46,7 +49,8 @@ class TokenizedRequest:
 
 @attrs.frozen
 class RequestFailed:
-    """A request rejected before it reached the scheduler (passed downstream to its handle)."""
+    """A request rejected before the core admitted it (bad input, can never fit): every stage passes it
+    on unchanged, and the sink ends the request's stream with ``error``."""
 
     request_id: str
     error: Exception
@@ -54,10 +58,36 @@ class RequestFailed:
 
 @attrs.frozen
 class Abort:
-    """Stop a request and free its KV blocks now (client cancel, stop-string finish, shutdown)."""
+    """Stop a request and free its KV blocks now (client cancel, disconnect); its handle gets
+    :class:`~llminfer.errors.RequestAbortedError` naming ``reason``."""
 
     request_id: str
-    reason: str = "abort"
+    reason: str = "cancelled"
+
+
+@attrs.frozen
+class FinishRequest:
+    """The front end found a stop string: finish the request with ``finish_reason="stop"``, keeping its
+    first ``num_output_tokens`` generated tokens, and free its blocks (sent by the detokenize stage)."""
+
+    request_id: str
+    num_output_tokens: int
+
+
+@attrs.frozen
+class Control:
+    """An engine-wide command for the core, ordered with the requests around it.
+
+    Attributes:
+        action: ``"reset_prefix_cache"`` (forget every cached free block: a cold cache for benchmarks, or
+            after an adapter is unloaded) or ``"drain"`` (set ``done`` once every request that entered
+            before this message has finished and freed its blocks) or ``"close"`` (take no more requests: finish
+            the admitted ones, then end; aborts are still taken meanwhile).
+        done: set by the core when the action is complete.
+    """
+
+    action: str
+    done: Any = None
 
 
 @attrs.frozen
@@ -120,26 +150,21 @@ class StepOutput:
     start_ns: int
     end_ns: int
     error: Exception | None = None
-    logprobs: dict[str, Any] = attrs.field(factory=dict)
+    logprobs: dict[str, TokenLogprob] = attrs.field(factory=dict)
     spec: dict[str, tuple[int, int]] = attrs.field(factory=dict)
 
 
 @attrs.frozen
 class SequenceUpdate:
-    """What happened to one request in a step, from the scheduler's point of view."""
+    """What happened to one request in a step, from the core's point of view. The final update
+    (``finish_reason`` set) carries the request's stats, computed once at its finish."""
 
     request_id: str
     new_token_ids: tuple[int, ...] = ()
     finish_reason: str | None = None
     error: Exception | None = None
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    num_preemptions: int = 0
-    queue_time_ns: int = 0
-    prefill_time_ns: int = 0
-    logprobs: tuple[Any, ...] = ()
-    spec_proposed: int = 0
-    spec_accepted: int = 0
+    logprobs: tuple[TokenLogprob, ...] = ()
+    stats: GenerationStats | None = None
 
 
 @attrs.frozen
@@ -165,15 +190,9 @@ class RequestDelta:
     token_ids: tuple[int, ...]
     finish_reason: str | None = None
     error: Exception | None = None
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    num_preemptions: int = 0
     time_ns: int = 0
-    queue_time_ns: int = 0
-    prefill_time_ns: int = 0
-    logprobs: tuple[Any, ...] = ()
-    spec_proposed: int = 0
-    spec_accepted: int = 0
+    logprobs: tuple[TokenLogprob, ...] = ()
+    stats: GenerationStats | None = None
 
     @property
     def finished(self) -> bool:

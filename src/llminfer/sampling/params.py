@@ -116,6 +116,19 @@ class SamplingParams:
         _check(_is_int(self.n) and self.n >= 1, "n", f"n must be an integer >= 1, got {self.n!r}")
 
     @property
+    def needs_history(self) -> bool:
+        """Some logits processor reads the tokens so far (penalties, no-repeat n-gram, bad/forced words)."""
+        return bool(self.repetition_penalty != 1.0 or self.presence_penalty or self.frequency_penalty
+                    or self.no_repeat_ngram_size or self.bad_words or self.force_words)
+
+    @property
+    def speculation_allowed(self) -> bool:
+        """Speculative decoding verifies drafts with the target's warped distribution only, so it serves
+        requests without history-dependent processors, ``min_new_tokens`` or logprobs; other requests in
+        the same batch decode one token per step."""
+        return not self.needs_history and not self.min_new_tokens and self.logprobs is None
+
+    @property
     def greedy(self) -> bool:
         """Temperature below 1e-5 is greedy (dividing logits by it would overflow)."""
         return self.temperature < 1e-5

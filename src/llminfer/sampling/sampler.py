@@ -132,12 +132,6 @@ class SamplingState:
     def can_ban_everything(self) -> bool:
         return self.ngrams is not None or bool(self.bad_single or self.bad_multi)
 
-    @property
-    def needs_history(self) -> bool:
-        p = self.params
-        return bool(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or self.ngrams is not None
-                    or self.bad_single or self.bad_multi or self.forced is not None)
-
     def banned_stop_ids(self) -> list[int]:
         """EOS and stop ids to mask now: below ``min_new_tokens``, or while forced words are pending."""
         p = self.params
@@ -264,7 +258,7 @@ def sample(
     if mask_rows:  # one indexed write for the whole batch (min_new_tokens is common in benchmarks)
         logits[torch.tensor(mask_rows), torch.tensor(mask_ids)] = NEG_INF
     for row, state in enumerate(states):
-        if state.needs_history:
+        if state.params.needs_history:
             # Bans (n-grams, bad words) could in principle cover the whole vocabulary: keep a copy to fall
             # back on. EOS masking and penalties alone cannot, and a 150k-entry copy per row per step costs.
             saved = logits[row].clone() if state.can_ban_everything else None

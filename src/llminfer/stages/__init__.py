@@ -1,8 +1,8 @@
-"""The pipeline's building blocks. Assemble them with :class:`llminfer.pipeline.Pipeline`."""
+"""The pipeline's stages around the engine core (:class:`llminfer.core.EngineCore`, itself a stage).
+Assemble them with :class:`llminfer.pipeline.Pipeline`."""
 
 from llminfer.stages.detokenize import DetokenizeStage, IncrementalDetokenizer, StopStringMatcher
 from llminfer.stages.prefix_hash import PrefixHashStage
-from llminfer.stages.schedule import SchedulerStage, StepStage
 from llminfer.stages.sink import StreamSink
 from llminfer.stages.tokenize import TokenizeStage
 
@@ -10,8 +10,6 @@ __all__ = [
     "DetokenizeStage",
     "IncrementalDetokenizer",
     "PrefixHashStage",
-    "SchedulerStage",
-    "StepStage",
     "StopStringMatcher",
     "StreamSink",
     "TokenizeStage",

@@ -7,22 +7,23 @@ The released pieces join to ``tokenizer.decode(ids)``.
 
 Stop strings: only the window that new text can complete is searched, the earliest match wins, and the
 last ``max(len(stop)) - 1`` characters are held back while streaming so a half-formed stop string is never
-sent. A stop finish sends an :class:`Abort` upstream so the scheduler frees the blocks at once.
+sent. A stop-string hit sends :class:`FinishRequest` upstream, into the core's ordered inbox: the core
+frees the request's blocks at once and sends its final update (with the stats), which becomes the final
+delta. Tokens the request produced meanwhile (the step already under way) are dropped here.
 """
 
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from typing import Any
 
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
-from llminfer.protocols import Tokenizer
+from llminfer.protocols import Tokenizer, Upstream
 from llminfer.protocols.messages import (
-    Abort,
     DeltaBatch,
     EngineStepOutput,
+    FinishRequest,
     RequestDelta,
     SequenceUpdate,
 )
@@ -98,18 +99,19 @@ class StopStringMatcher:
 
 
 class _RequestState:
-    __slots__ = ("detok", "matcher", "params")
+    __slots__ = ("detok", "matcher", "num_output_tokens", "stopped")
 
     def __init__(self, tokenizer: Tokenizer, params: SamplingParams) -> None:
-        self.params = params
         self.detok = IncrementalDetokenizer(tokenizer)
         self.matcher = StopStringMatcher(params.stop_sequences) if params.stop_sequences else None
+        self.num_output_tokens = 0
+        self.stopped = False  # a stop string matched; waiting for the core's final update
 
 
 class DetokenizeStage:
-    """:class:`EngineStepOutput` → :class:`DeltaBatch` (one message per step).
+    """:class:`EngineStepOutput` → :class:`DeltaBatch` (one message per step); other messages pass on.
 
-    The pipeline sets ``control`` to the channel that carries :class:`Abort` back to the scheduler.
+    Updates for requests it does not know (they finished here already) are dropped.
     """
 
     name = "detokenize"
@@ -117,66 +119,48 @@ class DetokenizeStage:
     def __init__(self, tokenizer: Tokenizer, tracer: Tracer | None = None) -> None:
         self.tokenizer = tokenizer
         self.tracer = tracer or Tracer(enabled=False)
-        self.control: ObjectSendStream[Abort] | None = None
+        self.upstream: Upstream | None = None
         self.states: dict[str, _RequestState] = {}
-        self._recently_finished: OrderedDict[str, None] = OrderedDict()
 
-    def _finished(self, request_id: str) -> None:
-        self.states.pop(request_id, None)
-        self._recently_finished[request_id] = None
-        if len(self._recently_finished) > 100_000:
-            self._recently_finished.popitem(last=False)
+    def bind_upstream(self, upstream: Upstream) -> None:
+        self.upstream = upstream
 
-    def process(self, msg: EngineStepOutput) -> tuple[list[RequestDelta], list[str]]:
-        """Detokenize one step. Returns the deltas and the ids of requests a stop string finished."""
+    def process(self, msg: EngineStepOutput) -> tuple[list[RequestDelta], list[FinishRequest]]:
+        """Detokenize one step. Returns the deltas and the stop-string finishes to send upstream."""
         for req in msg.admitted:
             self.states[req.request_id] = _RequestState(self.tokenizer, req.params)
         deltas: list[RequestDelta] = []
-        stopped: list[str] = []
+        finishes: list[FinishRequest] = []
         now = msg.time_ns
         for up in msg.updates:
             state = self.states.get(up.request_id)
             if state is None:
-                if up.request_id in self._recently_finished:
-                    continue  # a late update after a stop-string finish
-                if up.finish_reason is not None:  # failed before admission: deliver the error
-                    deltas.append(self._delta(up, "", up.finish_reason, now))
-                    self._finished(up.request_id)
+                continue
+            final = up.finish_reason is not None
+            if state.stopped:
+                if final:  # the core confirmed the stop (or ended the request first)
+                    del self.states[up.request_id]
+                    stats = up.stats.with_completion_tokens(state.num_output_tokens) if up.stats else None
+                    deltas.append(RequestDelta(up.request_id, "", (), "stop", None, now, stats=stats))
                 continue
             text = state.detok.add(up.new_token_ids) if up.new_token_ids else ""
-            final = up.finish_reason is not None
             if final:
                 text += state.detok.flush()
-            reason = up.finish_reason
+            state.num_output_tokens += len(up.new_token_ids)
             if state.matcher is not None:
                 text, hit = state.matcher.feed(text, final)
+                if hit and not final:
+                    state.stopped = True
+                    finishes.append(FinishRequest(up.request_id, state.num_output_tokens))
+                    deltas.append(RequestDelta(up.request_id, text, up.new_token_ids, None, None, now, up.logprobs))
+                    continue
                 if hit:
-                    reason = "stop"
-                    if not final:
-                        stopped.append(up.request_id)
-            deltas.append(self._delta(up, text, reason, now))
-            if reason is not None:
-                self._finished(up.request_id)
-        return deltas, stopped
-
-    @staticmethod
-    def _delta(up: SequenceUpdate, text: str, reason: str | None, now: int) -> RequestDelta:
-        return RequestDelta(
-            request_id=up.request_id,
-            text=text,
-            token_ids=up.new_token_ids,
-            finish_reason=reason,
-            error=up.error,
-            prompt_tokens=up.prompt_tokens,
-            cached_tokens=up.cached_tokens,
-            num_preemptions=up.num_preemptions,
-            time_ns=now,
-            queue_time_ns=up.queue_time_ns,
-            prefill_time_ns=up.prefill_time_ns,
-            logprobs=up.logprobs,
-            spec_proposed=up.spec_proposed,
-            spec_accepted=up.spec_accepted,
-        )
+                    up = SequenceUpdate(up.request_id, up.new_token_ids, "stop", up.error, up.logprobs, up.stats)
+            deltas.append(RequestDelta(up.request_id, text, up.new_token_ids, up.finish_reason, up.error, now,
+                                       up.logprobs, up.stats))
+            if final:
+                del self.states[up.request_id]
+        return deltas, finishes
 
     async def run(self, inbox: ObjectReceiveStream[Any], outbox: ObjectSendStream[Any]) -> None:
         async with outbox:
@@ -184,10 +168,9 @@ class DetokenizeStage:
                 if not isinstance(msg, EngineStepOutput):
                     await outbox.send(msg)
                     continue
-                deltas, stopped = self.process(msg)
-                if self.control is not None:
-                    for rid in stopped:
-                        await self.control.send(Abort(rid, "stop_string"))
+                deltas, finishes = self.process(msg)
+                if self.upstream is not None:
+                    for finish in finishes:
+                        self.upstream(finish)
                 if deltas:
                     await outbox.send(DeltaBatch(msg.step_id, tuple(deltas), time.perf_counter_ns()))
-

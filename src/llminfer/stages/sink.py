@@ -8,25 +8,30 @@ from typing import Any
 import anyio
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
-from llminfer.protocols.messages import Abort, DeltaBatch, RequestDelta
+from llminfer.protocols import Upstream
+from llminfer.protocols.messages import Abort, DeltaBatch, RequestDelta, RequestFailed
 from llminfer.trace import Tracer
 
 
 class StreamSink:
-    """Routes :class:`RequestDelta` to per-request memory streams registered with :meth:`open`.
+    """Routes :class:`RequestDelta` to per-request memory streams registered with :meth:`open`, and ends
+    a request's stream with its error on :class:`RequestFailed`.
 
-    A stream whose reader went away (client disconnect) gets its request aborted through ``control``,
-    which the pipeline connects to the scheduler. Per-request streams are unbounded: a slow reader of one
-    request must never stall the engine for everyone (text deltas are small).
+    A stream whose reader went away (client disconnect) gets its request aborted through the pipeline's
+    ordered inbox. Per-request streams are unbounded: a slow reader of one request must never stall the
+    engine for everyone (text deltas are small).
     """
 
     name = "sink"
 
     def __init__(self, tracer: Tracer | None = None) -> None:
         self.tracer = tracer or Tracer(enabled=False)
-        self.control: ObjectSendStream[Abort] | None = None
+        self.upstream: Upstream | None = None
         self.streams: dict[str, ObjectSendStream[RequestDelta]] = {}
         self._seen_first: set[str] = set()
+
+    def bind_upstream(self, upstream: Upstream) -> None:
+        self.upstream = upstream
 
     def open(self, request_id: str) -> ObjectReceiveStream[RequestDelta]:
         """Register a request; return the stream its deltas arrive on (closed after the final one)."""
@@ -43,7 +48,7 @@ class StreamSink:
         send.close()
         return True
 
-    async def deliver(self, delta: RequestDelta) -> None:
+    def deliver(self, delta: RequestDelta) -> None:
         send = self.streams.get(delta.request_id)
         if send is None:
             return
@@ -57,8 +62,8 @@ class StreamSink:
             send.send_nowait(delta)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
             self.close(delta.request_id)
-            if not delta.finished and self.control is not None:
-                await self.control.send(Abort(delta.request_id, "client disconnected"))
+            if not delta.finished and self.upstream is not None:
+                self.upstream(Abort(delta.request_id, "client disconnected"))
             return
         if delta.finished:
             if self.tracer.enabled:
@@ -70,7 +75,9 @@ class StreamSink:
             async for msg in inbox:
                 if isinstance(msg, DeltaBatch):
                     for delta in msg.deltas:
-                        await self.deliver(delta)
+                        self.deliver(delta)
+                elif isinstance(msg, RequestFailed):
+                    self.deliver(RequestDelta(msg.request_id, "", (), finish_reason="error", error=msg.error))
                 else:
                     await outbox.send(msg)
 

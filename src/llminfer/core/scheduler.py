@@ -11,22 +11,21 @@ free-block watermark so running requests can grow.
 Liveness: a request that could never fit in the whole KV pool is rejected when it arrives, and a lone
 running request that outgrows the pool fails with :class:`CapacityError`, so nothing can stall the queue.
 
-The scheduler is plain synchronous code owned by the scheduler stage: no locks, no threads.
+The scheduler is plain synchronous code owned by the engine core (:mod:`llminfer.core.engine_core`):
+no locks, no threads. ``schedule()`` returns a plan; ``update_from_output(plan, output)`` applies the
+backend's result for exactly that plan.
 """
 
 from __future__ import annotations
 
-import enum
-import heapq
 import itertools
 import time
-from collections import deque
-from collections.abc import Iterator
 
 import attrs
 
 from llminfer.errors import CapacityError
 from llminfer.kv.manager import KVCacheManager
+from llminfer.core.queues import PriorityWaitingQueue, WaitingQueue
 from llminfer.protocols.messages import (
     NewRequestData,
     ScheduledSequence,
@@ -35,123 +34,7 @@ from llminfer.protocols.messages import (
     StepOutput,
     TokenizedRequest,
 )
-from llminfer.sampling.params import SamplingParams
-
-
-def speculation_allowed(params: SamplingParams) -> bool:
-    """Speculative decoding verifies drafts with the target's warped distribution only, so it is used for
-    requests without history-dependent processors (penalties, no-repeat n-gram, min_new_tokens) and
-    without logprobs; other requests in the same batch decode one token per step."""
-    return (params.repetition_penalty == 1.0 and not params.presence_penalty and not params.frequency_penalty
-            and not params.no_repeat_ngram_size and not params.min_new_tokens and params.logprobs is None
-            and not params.bad_words and not params.force_words)
-
-
-class RequestStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
-
-
-@attrs.define(eq=False)
-class Request:
-    """The scheduler's state of one request.
-
-    Attributes:
-        token_ids: prompt followed by generated tokens.
-        num_prompt_tokens: length of the prompt.
-        num_computed_tokens: tokens whose KV is in the cache.
-        num_cached_tokens: prompt tokens reused from the prefix cache at first admission (-1: not yet).
-        block_hashes: chained hashes of full blocks of ``token_ids`` (extended as blocks fill).
-    """
-
-    request_id: str
-    token_ids: list[int]
-    num_prompt_tokens: int
-    params: SamplingParams
-    arrival_ns: int
-    priority: int = 0
-    prefix_key: str | None = None
-    extra_keys: tuple[str, ...] = ()
-    block_hashes: list[bytes] = attrs.field(factory=list)
-    max_tokens_total: int = 0
-    bad_words_ids: tuple = ()
-    force_words_ids: tuple = ()
-    status: RequestStatus = RequestStatus.WAITING
-    num_computed_tokens: int = 0
-    num_cached_tokens: int = -1
-    num_preemptions: int = 0
-    spec_proposed: int = 0
-    spec_accepted: int = 0
-    queued_ns: int = 0
-    first_scheduled_ns: int = 0
-    prefill_done_ns: int = 0
-    sent_to_backend: bool = False
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def num_generated(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
-
-
-class WaitingQueue:
-    """FCFS waiting queue; preempted requests go back to the head."""
-
-    def __init__(self) -> None:
-        self._q: deque[Request] = deque()
-
-    def push(self, req: Request) -> None:
-        self._q.append(req)
-
-    def push_front(self, req: Request) -> None:
-        self._q.appendleft(req)
-
-    def peek(self) -> Request:
-        return self._q[0]
-
-    def pop(self) -> Request:
-        return self._q.popleft()
-
-    def remove(self, req: Request) -> None:
-        self._q.remove(req)
-
-    def __len__(self) -> int:
-        return len(self._q)
-
-    def __iter__(self) -> Iterator[Request]:
-        return iter(self._q)
-
-
-class PriorityWaitingQueue(WaitingQueue):
-    """Lower ``priority`` first, then arrival order. Preempted requests keep their place by key."""
-
-    def __init__(self) -> None:
-        self._heap: list[tuple[int, int, int, Request]] = []
-        self._tiebreak = itertools.count()
-
-    def push(self, req: Request) -> None:
-        heapq.heappush(self._heap, (req.priority, req.arrival_ns, next(self._tiebreak), req))
-
-    push_front = push
-
-    def peek(self) -> Request:
-        return self._heap[0][3]
-
-    def pop(self) -> Request:
-        return heapq.heappop(self._heap)[3]
-
-    def remove(self, req: Request) -> None:
-        self._heap = [e for e in self._heap if e[3] is not req]
-        heapq.heapify(self._heap)
-
-    def __len__(self) -> int:
-        return len(self._heap)
-
-    def __iter__(self) -> Iterator[Request]:
-        return (e[3] for e in sorted(self._heap))
+from llminfer.request import Request, RequestStatus
 
 
 @attrs.frozen
@@ -185,7 +68,6 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._step_ids = itertools.count()
         self._finished_since_last_step: list[str] = []
-        self._last_plan: list[tuple[Request, int, int]] = []
         self.watermark_blocks = int(limits.watermark * kv.num_blocks)
         self.num_preemptions = 0
         # Prompt blocks being computed right now, by hash → owning request. A waiting request whose next
@@ -193,7 +75,6 @@ class Scheduler:
         # computing the same KV twice: this is how n > 1 samples and concurrent identical system prompts
         # share their prompt's blocks.
         self._inflight: dict[bytes, str] = {}
-        self.num_deferred = 0
 
     # ------------------------------------------------------------------ requests in / out
     def add_request(self, msg: TokenizedRequest) -> Request:
@@ -220,7 +101,6 @@ class Scheduler:
             params=msg.params,
             arrival_ns=msg.arrival_ns,
             priority=msg.priority,
-            prefix_key=msg.prefix_key,
             extra_keys=msg.extra_keys,
             block_hashes=list(msg.block_hashes),
             max_tokens_total=max_total,
@@ -232,17 +112,22 @@ class Scheduler:
         self.waiting.push(req)
         return req
 
-    def abort(self, request_id: str) -> bool:
-        """Drop a request wherever it is and free its blocks at once. Returns False if unknown."""
+    def finish_request(self, request_id: str, num_output_tokens: int | None = None) -> Request | None:
+        """End a request wherever it is (abort, or a stop string the front end found) and free its blocks
+        at once. ``num_output_tokens`` keeps only that many generated tokens (the rest were produced
+        after the stop string). Returns the finished request, None if it is unknown (already finished).
+        """
         req = self.requests.get(request_id)
         if req is None:
-            return False
+            return None
         if req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
         elif req.status is RequestStatus.RUNNING:
             self.running.remove(req)
+        if num_output_tokens is not None:
+            del req.token_ids[req.num_prompt_tokens + num_output_tokens:]
         self._finish(req)
-        return True
+        return req
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -302,7 +187,6 @@ class Scheduler:
                     break
                 cached_blocks, num_cached = self.kv.find_cached_prefix(req)
                 if self._waits_for_inflight(req, len(cached_blocks)):
-                    self.num_deferred += 1
                     continue
                 num_new = req.num_tokens - num_cached
                 if threshold:
@@ -312,10 +196,12 @@ class Scheduler:
                 if not self.kv.allocate_slots(req, num_cached + num_new, cached_blocks, reserve):
                     break  # head-of-line waits for blocks; running requests will free some
                 self.waiting.remove(req)
-                if req.num_cached_tokens < 0:
+                if req.num_cached_tokens is None:
                     req.num_cached_tokens = num_cached
-                    self.kv.record_query(req.num_prompt_tokens, num_cached)
                     req.first_scheduled_ns = now
+                # Every admission is a prefix-cache query, a resumption after preemption too (its blocks
+                # usually survive in the cache), so the hit rate shows what preemption costs.
+                self.kv.record_query(req.num_tokens, num_cached)
                 req.num_computed_tokens = num_cached
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
@@ -323,7 +209,6 @@ class Scheduler:
                 plan.append((req, num_new, 0))
                 budget -= num_new
 
-        self._last_plan = plan
         sequences = []
         new_requests = []
         for req, num_new, lookahead in plan:
@@ -350,30 +235,31 @@ class Scheduler:
         out = SchedulerOutput(next(self._step_ids), tuple(sequences), tuple(new_requests), finished)
         return out, failures
 
-    def update(self, result: StepOutput) -> list[SequenceUpdate]:
-        """Apply a step's result: advance computed tokens, append sampled tokens, finish requests.
+    def update_from_output(self, plan: SchedulerOutput, result: StepOutput) -> list[SequenceUpdate]:
+        """Apply the backend's result for ``plan``: advance computed tokens, append sampled tokens, finish
+        requests. Requests of the plan that finished meanwhile (aborted while the step ran) are skipped.
 
         A failed step (``result.error``) fails every request that was in it and frees their blocks.
+        Final updates carry the request's stats (:meth:`Request.stats`).
         """
         updates: list[SequenceUpdate] = []
-        plan, self._last_plan = self._last_plan, []
-        if result.error is not None:
-            for req, _, _ in plan:
-                if req.status is RequestStatus.RUNNING:
-                    self.running.remove(req)
-                    self._finish(req)
-                    updates.append(self._update(req, (), "error", result.error))
-            return updates
-        for req, num_new, _ in plan:
-            if req.status is not RequestStatus.RUNNING:
+        end_ns = result.end_ns or time.perf_counter_ns()
+        for seq in plan.sequences:
+            req = self.requests.get(seq.request_id)
+            if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
+            if result.error is not None:
+                self.running.remove(req)
+                self._finish(req)
+                updates.append(SequenceUpdate(req.request_id, (), "error", result.error, stats=req.stats(end_ns)))
+                continue
             sampled = result.sampled.get(req.request_id)
             tokens: tuple[int, ...] = () if sampled is None else (sampled,) if isinstance(sampled, int) else sampled
             # Accepted draft tokens (all sampled tokens but the last) had their KV computed in this step.
-            req.num_computed_tokens += num_new + max(len(tokens) - 1, 0)
-            if not req.prefill_done_ns and req.num_computed_tokens >= req.num_prompt_tokens:
-                req.prefill_done_ns = result.end_ns or time.perf_counter_ns()
+            req.num_computed_tokens += len(seq.token_ids) + max(len(tokens) - 1, 0)
             if req.num_computed_tokens >= req.num_prompt_tokens:
+                if not req.prefill_done_ns:
+                    req.prefill_done_ns = end_ns
                 self._clear_inflight(req)
             if not tokens:
                 self.kv.cache_full_blocks(req, req.num_computed_tokens)
@@ -383,9 +269,11 @@ class Scheduler:
             for token in tokens:
                 req.token_ids.append(token)
                 kept += 1
-                reason = self._finish_reason(req, token)
+                reason = check_stop(req, token, self.eos_token_ids)
                 if reason is not None:
                     break  # tokens after a finish (EOS inside an accepted draft run) are dropped
+            if not req.first_token_ns:
+                req.first_token_ns = end_ns
             req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
             self.kv.cache_full_blocks(req, req.num_computed_tokens)
             spec = result.spec.get(req.request_id)
@@ -396,8 +284,9 @@ class Scheduler:
                 self.running.remove(req)
                 self._finish(req)
             lp = result.logprobs.get(req.request_id)
-            updates.append(self._update(req, tuple(req.token_ids[-kept:]), reason,
-                                        logprobs=(lp,) if lp is not None else ()))
+            updates.append(SequenceUpdate(req.request_id, tuple(req.token_ids[-kept:]), reason,
+                                          logprobs=(lp,) if lp is not None else (),
+                                          stats=req.stats(end_ns) if reason is not None else None))
         return updates
 
     def _lookahead(self, req: Request, num_new: int, budget: int) -> int:
@@ -406,37 +295,11 @@ class Scheduler:
         k = self.limits.num_lookahead_tokens
         if not k or num_new != 1 or req.num_computed_tokens != req.num_tokens - 1:
             return 0
-        if not speculation_allowed(req.params) or req.bad_words_ids or req.force_words_ids:
+        if not req.params.speculation_allowed:
             return 0
         return max(0, min(k, req.max_tokens_total - req.num_tokens - 1, budget - num_new))
 
     # ------------------------------------------------------------------ internals
-    def _finish_reason(self, req: Request, token: int) -> str | None:
-        # The sampler masks EOS and stop ids below min_new_tokens, so a match here is a real finish.
-        params = req.params
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
-            return "stop"
-        if req.num_tokens >= req.max_tokens_total:
-            return "length"
-        return None
-
-    def _update(self, req: Request, tokens: tuple[int, ...], reason: str | None,
-                error: Exception | None = None, logprobs: tuple = ()) -> SequenceUpdate:
-        return SequenceUpdate(
-            request_id=req.request_id,
-            new_token_ids=tokens,
-            finish_reason=reason,
-            error=error,
-            prompt_tokens=req.num_prompt_tokens,
-            cached_tokens=max(req.num_cached_tokens, 0),
-            num_preemptions=req.num_preemptions,
-            queue_time_ns=max(req.first_scheduled_ns - req.queued_ns, 0) if req.first_scheduled_ns else 0,
-            prefill_time_ns=max(req.prefill_done_ns - req.first_scheduled_ns, 0) if req.prefill_done_ns else 0,
-            logprobs=logprobs,
-            spec_proposed=req.spec_proposed,
-            spec_accepted=req.spec_accepted,
-        )
-
     def _mark_inflight(self, req: Request, num_cached_blocks: int) -> None:
         if not self.kv.enable_prefix_cache:
             return
@@ -473,7 +336,7 @@ class Scheduler:
             f"request {req.request_id} outgrew the KV cache ({req.num_tokens} tokens, pool holds "
             f"{self.kv.capacity_tokens}); raise the KV budget or lower max_new_tokens"
         )
-        return self._update(req, (), "error", err)
+        return SequenceUpdate(req.request_id, (), "error", err, stats=req.stats(time.perf_counter_ns()))
 
     def _finish(self, req: Request) -> None:
         self._clear_inflight(req)
@@ -496,11 +359,19 @@ class Scheduler:
         assert len(self.running) <= self.limits.max_batch_size, "running exceeds max_batch_size"
         for owner in self._inflight.values():
             assert owner in running, f"in-flight prompt blocks owned by non-running request {owner}"
-        refs: dict[int, int] = {}
-        for rid, table in self.kv.block_tables.items():
+        for rid in self.kv.block_tables:
             assert rid in self.requests, f"block table of finished request {rid}"
-            for block in table:
-                refs[block.block_id] = refs.get(block.block_id, 0) + 1
-        for block in self.kv.pool.blocks:
-            assert block.ref_cnt == refs.get(block.block_id, 0), f"ref count drift on {block!r}"
-            assert (block.ref_cnt == 0) == self.kv.pool.is_free(block), f"{block!r} free xor referenced broken"
+        self.kv.check_integrity()
+
+
+def check_stop(req: Request, token: int, eos_token_ids: frozenset[int]) -> str | None:
+    """Why ``req`` finishes after appending ``token``: ``"stop"`` (EOS or a stop token id), ``"length"``
+    (``max_new_tokens`` or the context reached), or None. The sampler masks EOS and stop ids below
+    ``min_new_tokens``, so a match here is a real finish. Stop *strings* are the front end's: they finish
+    a request through :meth:`Scheduler.finish_request`."""
+    params = req.params
+    if token in params.stop_token_ids or (not params.ignore_eos and token in eos_token_ids):
+        return "stop"
+    if req.num_tokens >= req.max_tokens_total:
+        return "length"
+    return None

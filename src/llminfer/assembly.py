@@ -1,0 +1,87 @@
+"""Assembly: the backend, the engine core and the default stages, built from a loaded :class:`Runtime`.
+
+Pure construction: nothing here mutates the engine facade. The backend is built once per engine (a
+compiled backend's graphs survive a pipeline restart); a core and fresh stages are built for each
+pipeline. This is the one place that chooses between llminfer's own core and vLLM's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llminfer.config import Backend, EngineConfig
+from llminfer.core.engine_core import EngineCore
+from llminfer.core.scheduler import Scheduler, SchedulerLimits
+from llminfer.frontend.input import InputProcessor
+from llminfer.protocols import EngineCore as EngineCoreProtocol
+from llminfer.protocols import Stage
+from llminfer.runtime import Runtime
+from llminfer.stages.detokenize import DetokenizeStage
+from llminfer.stages.prefix_hash import PrefixHashStage
+from llminfer.stages.sink import StreamSink
+from llminfer.stages.tokenize import TokenizeStage
+from llminfer.trace import Tracer
+
+
+def build_backend(rt: Runtime, cfg: EngineConfig) -> Any:
+    """The step backend for ``cfg.backend``: eager (:class:`HFBackend`), speculative (with an assistant),
+    compiled, or vLLM's handle.
+
+    Raises:
+        BackendUnavailableError: vLLM cannot start here.
+    """
+    if cfg.backend is Backend.VLLM:
+        from llminfer.backends.vllm import VLLMBackend
+
+        return VLLMBackend.from_config(cfg, rt.model_path, rt.max_model_len)
+    if rt.draft_model is not None:
+        from llminfer.backends.speculative import SpeculativeBackend
+
+        return SpeculativeBackend(rt.model, rt.kv_cache, rt.draft_model, rt.draft_cache, rt.eos_token_ids,
+                                  cfg.speculative_num_assistant_tokens, cfg.speculative_confidence_threshold)
+    if cfg.backend is Backend.COMPILED:
+        from llminfer.backends.compiled import CompiledBackend
+
+        return CompiledBackend(rt.model, rt.kv_cache, rt.eos_token_ids,
+                               max_num_tokens=max(cfg.scheduler.max_num_batched_tokens, 1),
+                               max_batch_size=cfg.max_batch_size, mode=cfg.compile_mode,
+                               cudagraphs=cfg.compile_cudagraphs, fallback_to_eager=cfg.compile_fallback_to_eager)
+    from llminfer.backends.hf import HFBackend
+
+    return HFBackend(rt.model, rt.kv_cache, rt.eos_token_ids)
+
+
+def build_core(rt: Runtime, cfg: EngineConfig, backend: Any, tracer: Tracer) -> EngineCoreProtocol:
+    """A fresh engine core over ``backend``: llminfer's :class:`EngineCore` (with a new scheduler on the
+    runtime's KV pool), or :class:`~llminfer.backends.vllm.VLLMEngineCore` for vLLM's handle."""
+    if rt.kv_manager is None:
+        from llminfer.backends.vllm import VLLMEngineCore
+
+        return VLLMEngineCore(backend, tracer)
+    limits = SchedulerLimits(
+        max_batch_size=cfg.max_batch_size,
+        max_num_batched_tokens=max(cfg.scheduler.max_num_batched_tokens, 1),
+        max_model_len=rt.max_model_len,
+        long_prefill_token_threshold=cfg.scheduler.long_prefill_token_threshold,
+        watermark=cfg.scheduler.watermark,
+        policy=cfg.scheduler.policy,
+        num_lookahead_tokens=cfg.speculative_num_assistant_tokens if rt.draft_model is not None else 0,
+    )
+    # Requests a previous pipeline left when it was cut off at shutdown: free their blocks and states.
+    for request_id in list(rt.kv_manager.block_tables):
+        rt.kv_manager.free(request_id)
+    backend.states.clear()
+    return EngineCore(Scheduler(limits, rt.kv_manager, rt.eos_token_ids), backend, cfg.batch_timeout_ms, tracer)
+
+
+def default_stages(rt: Runtime, core: EngineCoreProtocol, tracer: Tracer) -> dict[str, Stage]:
+    """Fresh built-in stages around ``core``, by name, in pipeline order: ``tokenize``, ``prefix_hash``
+    (llminfer's core only: vLLM hashes its own blocks), ``core``, ``detokenize``, ``sink``."""
+    stages: dict[str, Stage] = {
+        "tokenize": TokenizeStage(InputProcessor(rt.tokenizer, rt.max_model_len, rt.vocab_size), tracer)}
+    if rt.kv_manager is not None:
+        stages["prefix_hash"] = PrefixHashStage(rt.kv_manager.block_size, rt.kv_manager.enable_prefix_cache)
+    stages["core"] = core
+    stages["detokenize"] = DetokenizeStage(rt.tokenizer, tracer)
+    stages["sink"] = StreamSink(tracer)
+    return stages

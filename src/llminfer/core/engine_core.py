@@ -1,0 +1,245 @@
+"""The engine core: one actor that owns the scheduler, the KV cache manager and the backend.
+
+Start reading here. :meth:`EngineCore.run` is the loop that explains the system::
+
+    while there is work:
+        take every message waiting in the inbox, in order    (requests, aborts, stop-string finishes, control)
+        plan = scheduler.schedule()                          (which tokens of which requests, this step)
+        output = await to_thread(backend.execute, plan)      (the model step, off the event loop)
+        updates = scheduler.update_from_output(plan, output) (append tokens, finish requests, free blocks)
+        emit one EngineStepOutput                            (→ detokenize → sink → the request's handle)
+
+Everything that changes scheduling state arrives on the one ordered inbox, so an abort always reaches the
+core after the request it cancels (no tombstones, no time-to-live), and a ``Control("drain")`` placed in
+the inbox resolves exactly when every request that entered before it has finished and freed its blocks.
+Nothing else touches the scheduler, the block pool or the backend.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import anyio
+import structlog
+from anyio.abc import ObjectReceiveStream, ObjectSendStream
+
+from llminfer.core.scheduler import Scheduler
+from llminfer.errors import CapacityError, RequestAbortedError
+from llminfer.protocols import Backend
+from llminfer.protocols.messages import (
+    Abort,
+    Control,
+    EngineStepOutput,
+    FinishRequest,
+    RequestFailed,
+    SchedulerOutput,
+    SequenceUpdate,
+    StepOutput,
+    TokenizedRequest,
+)
+from llminfer.request import RequestStatus
+from llminfer.trace import STEP, Tracer
+
+log = structlog.get_logger("llminfer.core")
+
+SCHEDULER_STAGE = "scheduler"  # trace stage names (the benchmark metrics read them)
+STEP_STAGE = "step"
+
+
+class EngineCore:
+    """The llminfer engine core (see the module docstring).
+
+    Args:
+        scheduler: the scheduler (it owns the :class:`~llminfer.kv.manager.KVCacheManager`).
+        backend: runs one step (:class:`~llminfer.protocols.Backend`), called in a worker thread.
+        batch_timeout_ms: when idle, wait this long (ms) after the first arrival for more before stepping.
+        tracer: records the core's trace events, from the requests' own timestamps.
+    """
+
+    name = "core"
+
+    def __init__(self, scheduler: Scheduler, backend: Backend, batch_timeout_ms: float = 0.0,
+                 tracer: Tracer | None = None) -> None:
+        self.scheduler = scheduler
+        self.backend = backend
+        self.batch_timeout_s = batch_timeout_ms / 1000.0
+        self.tracer = tracer or Tracer(enabled=False)
+        self._limiter = anyio.CapacityLimiter(1)
+        self._inbox_open = True
+        self._closing = False  # Control("close") seen: finish the admitted requests, then return
+        self._admitted: list[TokenizedRequest] = []
+        self._updates: list[SequenceUpdate] = []
+        self._passed_on: list[Any] = []
+        self._drains: list[Any] = []
+        self._last_step: tuple[list[Any], int] = ([], 0)  # the last step's requests and end time (tracing)
+
+    # ------------------------------------------------------------------ the loop
+    async def run(self, inbox: ObjectReceiveStream[Any], outbox: ObjectSendStream[Any]) -> None:
+        """Serve until the inbox ends and every admitted request has finished."""
+        sched = self.scheduler
+        async with outbox:
+            while True:
+                self._take_waiting(inbox)
+                if not sched.has_unfinished():
+                    await self._emit(outbox, -1)
+                    if self._closing or not self._inbox_open:
+                        return
+                    await self._wait_for_work(inbox)
+                    continue
+                plan, failures = sched.schedule()
+                self._updates.extend(failures)
+                if plan.sequences:
+                    result = await self._execute(plan)
+                    self._updates.extend(sched.update_from_output(plan, result))
+                elif not failures:
+                    # Admission control makes this unreachable (a request that can never fit is refused
+                    # and a lone running one that outgrows the pool fails); never spin if it happens.
+                    log.error("nothing schedulable while requests wait", waiting=sched.num_waiting)
+                    await anyio.sleep(0.001)
+                await self._emit(outbox, plan.step_id)
+
+    async def _execute(self, plan: SchedulerOutput) -> StepOutput:
+        """Run the backend on ``plan`` in a worker thread; trace the step and the requests in it."""
+        requests = [self.scheduler.requests[s.request_id] for s in plan.sequences]
+        traced = self.tracer.enabled
+        if traced:
+            for new in plan.new_requests:
+                req = self.scheduler.requests[new.request_id]
+                self.tracer.record(req.request_id, SCHEDULER_STAGE, "first_scheduled", req.num_cached_tokens or 0,
+                                   t_ns=req.first_scheduled_ns)
+            self.tracer.record(STEP, SCHEDULER_STAGE, "scheduled", plan.num_tokens)
+        result = await anyio.to_thread.run_sync(self.backend.execute, plan, limiter=self._limiter,
+                                                abandon_on_cancel=False)
+        if traced:
+            n = plan.num_tokens
+            self.tracer.record(STEP, STEP_STAGE, "step_start", n, t_ns=result.start_ns)
+            self.tracer.record(STEP, STEP_STAGE, "step_end", n, t_ns=result.end_ns)
+            self._last_step = (requests, result.end_ns)
+        return result
+
+    # ------------------------------------------------------------------ the inbox
+    def _take_waiting(self, inbox: ObjectReceiveStream[Any]) -> None:
+        """Handle every message already in the inbox, without waiting."""
+        while self._inbox_open:
+            try:
+                self._handle(inbox.receive_nowait())
+            except anyio.WouldBlock:
+                return
+            except (anyio.EndOfStream, anyio.ClosedResourceError):
+                self._inbox_open = False
+
+    async def _wait_for_work(self, inbox: ObjectReceiveStream[Any]) -> None:
+        """Block while idle until a message arrives, then give late arrivals ``batch_timeout_ms``."""
+        try:
+            self._handle(await inbox.receive())
+        except (anyio.EndOfStream, anyio.ClosedResourceError):
+            self._inbox_open = False
+            return
+        if self.batch_timeout_s > 0 and self.scheduler.has_unfinished():
+            with anyio.move_on_after(self.batch_timeout_s):
+                while self._inbox_open and self.scheduler.num_waiting < self.scheduler.limits.max_batch_size:
+                    try:
+                        self._handle(await inbox.receive())
+                    except (anyio.EndOfStream, anyio.ClosedResourceError):
+                        self._inbox_open = False
+
+    def _handle(self, msg: Any) -> None:
+        if isinstance(msg, TokenizedRequest):
+            self._admit(msg)
+        elif isinstance(msg, (Abort, FinishRequest)):
+            self._finish(msg)
+        elif isinstance(msg, Control):
+            self._control(msg)
+        else:
+            self._passed_on.append(msg)  # RequestFailed, and messages of user stages
+
+    def _admit(self, msg: TokenizedRequest) -> None:
+        try:
+            req = self.scheduler.add_request(msg)
+        except CapacityError as exc:
+            self._passed_on.append(RequestFailed(msg.request_id, exc))
+            return
+        self._admitted.append(msg)
+        self.tracer.record(req.request_id, SCHEDULER_STAGE, "queued", req.num_prompt_tokens, t_ns=req.queued_ns)
+
+    def _finish(self, msg: Abort | FinishRequest) -> None:
+        """End a request on an abort or a stop-string finish; unknown ids (already finished) are ignored."""
+        stop = isinstance(msg, FinishRequest)
+        req = self.scheduler.finish_request(msg.request_id, msg.num_output_tokens if stop else None)
+        if req is None:
+            return
+        stats = req.stats(time.perf_counter_ns())
+        self.tracer.record(req.request_id, SCHEDULER_STAGE, "finished" if stop else "aborted")
+        if stop:
+            self._updates.append(SequenceUpdate(req.request_id, finish_reason="stop", stats=stats))
+        else:
+            self._updates.append(SequenceUpdate(req.request_id, finish_reason="abort", stats=stats,
+                                                error=RequestAbortedError(f"request {msg.reason}")))
+
+    def _control(self, msg: Control) -> None:
+        if msg.action == "reset_prefix_cache":
+            self.scheduler.kv.pool.reset_cache()
+            if msg.done is not None:
+                msg.done.set()
+        elif msg.action == "drain":
+            self._drains.append(msg.done)
+        elif msg.action == "close":
+            self._closing = True
+        else:
+            raise ValueError(f"unknown control action {msg.action!r}")
+
+    # ------------------------------------------------------------------ output
+    async def _emit(self, outbox: ObjectSendStream[Any], step_id: int) -> None:
+        """Send what this step produced (passed-on messages first, in arrival order), then resolve the
+        drains that are complete."""
+        if self.tracer.enabled:
+            self._trace_updates()
+        for msg in self._passed_on:
+            await outbox.send(msg)
+        self._passed_on.clear()
+        if self._updates or self._admitted:
+            out = EngineStepOutput(step_id, tuple(self._updates), time.perf_counter_ns(), tuple(self._admitted))
+            self._updates.clear()
+            self._admitted.clear()
+            await outbox.send(out)
+        if self._drains and not self.scheduler.has_unfinished():
+            for done in self._drains:
+                done.set()
+            self._drains.clear()
+
+    def _trace_updates(self) -> None:
+        requests, end_ns = self._last_step
+        self._last_step = ([], 0)
+        for req in requests:
+            if req.prefill_done_ns == end_ns:
+                self.tracer.record(req.request_id, SCHEDULER_STAGE, "prefill_done", req.num_prompt_tokens, t_ns=end_ns)
+            if req.status is RequestStatus.FINISHED and req.request_id not in self.scheduler.requests:
+                self.tracer.record(req.request_id, SCHEDULER_STAGE, "finished", req.num_generated, t_ns=end_ns)
+
+    # ------------------------------------------------------------------ read-only views (any thread)
+    def cache_stats(self) -> dict[str, Any]:
+        """Prefix-cache and KV pool statistics (see :meth:`KVCacheManager.stats`)."""
+        return self.scheduler.kv.stats()
+
+    def scheduler_stats(self) -> dict[str, int]:
+        """``running`` and ``waiting`` request counts."""
+        return {"running": self.scheduler.num_running, "waiting": self.scheduler.num_waiting}
+
+    def describe(self) -> dict[str, Any]:
+        """KV capacity facts plus the backend's own (for ``engine.info()``)."""
+        kv = self.scheduler.kv
+        facts: dict[str, Any] = {"kv_blocks": kv.num_blocks, "kv_block_size": kv.block_size,
+                                 "kv_tokens": kv.capacity_tokens, "prefix_cache": kv.enable_prefix_cache}
+        describe = getattr(self.backend, "describe", None)
+        if describe is not None:
+            facts.update(describe())
+        return facts
+
+
+INBOX_CAPACITY = math.inf
+"""The pipeline's head channel (the core's ordered inbox, through the front stages) is unbounded:
+aborts and stop-string finishes sent back from downstream stages must never block, or the cycle
+core → detokenize → inbox → core could deadlock. Admission control is the caller's (the HTTP layer's
+``max_queue_size``); the inter-stage channels stay bounded."""

@@ -1,0 +1,213 @@
+"""Loading: everything an engine needs before it can assemble its core, as one :class:`Runtime`.
+
+``load_runtime(cfg)`` resolves the model folder, reads its config, picks the device, dtype and context
+length, loads the tokenizer, the model (with llminfer's paged attention registered), an optional
+speculative-decoding assistant, and sizes and allocates the paged KV cache
+(:func:`llminfer.kv.sizing.plan_num_blocks`). With the vLLM backend, the model and KV cache are vLLM's:
+the runtime then holds the tokenizer and config only (llminfer still tokenizes and validates).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import attrs
+import structlog
+import torch
+
+from llminfer.backends.loading import (
+    load_config,
+    load_model,
+    load_tokenizer,
+    resolve_device,
+    resolve_dtype,
+    resolve_model_path,
+)
+from llminfer.config import Backend, EngineConfig, QuantMode
+from llminfer.errors import ConfigError
+from llminfer.kv.attention import PagedKVCache, register_paged_attention
+from llminfer.kv.manager import KVCacheManager
+from llminfer.kv.sizing import kv_geometry, plan_num_blocks
+
+log = structlog.get_logger("llminfer.runtime")
+
+
+@attrs.define
+class Runtime:
+    """The loaded pieces of an engine.
+
+    Attributes:
+        model_path: the resolved model folder (or hub id, for vLLM).
+        model_config: the transformers config.
+        device, dtype: where and in which dtype the weights live.
+        max_model_len: context length in tokens.
+        tokenizer: the Hugging Face tokenizer.
+        eos_token_ids: ids that end a request (generation config and tokenizer).
+        model: the causal LM (None with vLLM).
+        kv_cache, kv_manager: paged KV tensors and their block bookkeeping (None with vLLM).
+        draft_model, draft_cache: the speculative-decoding assistant and its KV tensors, or None.
+        load_time_s: seconds spent loading the weights.
+    """
+
+    model_path: str
+    model_config: Any
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+    tokenizer: Any
+    eos_token_ids: tuple[int, ...] = ()
+    model: Any = None
+    kv_cache: PagedKVCache | None = None
+    kv_manager: KVCacheManager | None = None
+    draft_model: Any = None
+    draft_cache: PagedKVCache | None = None
+    load_time_s: float = 0.0
+
+    @property
+    def vocab_size(self) -> int | None:
+        return getattr(self.model_config.get_text_config(), "vocab_size", None)
+
+
+def load_runtime(cfg: EngineConfig) -> Runtime:
+    """Load what ``cfg`` names.
+
+    Raises:
+        ConfigError: inconsistent settings (speculative decoding off the eager backend, a context longer
+            than the model's, a KV budget that holds no block, an assistant with another vocabulary).
+        ModelLoadError: the model, tokenizer or assistant cannot be found or loaded.
+        BackendUnavailableError: vLLM is not installed (for that backend).
+    """
+    if cfg.backend is not Backend.EAGER and cfg.assistant_model_name:
+        raise ConfigError("assistant_model_name (speculative decoding) runs on the eager backend only; "
+                          "drop --assistant-model or use --backend eager")
+    if cfg.backend is Backend.VLLM:
+        from llminfer.backends.vllm import require_vllm
+
+        require_vllm()  # fail at once, before anything is loaded
+        device = resolve_device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else cfg.device)
+        rt = _config_and_tokenizer(cfg, device)
+        eos = rt.tokenizer.eos_token_id
+        rt.eos_token_ids = (eos,) if isinstance(eos, int) else ()
+        return rt
+    device = resolve_device(cfg.device)
+    quantization_config = None
+    if cfg.quant.mode is not QuantMode.NONE:
+        from llminfer.backends.quant import bnb_config
+
+        quantization_config = bnb_config(cfg.quant, device)
+    rt = _config_and_tokenizer(cfg, device)
+    register_paged_attention()
+    t0 = time.perf_counter()
+    rt.model = load_model(rt.model_path, cfg, rt.dtype, device, attn_implementation="llminfer_paged",
+                          quantization_config=quantization_config)
+    if cfg.cpu_prepack_lm_head and cfg.backend is Backend.EAGER:
+        from llminfer.backends.prepack import prepack_lm_head
+
+        prepack_lm_head(rt.model)
+    rt.load_time_s = time.perf_counter() - t0
+    rt.eos_token_ids = _eos_ids(rt.model, rt.tokenizer)
+    layers, kv_heads, head_dim = kv_geometry(rt.model.config)
+    cache_cfg = cfg.cache
+    block_size = cache_cfg.page_size_tokens if cache_cfg.enable_paged_kv else rt.max_model_len
+    num_blocks = plan_num_blocks(cfg, (layers, kv_heads, head_dim), block_size, rt.max_model_len, rt.dtype, device)
+    rt.kv_cache = PagedKVCache(layers, num_blocks, block_size, kv_heads, head_dim, rt.dtype, device)
+    rt.kv_manager = KVCacheManager(num_blocks, block_size,
+                                   enable_prefix_cache=cache_cfg.enable_prefix_cache and cache_cfg.enable_paged_kv)
+    if cfg.assistant_model_name:
+        _load_draft(cfg, rt)
+    log.info("engine loaded", model=rt.model_path, device=str(device), dtype=str(rt.dtype),
+             kv_blocks=num_blocks, block_size=block_size)
+    return rt
+
+
+def _config_and_tokenizer(cfg: EngineConfig, device: torch.device) -> Runtime:
+    model_path = resolve_model_path(cfg)
+    model_config = load_config(model_path, cfg)
+    dtype = resolve_dtype(cfg, model_config, device)
+    model_max = getattr(model_config.get_text_config(), "max_position_embeddings", None) or 2048
+    if cfg.max_model_len is not None and cfg.max_model_len > model_max:
+        raise ConfigError(f"max_model_len {cfg.max_model_len} exceeds the model's context of {model_max} tokens")
+    return Runtime(model_path=model_path, model_config=model_config, device=device, dtype=dtype,
+                   max_model_len=cfg.max_model_len or model_max, tokenizer=load_tokenizer(model_path, cfg))
+
+
+def _load_draft(cfg: EngineConfig, rt: Runtime) -> None:
+    """The assistant model for speculative decoding; its KV shares the target's block tables."""
+    name = cfg.assistant_model_name
+    path = resolve_model_path(EngineConfig(model_name=None if name == "builtin" else name))
+    load_config(path, cfg)  # a clear error for a missing folder
+    draft = load_model(path, cfg, rt.dtype, rt.device, attn_implementation="llminfer_paged")
+    if cfg.cpu_prepack_lm_head:
+        from llminfer.backends.prepack import prepack_lm_head
+
+        prepack_lm_head(draft)
+    target_vocab = rt.model.get_output_embeddings().weight.shape[0]
+    draft_vocab = draft.get_output_embeddings().weight.shape[0]
+    if target_vocab != draft_vocab:
+        raise ConfigError(f"assistant_model_name: the assistant's vocabulary ({draft_vocab}) differs from "
+                          f"the target's ({target_vocab}); they must share a tokenizer")
+    layers, kv_heads, head_dim = kv_geometry(draft.config)
+    assert rt.kv_manager is not None
+    rt.draft_model = draft
+    rt.draft_cache = PagedKVCache(layers, rt.kv_manager.num_blocks, rt.kv_manager.block_size, kv_heads, head_dim,
+                                  rt.dtype, rt.device)
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:
+    ids: list[int] = []
+    gen = getattr(model, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+    for source in (eos, tokenizer.eos_token_id):
+        if isinstance(source, int):
+            ids.append(source)
+        elif isinstance(source, (list, tuple)):
+            ids.extend(int(x) for x in source)
+    return tuple(dict.fromkeys(ids))
+
+
+def describe_runtime(rt: Runtime, cfg: EngineConfig) -> dict[str, Any]:
+    """Environment, model and weight facts (``llminfer info``).
+
+    ``weight_bytes`` is what the loaded weights occupy (bitsandbytes quantization state included),
+    ``weight_bytes_unquantized`` what the same parameters take unquantized in ``dtype`` (from the config's
+    parameter count), both in bytes; with ``--quant`` also the quantized linear layers' bytes against
+    their bfloat16 bytes; ``kv_bytes`` the paged KV tensors' bytes. Without a loaded model (vLLM), the
+    parameter count and bytes come from the config alone.
+    """
+    import platform
+
+    import transformers
+
+    from llminfer.backends.quant import unquantized_weight_bytes, weight_footprint
+
+    base_params, base_bytes = unquantized_weight_bytes(rt.model_config, rt.dtype, cfg.hf_trust_remote_code)
+    facts: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cuda": torch.version.cuda or "none",
+        "device": str(rt.device),
+        "backend": cfg.backend.value,
+        "model": cfg.model_name or "llminfer/tiny-qwen2 (built-in)",
+        "model_path": rt.model_path,
+        "architecture": ",".join(getattr(rt.model_config, "architectures", None)
+                                 or [type(rt.model).__name__ if rt.model is not None else "?"]),
+        "parameters": base_params,
+        "dtype": str(rt.dtype).replace("torch.", ""),
+        "quant": cfg.quant.mode.value,
+        "weight_bytes_unquantized": base_bytes,
+        "max_model_len": rt.max_model_len,
+    }
+    if rt.model is None:
+        facts.update({"tp_size": cfg.tp_size, "pp_size": cfg.pp_size, "prefix_cache": cfg.cache.enable_prefix_cache})
+        return facts
+    footprint = weight_footprint(rt.model)
+    facts.update({"parameters": footprint["parameters"], "weight_bytes": footprint["weight_bytes"],
+                  "weight_bytes_unquantized": base_bytes or footprint["weight_bytes"]})
+    if cfg.quant.mode is not QuantMode.NONE:
+        facts["quantized_linear_bytes"] = footprint["quantized_linear_bytes"]
+        facts["quantized_linear_bf16_bytes"] = footprint["quantized_linear_bf16_bytes"]
+    if rt.kv_cache is not None:
+        facts["kv_bytes"] = rt.kv_cache.nbytes
+    return facts
