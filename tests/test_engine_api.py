@@ -90,7 +90,6 @@ def test_stats_are_consistent(engine):
     s = r.stats
     assert s.completion_tokens == len(r.token_ids) == 10
     assert 0 < s.ttft_ms <= s.total_latency_ms
-    assert s.throughput_tokens_per_sec == pytest.approx(10 / (s.total_latency_ms / 1000))
     assert s.prompt_tokens == len(engine.tokenizer.encode("Measure me"))
 
 

@@ -120,6 +120,12 @@ class AdapterManager:
         self.adapters: dict[str, str] = {}
         self.active: str | None = None
 
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, cfg: Any) -> AdapterManager:
+        """A manager using ``cfg``'s hub settings (an :class:`~llminfer.config.EngineConfig`)."""
+        dl = {"token": cfg.hf_token, "cache_dir": cfg.hf_cache_dir, "local_files_only": cfg.hf_local_files_only}
+        return cls(model, dl, (cfg.hf_token,))
+
     def load(self, path_or_id: str, adapter_name: str | None = None, *, activate: bool = True) -> str:
         """Load a PEFT LoRA adapter into the model (the base model is not reloaded). Returns its name.
 

@@ -25,9 +25,9 @@ import attrs
 
 from llminfer import assembly
 from llminfer.config import EngineConfig
-from llminfer.errors import BackendUnavailableError, EngineError, InvalidRequestError, LLMInferError
+from llminfer.errors import BackendUnavailableError, EngineError, InvalidRequestError
 from llminfer.frontend.input import InputProcessor, build_request
-from llminfer.frontend.output import RequestHandle
+from llminfer.frontend.output import RequestHandle, collect_all
 from llminfer.pipeline import Pipeline
 from llminfer.protocols import EngineCore, Stage
 from llminfer.protocols.messages import Control, GenerationRequest
@@ -48,7 +48,7 @@ def _close_started_engines() -> None:
             engine.close()
 
 
-_RUNTIME_NAMES = frozenset([*attrs.fields_dict(Runtime), "vocab_size"])
+_RUNTIME_NAMES = frozenset([*attrs.fields_dict(Runtime), "vocab_size", "lm_head_prepacked"])
 
 
 class InferenceEngine:
@@ -184,7 +184,7 @@ class InferenceEngine:
 
     def _running_pipeline(self) -> Pipeline:
         if self._pipeline is None:
-            raise EngineError("the engine is not running")
+            raise EngineError("the engine is not running (it was closed, or never started)")
         return self._pipeline
 
     # ------------------------------------------------------------------ requests
@@ -213,12 +213,8 @@ class InferenceEngine:
 
     def make_requests(self, prompt: str | Sequence[int], *, n: int = 1, seed: int | None = None,
                       **kwargs: Any) -> list[GenerationRequest]:
-        """``n`` samples of one prompt as ``n`` requests (seeds ``seed``, ``seed + 1``, ... when seeded).
-        Submitted together, they share the prompt's KV blocks (the prefix cache, reference counts).
-
-        Raises:
-            InvalidRequestError: ``n < 1`` or any other bad value.
-        """
+        """``n`` samples of one prompt as ``n`` requests (seeds ``seed``, ``seed + 1``, ... when seeded),
+        which share the prompt's KV blocks when submitted together. Raises InvalidRequestError."""
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise InvalidRequestError(f"n must be an integer >= 1, got {n!r}", param="n")
         return [self.make_request(prompt, seed=None if seed is None else seed + i, **kwargs) for i in range(n)]
@@ -261,22 +257,7 @@ class InferenceEngine:
         portal = self._require_portal()
         for request in requests:
             self._check_adapter(request)
-
-        async def collect_all() -> list[Any]:
-            results: list[Any] = [None] * len(requests)
-
-            async def one(i: int) -> None:
-                try:
-                    results[i] = await RequestHandle(self._running_pipeline(), requests[i]).collect()
-                except LLMInferError as exc:
-                    results[i] = exc
-
-            async with anyio.create_task_group() as tg:
-                for i in range(len(requests)):
-                    tg.start_soon(one, i)
-            return results
-
-        results = portal.call(collect_all)
+        results = portal.call(collect_all, self._running_pipeline(), list(requests))
         for r in results:
             if isinstance(r, BaseException):
                 raise r
@@ -317,12 +298,15 @@ class InferenceEngine:
                 yield chunk
 
     # ------------------------------------------------------------------ engine-wide control
+    async def _control(self, action: str) -> None:
+        done = anyio.Event()
+        if self._running_pipeline().send_nowait(Control(action, done)):
+            await done.wait()
+
     async def drained(self) -> None:
         """Return once every request submitted before this call has finished or been cancelled and its
         KV blocks are free (an ordered marker through the core's inbox; inside the engine's loop)."""
-        done = anyio.Event()
-        if self._running_pipeline().send_nowait(Control("drain", done)):
-            await done.wait()
+        await self._control("drain")
 
     def wait_drained(self) -> None:
         """:meth:`drained` from synchronous code in another thread than the engine's loop (the background
@@ -338,27 +322,17 @@ class InferenceEngine:
         this returns."""
         if self._portal is None and self._pipeline is not None:
             self._pipeline.send_nowait(Control("reset_prefix_cache"))
-            return
-
-        async def reset() -> None:
-            done = anyio.Event()
-            if self._running_pipeline().send_nowait(Control("reset_prefix_cache", done)):
-                await done.wait()
-
-        self._require_portal().call(reset)
+        else:
+            self._require_portal().call(self._control, "reset_prefix_cache")
 
     # ------------------------------------------------------------------ LoRA adapters
     @property
     def active_adapter(self) -> str | None:
         return self.adapter_manager.active if self.adapter_manager is not None else None
 
-    @property
-    def adapters(self) -> dict[str, str]:
-        return dict(self.adapter_manager.adapters) if self.adapter_manager is not None else {}
-
     def list_adapters(self) -> dict[str, str]:
         """Loaded LoRA adapters: name → the path or hub id they came from."""
-        return self.adapters
+        return dict(self.adapter_manager.adapters) if self.adapter_manager is not None else {}
 
     def _check_adapter(self, request: GenerationRequest) -> None:
         if request.adapter_name != self.active_adapter:
@@ -379,9 +353,7 @@ class InferenceEngine:
             raise EngineError(f"cannot {what} while requests are in flight; wait until they finish "
                               "(adapters change the model every request runs on)")
         if self.adapter_manager is None:
-            cfg = self.cfg
-            dl = {"token": cfg.hf_token, "cache_dir": cfg.hf_cache_dir, "local_files_only": cfg.hf_local_files_only}
-            self.adapter_manager = AdapterManager(self.model, dl, (cfg.hf_token,))
+            self.adapter_manager = AdapterManager.for_model(self.model, self.cfg)
         return self.adapter_manager
 
     def load_adapter(self, path_or_id: str, adapter_name: str | None = None, *, activate: bool = True) -> str:
@@ -431,15 +403,6 @@ class InferenceEngine:
         self.load()
         assert self.runtime is not None and self.core is not None
         facts = {**describe_runtime(self.runtime, self.cfg), **self.core.describe()}
-        if self.adapters:
-            facts["adapters"] = list(self.adapters)
-            facts["active_adapter"] = self.active_adapter
+        if self.list_adapters():
+            facts.update(adapters=list(self.list_adapters()), active_adapter=self.active_adapter)
         return facts
-
-    @property
-    def lm_head_prepacked(self) -> bool:
-        """Whether the LM head runs on a oneDNN-prepacked weight (see :mod:`llminfer.backends.prepack`)."""
-        from llminfer.backends.prepack import PrepackedLinear
-
-        model = self.runtime.model if self.runtime is not None else None
-        return model is not None and isinstance(model.get_output_embeddings(), PrepackedLinear)

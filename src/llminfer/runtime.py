@@ -68,6 +68,13 @@ class Runtime:
     def vocab_size(self) -> int | None:
         return getattr(self.model_config.get_text_config(), "vocab_size", None)
 
+    @property
+    def lm_head_prepacked(self) -> bool:
+        """Whether the LM head runs on a oneDNN-prepacked weight (see :mod:`llminfer.backends.prepack`)."""
+        from llminfer.backends.prepack import PrepackedLinear
+
+        return self.model is not None and isinstance(self.model.get_output_embeddings(), PrepackedLinear)
+
 
 def load_runtime(cfg: EngineConfig) -> Runtime:
     """Load what ``cfg`` names.

@@ -119,3 +119,21 @@ class RequestHandle:
         async for _ in self.chunks():
             pass
         return self.builder.result()
+
+
+async def collect_all(pipeline: Any, requests: list[GenerationRequest]) -> list[GenerationResult | LLMInferError]:
+    """Run ``requests`` concurrently to their ends; per request its result or the error it failed with."""
+    import anyio
+
+    results: list[Any] = [None] * len(requests)
+
+    async def one(i: int) -> None:
+        try:
+            results[i] = await RequestHandle(pipeline, requests[i]).collect()
+        except LLMInferError as exc:
+            results[i] = exc
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(requests)):
+            tg.start_soon(one, i)
+    return results
