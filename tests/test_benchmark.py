@@ -63,6 +63,18 @@ def test_unfinished_requests_are_left_out():
     assert request_metrics(frame).height == 0
 
 
+def test_random_token_prompts_lengths_and_seed():
+    from llminfer.benchmark.runner import random_token_prompts
+
+    fixed = random_token_prompts(3, 5, 100, seed=7)
+    assert [len(p) for p in fixed] == [5, 5, 5] and fixed == random_token_prompts(3, 5, 100, seed=7)
+    assert random_token_prompts(3, [5, 5, 5], 100, seed=7) == fixed
+    mixed = random_token_prompts(3, [2, 0, 4], 100, seed=7)
+    assert [len(p) for p in mixed] == [2, 0, 4] and all(10 <= t < 100 for p in mixed for t in p)
+    with pytest.raises(ValueError, match="2 prompt lengths for 3 prompts"):
+        random_token_prompts(3, [1, 2], 100, seed=0)
+
+
 # ---------------------------------------------------------------------------------------------- serving
 TTFT_S, TPOT_S, TOKENS = 0.25, 0.05, 8
 

@@ -33,10 +33,20 @@ def _sync(device: Any) -> None:
         torch.cuda.synchronize(device)
 
 
-def random_token_prompts(n: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
-    """``n`` prompts of ``length`` random token ids in ``[10, vocab_size)`` (a fixed seed: reproducible)."""
+def random_token_prompts(n: int, length: int | Sequence[int], vocab_size: int, seed: int) -> list[list[int]]:
+    """``n`` prompts of random token ids in ``[10, vocab_size)`` (a fixed seed: reproducible), each
+    ``length`` tokens long, or ``length[i]`` for prompt ``i`` when ``length`` is a sequence of ``n``.
+
+    Raises:
+        ValueError: a sequence of lengths that is not ``n`` long, or a negative length.
+    """
+    lengths = [length] * n if isinstance(length, int) else [int(k) for k in length]
+    if len(lengths) != n:
+        raise ValueError(f"{len(lengths)} prompt lengths for {n} prompts")
+    if any(k < 0 for k in lengths):
+        raise ValueError(f"prompt lengths must be >= 0, got {min(lengths)}")
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(10, max(11, vocab_size), (n, length), generator=g).tolist()
+    return [torch.randint(10, max(11, vocab_size), (k,), generator=g).tolist() for k in lengths]
 
 
 @attrs.define
