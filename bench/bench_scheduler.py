@@ -101,9 +101,9 @@ def bench_mixed(path, reps: int, num_requests: int) -> dict:
     # Warm-up, excluded.
     llminfer_workload(engine, prompts[:4], [4] * 4)
     llminfer_workload(lpt_engine, prompts[:4], [4] * 4, longest_first=True)
-    lpt_engine.kv_manager.pool.reset_cache()
+    lpt_engine.reset_prefix_cache()
     hf_static(model, prompts[:4], [4] * 4)
-    engine.kv_manager.pool.reset_cache()
+    engine.reset_prefix_cache()
 
     cb_model = None
     cb_skip = None
@@ -121,10 +121,10 @@ def bench_mixed(path, reps: int, num_requests: int) -> dict:
     for _ in range(reps):
         t, delivered["llminfer"] = timed(llminfer_workload, engine, prompts, outputs)
         times["llminfer"].append(t)
-        engine.kv_manager.pool.reset_cache()  # distinct random prompts: nothing to reuse anyway
+        engine.reset_prefix_cache()  # distinct random prompts: nothing to reuse anyway
         t, delivered["llminfer_longest_first"] = timed(llminfer_workload, lpt_engine, prompts, outputs, True)
         times["llminfer_longest_first"].append(t)
-        lpt_engine.kv_manager.pool.reset_cache()
+        lpt_engine.reset_prefix_cache()
         t, delivered["hf_static"] = timed(hf_static, model, prompts, outputs)
         times["hf_static"].append(t)
         if cb_model is not None:

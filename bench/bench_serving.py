@@ -59,7 +59,7 @@ def main() -> dict:
                                           max_batch_size=args.concurrency,
                                           cache=CacheConfig(kv_cache_memory_bytes=1 << 30))).load().start()
     engine.run_batch_continuous(["warm up"] * 4, max_new_tokens=4)
-    engine.kv_manager.pool.reset_cache()
+    engine.reset_prefix_cache()
     reqs = [engine.make_request(p, max_new_tokens=n, ignore_eos=True) for p, n in requests]
     seconds, results = timed(engine.run_requests, reqs)
     engine.close()

@@ -1,19 +1,28 @@
-"""Shared pieces of the benchmark suites: the ~100M-parameter Qwen2-shaped random model, timing, output."""
+"""Shared pieces of the benchmark suites: the ~100M-parameter Qwen2-shaped random model, timing, output.
+
+Environment metadata, random prompts and peak memory come from :mod:`llminfer.benchmark` (the figures in
+``bench/results`` are measured the way ``llminfer bench`` measures them): :func:`environment`,
+``random_prompts`` (:func:`llminfer.benchmark.runner.random_token_prompts`) and ``peak_rss_bytes``
+(:func:`llminfer.benchmark.environment.peak_rss_bytes`) are re-exported here.
+"""
 
 from __future__ import annotations
 
 import json
-import os
-import platform
 import statistics
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from llminfer.benchmark.environment import environment as llminfer_environment
+from llminfer.benchmark.environment import peak_rss_bytes
+from llminfer.benchmark.runner import random_token_prompts as random_prompts
 from llminfer.models import build_random_model, default_cache_dir
+
+__all__ = ["BENCH_MODEL_SPEC", "BENCH_VOCAB", "RESULTS_DIR", "bench_model_path", "count_params", "environment",
+           "median", "peak_rss_bytes", "random_prompts", "save", "timed"]
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -41,13 +50,6 @@ def count_params(path: Path) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def random_prompts(n: int, lengths: list[int] | int, vocab: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    if isinstance(lengths, int):
-        lengths = [lengths] * n
-    return [torch.randint(10, vocab, (length,), generator=g).tolist() for length in lengths]
-
-
 def timed(fn, *args, **kwargs) -> tuple[float, Any]:
     """Run ``fn`` and return (seconds, result); synchronises CUDA before reading the clock."""
     if torch.cuda.is_available():
@@ -64,32 +66,10 @@ def median(xs: list[float]) -> float:
 
 
 def environment() -> dict[str, Any]:
-    import transformers
-
-    import llminfer
-
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=Path(__file__).parent, timeout=5).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        rev = None
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "llminfer": llminfer.__version__,
-        "cuda": torch.version.cuda,
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "git_revision": rev,
-    }
-
-
-def peak_rss_bytes() -> int:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """:func:`llminfer.benchmark.environment.environment`, plus ``device`` (the GPU's name, else the CPU
+    model) as earlier bench results recorded it."""
+    env = llminfer_environment()
+    return {**env, "device": env["gpu"] or env["cpu"] or "cpu"}
 
 
 def save(name: str, payload: dict[str, Any]) -> Path:

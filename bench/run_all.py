@@ -6,6 +6,7 @@ Each suite writes bench/results/<name>.json; each ratio is measured side by side
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -70,11 +71,13 @@ def summary_table() -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
-    quick = "--quick" in sys.argv
-    only = None
-    if "--only" in sys.argv:
-        only = set(sys.argv[sys.argv.index("--only") + 1].split(","))
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="fewer repetitions and requests")
+    ap.add_argument("--only", default=None, help="comma-separated suites: " + ",".join(suites(False)))
+    args = ap.parse_args(argv)
+    quick = args.quick
+    only = set(args.only.split(",")) if args.only else None
     failed = 0
     for name, suite in suites(quick).items():
         if only and name not in only:

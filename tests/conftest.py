@@ -1,13 +1,17 @@
-"""Shared fixtures: random-weight test models built once per session (untied embeddings, fixed seeds)."""
+"""Shared fixtures: random-weight test models built once per session (untied embeddings, fixed seeds), and
+``fake_vllm``: ``Backend.VLLM`` engines on :class:`helpers.FakeVLLM` instead of vLLM."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from helpers import FakeVLLM
+from llminfer.backends import vllm as vb
 from llminfer.models import build_random_model
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
@@ -32,3 +36,14 @@ def model_dirs(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def qwen2_dir(model_dirs) -> Path:
     return model_dirs["qwen2"]
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch) -> FakeVLLM:
+    """Every ``Backend.VLLM`` engine loaded during the test runs on one :class:`FakeVLLM` (reporting 4
+    cached prompt tokens per request); vLLM itself is never imported."""
+    fake = FakeVLLM(cached=4)
+    monkeypatch.setattr(vb, "require_vllm", lambda: SimpleNamespace(__version__="fake"))
+    monkeypatch.setattr(vb.VLLMBackend, "from_config", classmethod(
+        lambda cls, cfg, path, max_len: cls(fake, dict, lambda ids: {"prompt_token_ids": ids}, "fake")))
+    return fake

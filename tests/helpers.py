@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
+import anyio
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -52,3 +54,41 @@ def wait_until(predicate, timeout_s: float = 5.0) -> bool:
             return True
         time.sleep(0.01)
     return predicate()
+
+
+class FakeVLLM:
+    """An async engine with vLLM's output shape: one token per output (DELTA mode), a token every 2 ms.
+
+    Records the sampling parameters it was given (``seen``), the requests aborted (``aborted``) or
+    cancelled mid-stream (``cancelled``) and how often its prefix cache was reset (``resets``). The
+    ``fake_vllm`` fixture (conftest.py) makes ``Backend.VLLM`` engines run on one.
+    """
+
+    def __init__(self, cached: int = 0) -> None:
+        self.cached = cached
+        self.aborted: list[str] = []
+        self.cancelled: list[str] = []
+        self.seen: list[dict] = []
+        self.resets = 0
+
+    async def generate(self, prompt, params, request_id):
+        self.seen.append(params)
+        n = params["max_tokens"] or 8
+        try:
+            for i in range(n):
+                await anyio.sleep(0.002)
+                tok = (sum(prompt["prompt_token_ids"]) + i) % 50 + 100
+                last = i == n - 1
+                comp = SimpleNamespace(text=f"<{tok}>", token_ids=[tok], finish_reason="length" if last else None,
+                                       logprobs=None)
+                cached = min(self.cached, len(prompt["prompt_token_ids"]) - 1)
+                yield SimpleNamespace(outputs=[comp], finished=last, num_cached_tokens=cached)
+        except BaseException:
+            self.cancelled.append(request_id)
+            raise
+
+    async def abort(self, request_id):
+        self.aborted.append(request_id)
+
+    async def reset_prefix_cache(self):
+        self.resets += 1

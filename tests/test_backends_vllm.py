@@ -1,13 +1,13 @@
 """The vLLM backend without vLLM: the parameter mappings (pure functions), the one-line message when vLLM is
 missing, and the engine's vLLM pipeline (tokenize → vLLM stage → sink, streaming, aborts, cache stats)
-driven by a fake async engine with vLLM's RequestOutput shape. End-to-end tests on vLLM itself are marked
+driven by a fake async engine with vLLM's RequestOutput shape (``helpers.FakeVLLM``, the ``fake_vllm``
+fixture of conftest.py). End-to-end tests on vLLM itself are marked
 ``gpu`` and skipped without CUDA and vLLM."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-import anyio
 import pytest
 import structlog
 import torch
@@ -107,53 +107,15 @@ def test_vllm_missing_fails_at_once_with_one_line(capsys):
 # ----------------------------------------------------------------------------------------------- fake vLLM
 
 
-class FakeVLLM:
-    """An async engine with vLLM's output shape: one token per output (DELTA mode), a token every 2 ms."""
-
-    def __init__(self, cached: int = 0) -> None:
-        self.cached = cached
-        self.aborted: list[str] = []
-        self.cancelled: list[str] = []
-        self.seen: list[dict] = []
-
-    async def generate(self, prompt, params, request_id):
-        self.seen.append(params)
-        n = params["max_tokens"] or 8
-        try:
-            for i in range(n):
-                await anyio.sleep(0.002)
-                tok = (sum(prompt["prompt_token_ids"]) + i) % 50 + 100
-                last = i == n - 1
-                comp = SimpleNamespace(text=f"<{tok}>", token_ids=[tok], finish_reason="length" if last else None,
-                                       logprobs=None)
-                cached = min(self.cached, len(prompt["prompt_token_ids"]) - 1)
-                yield SimpleNamespace(outputs=[comp], finished=last, num_cached_tokens=cached)
-        except BaseException:
-            self.cancelled.append(request_id)
-            raise
-
-    async def abort(self, request_id):
-        self.aborted.append(request_id)
-
-
-@pytest.fixture
-def fake_vllm(monkeypatch):
-    fake = FakeVLLM(cached=4)
-    monkeypatch.setattr(vb, "require_vllm", lambda: SimpleNamespace(__version__="fake"))
-    monkeypatch.setattr(vb.VLLMBackend, "from_config", classmethod(
-        lambda cls, cfg, path, max_len: cls(fake, dict, lambda ids: {"prompt_token_ids": ids}, "fake")))
-    return fake
-
-
 def _vllm_engine(**kw):
     return InferenceEngine(EngineConfig(backend=Backend.VLLM, batch_timeout_ms=0, **kw)).load()
 
 
 def test_pipeline_skips_llminfer_scheduling(fake_vllm):
     engine = _vllm_engine(tp_size=2)
-    assert engine.owns_scheduling and engine.model is None and engine.kv_manager is None
+    assert isinstance(engine.core, vb.VLLMEngineCore) and engine.model is None and engine.kv_manager is None
     pipeline = engine.build_pipeline()
-    assert [s.name for s in pipeline.stages] == ["tokenize", "vllm", "sink"]
+    assert [s.name for s in pipeline.stages] == ["tokenize", "vllm", "detokenize", "sink"]
     info = engine.info()
     assert info["backend"] == "vllm" and info["tp_size"] == 2 and info["vllm"] == "fake"
     assert info["parameters"] > 0 and info["weight_bytes_unquantized"] > 0
@@ -194,7 +156,7 @@ def test_unmappable_request_fails_cleanly(fake_vllm):
 
 
 def test_adapters_refused_on_vllm(fake_vllm, tmp_path):
-    with pytest.raises(BackendUnavailableError, match="vLLM backend"):
+    with pytest.raises(BackendUnavailableError, match="(?i)vllm backend"):
         _vllm_engine().load_adapter(str(tmp_path), "x")
 
 

@@ -39,7 +39,14 @@ from llminfer.errors import (
     RequestAbortedError,
     one_line,
 )
-from llminfer.protocols.messages import Abort, Control, DeltaBatch, FinishRequest, RequestDelta, TokenizedRequest
+from llminfer.protocols.messages import (
+    Abort,
+    Control,
+    DeltaBatch,
+    FinishRequest,
+    RequestDelta,
+    TokenizedRequest,
+)
 from llminfer.results import GenerationStats, TokenLogprob
 from llminfer.sampling.params import SamplingParams
 from llminfer.trace import Tracer
@@ -339,10 +346,11 @@ class VLLMEngineCore:
         self._scopes: dict[str, anyio.CancelScope] = {}
         self._drains: list[Any] = []
         self._steps = 0
-        self._reading = anyio.CancelScope()
+        self._reading: anyio.CancelScope | None = None  # made in run(): a cancel scope needs an event loop
         self._closing = False
 
     async def run(self, inbox: ObjectReceiveStream[Any], outbox: ObjectSendStream[Any]) -> None:
+        self._reading = anyio.CancelScope()
         async with outbox, anyio.create_task_group() as requests_tg:
             with self._reading:
                 async for msg in inbox:
@@ -376,7 +384,7 @@ class VLLMEngineCore:
             for done in self._drains:
                 done.set()
             self._drains.clear()
-            if self._closing:
+            if self._closing and self._reading is not None:
                 self._reading.cancel()
 
     async def _send(self, outbox: ObjectSendStream[Any], delta: RequestDelta) -> None:

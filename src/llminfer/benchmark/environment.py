@@ -53,11 +53,21 @@ def environment() -> dict[str, Any]:
     }
 
 
-def peak_memory_bytes(device: torch.device | str | None = None) -> dict[str, int | None]:
-    """Peak resident memory of this process (bytes) and, on CUDA, peak allocated device memory."""
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process so far, in bytes (``getrusage``; Linux reports KiB).
+
+    Raises:
+        ImportError: no ``resource`` module (Windows).
+    """
     import resource
 
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def peak_memory_bytes(device: torch.device | str | None = None) -> dict[str, int | None]:
+    """Peak resident memory of this process (bytes, :func:`peak_rss_bytes`) and, on CUDA, peak
+    allocated device memory."""
+    rss = peak_rss_bytes()
     dev = None
     if device is not None and torch.device(device).type == "cuda":
         dev = int(torch.cuda.max_memory_allocated(device))

@@ -8,6 +8,7 @@ before every clock read.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -21,7 +22,7 @@ from llminfer.benchmark import artifacts
 from llminfer.benchmark.environment import environment, peak_memory_bytes
 from llminfer.benchmark.metrics import summarize, trace_frame
 from llminfer.config import Backend, EngineConfig
-from llminfer.errors import LLMInferError
+from llminfer.errors import EngineError, LLMInferError
 
 SUMMARY_COLUMNS = ["batch_size", "latency_p50_ms", "latency_p95_ms", "latency_p99_ms", "ttft_mean_ms",
                    "tpot_mean_ms", "output_tokens_per_s", "peak_rss_mb"]
@@ -32,10 +33,20 @@ def _sync(device: Any) -> None:
         torch.cuda.synchronize(device)
 
 
-def random_token_prompts(n: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
-    """``n`` prompts of ``length`` random token ids in ``[10, vocab_size)`` (a fixed seed: reproducible)."""
+def random_token_prompts(n: int, length: int | Sequence[int], vocab_size: int, seed: int) -> list[list[int]]:
+    """``n`` prompts of random token ids in ``[10, vocab_size)`` (a fixed seed: reproducible), each
+    ``length`` tokens long, or ``length[i]`` for prompt ``i`` when ``length`` is a sequence of ``n``.
+
+    Raises:
+        ValueError: a sequence of lengths that is not ``n`` long, or a negative length.
+    """
+    lengths = [length] * n if isinstance(length, int) else [int(k) for k in length]
+    if len(lengths) != n:
+        raise ValueError(f"{len(lengths)} prompt lengths for {n} prompts")
+    if any(k < 0 for k in lengths):
+        raise ValueError(f"prompt lengths must be >= 0, got {min(lengths)}")
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(10, max(11, vocab_size), (n, length), generator=g).tolist()
+    return [torch.randint(10, max(11, vocab_size), (k,), generator=g).tolist() for k in lengths]
 
 
 @attrs.define
@@ -110,8 +121,29 @@ def format_table(df: pl.DataFrame, title: str = "") -> str:
     return "\n".join(out)
 
 
+def check_settings(batch_sizes: Sequence[int], num_runs: int, max_new_tokens: int, warmup: int,
+                   prompt_len: int | None) -> None:
+    """Check benchmark settings (``prompt_len`` None: fixed prompts are given).
+
+    Raises:
+        ValueError: empty ``batch_sizes``, a non-positive size / count / length, or a negative warm-up.
+    """
+    if not batch_sizes or any(b <= 0 for b in batch_sizes):
+        raise ValueError("batch sizes must be positive integers")
+    if num_runs <= 0:
+        raise ValueError(f"runs must be >= 1, got {num_runs}")
+    if max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if warmup < 0:
+        raise ValueError(f"warmup must be >= 0, got {warmup}")
+    if prompt_len is not None and prompt_len <= 0:
+        raise ValueError(f"prompt_len must be >= 1, got {prompt_len}")
+
+
 class Benchmarker:
-    """Measures an engine over batch sizes.
+    """Measures an engine over batch sizes, on any core (llminfer's own, or one whose backend owns
+    scheduling such as vLLM): it only uses the engine's facade (``vocab_size``, ``reset_prefix_cache()``,
+    ``tracer``, ``info()``, the run methods), never the model or the KV manager.
 
     Args:
         engine: a loaded :class:`~llminfer.engine.InferenceEngine` (started on first use).
@@ -126,11 +158,26 @@ class Benchmarker:
         self.prompts = list(prompts) if prompts else None
         self.seed = seed
 
+    def _vocab_size(self) -> int:
+        """The model's vocabulary (its config), else the tokenizer's: known on every core, vLLM's too.
+
+        Raises:
+            EngineError: neither the model config nor the tokenizer gives a vocabulary size.
+        """
+        engine = self.engine
+        vocab = engine.vocab_size
+        if not vocab:
+            with contextlib.suppress(TypeError):
+                vocab = len(engine.tokenizer)
+        if not vocab:
+            raise EngineError("cannot make random prompts: the model config has no vocab_size and the "
+                              "tokenizer no length; pass prompts= instead")
+        return int(vocab)
+
     def _batch(self, size: int, run_seed: int) -> list[Any]:
         if self.prompts:
             return [self.prompts[i % len(self.prompts)] for i in range(size)]
-        vocab = self.engine.model.get_output_embeddings().weight.shape[0]
-        return random_token_prompts(size, self.prompt_len, vocab, run_seed)
+        return random_token_prompts(size, self.prompt_len, self._vocab_size(), run_seed)
 
     def run(self, batch_sizes: Sequence[int] = (1, 2, 4, 8), num_runs: int = 3, max_new_tokens: int = 64,
             warmup: int = 1, continuous: bool = True, ignore_eos: bool = True,
@@ -145,17 +192,11 @@ class Benchmarker:
 
         Raises:
             ValueError: empty ``batch_sizes``, a non-positive size / count / length, or a negative warm-up.
+            EngineError: no vocabulary size to draw random prompts from, or the backend failed.
+            InvalidRequestError, CapacityError: a batch the engine refuses (see
+                :meth:`~llminfer.engine.InferenceEngine.run`).
         """
-        if not batch_sizes or any(b <= 0 for b in batch_sizes):
-            raise ValueError("batch sizes must be positive integers")
-        if num_runs <= 0:
-            raise ValueError(f"runs must be >= 1, got {num_runs}")
-        if max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if warmup < 0:
-            raise ValueError(f"warmup must be >= 0, got {warmup}")
-        if not self.prompts and self.prompt_len <= 0:
-            raise ValueError(f"prompt_len must be >= 1, got {self.prompt_len}")
+        check_settings(batch_sizes, num_runs, max_new_tokens, warmup, None if self.prompts else self.prompt_len)
         engine = self.engine
         engine.start()
         go = engine.run_batch_continuous if continuous else engine.run_batch
@@ -165,7 +206,7 @@ class Benchmarker:
             for i in range(warmup + num_runs):
                 seed += 1
                 prompts = self._batch(size, seed)
-                engine.kv_manager.pool.reset_cache()
+                engine.reset_prefix_cache()  # through the core's inbox: done (and cold) when it returns
                 engine.tracer.clear()
                 if progress:
                     progress(f"batch {size} {'warm-up' if i < warmup else f'run {i - warmup + 1}'}")
@@ -281,9 +322,19 @@ class BackendComparison:
     def run(self, batch_sizes: Sequence[int] = (1, 4), num_runs: int = 2, max_new_tokens: int = 32,
             warmup: int = 1, prompt_len: int = 32,
             progress: Callable[[str], None] | None = None) -> ComparisonResult:
-        """Benchmark each backend; a backend that cannot load here is skipped with its reason."""
+        """Benchmark each backend with :class:`Benchmarker`, one engine at a time.
+
+        A backend that cannot load or run here (any :class:`~llminfer.errors.LLMInferError`, e.g.
+        ``BackendUnavailableError`` without vLLM) is skipped with its reason; the others still run.
+
+        Raises:
+            ValueError: bad benchmark settings (see :meth:`Benchmarker.run`), before any backend runs.
+            Exception: anything else a backend raises is a bug, not a reason to skip, and propagates (the
+                engine is closed first).
+        """
         from llminfer.engine import InferenceEngine
 
+        check_settings(batch_sizes, num_runs, max_new_tokens, warmup, prompt_len)
         results: dict[str, BenchmarkResult] = {}
         skipped: dict[str, str] = {}
         for backend in self.backends:
