@@ -16,7 +16,6 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
-from helpers import wait_until
 from llminfer import EngineConfig, InferenceEngine
 from llminfer.api import create_app, serve_in_thread
 

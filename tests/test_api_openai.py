@@ -8,7 +8,6 @@ import math
 import openai
 import pytest
 
-from helpers import wait_until
 from llminfer import EngineConfig, InferenceEngine
 from llminfer.api import create_app, serve_in_thread
 

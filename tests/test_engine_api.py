@@ -5,7 +5,7 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from helpers import make_engine, wait_until
+from helpers import make_engine
 from llminfer import (
     CapacityError,
     ConfigError,

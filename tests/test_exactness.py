@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from helpers import hf_greedy, make_engine, random_prompts
+from llminfer import CacheConfig, EngineConfig, InferenceEngine
 
 LENGTHS = [1, 3, 7, 16, 33, 64, 120, 200]
 NEW_TOKENS = 12
@@ -47,10 +48,9 @@ def test_chunked_prefill_matches_hf_generate(model_dirs, reference, arch):
 def test_contiguous_layout_matches_hf_generate(model_dirs, reference):
     """enable_paged_kv=False (one region of max_model_len per sequence) gives the same tokens."""
     prompts, expected = reference
-    engine = make_engine(model_dirs["qwen2"], max_batch_size=4)
-    engine.cfg.cache.enable_paged_kv = False
-    engine.loaded = False
-    with engine.load() as engine:
+    cfg = EngineConfig(model_name=str(model_dirs["qwen2"]), dtype="float32", device="cpu", max_batch_size=4,
+                       batch_timeout_ms=0, cache=CacheConfig(enable_paged_kv=False))
+    with InferenceEngine(cfg).load() as engine:
         assert engine.kv_manager.block_size == engine.max_model_len
         results = engine.run_batch_continuous(prompts, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
     for got, want in zip(results, expected["qwen2"]):

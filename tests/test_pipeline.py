@@ -5,10 +5,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
-from pathlib import Path
-
 import time
 import uuid
+from pathlib import Path
 
 import anyio
 import pytest

@@ -9,10 +9,10 @@ import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from llminfer.core.scheduler import Scheduler, SchedulerLimits
 from llminfer.kv.manager import KVCacheManager
 from llminfer.protocols.messages import StepOutput, TokenizedRequest
 from llminfer.sampling.params import SamplingParams
-from llminfer.core.scheduler import Scheduler, SchedulerLimits
 
 SHARED_PREFIXES = [tuple(range(100, 100 + n)) for n in (0, 5, 8, 13)]
 

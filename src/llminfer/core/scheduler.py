@@ -23,9 +23,9 @@ import time
 
 import attrs
 
+from llminfer.core.queues import PriorityWaitingQueue, WaitingQueue
 from llminfer.errors import CapacityError
 from llminfer.kv.manager import KVCacheManager
-from llminfer.core.queues import PriorityWaitingQueue, WaitingQueue
 from llminfer.protocols.messages import (
     NewRequestData,
     ScheduledSequence,
