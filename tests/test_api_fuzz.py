@@ -7,8 +7,6 @@ about 20 tokens, so the rest are 400s or short generations).
 
 from __future__ import annotations
 
-import time
-
 import httpx
 import pytest
 import schemathesis
@@ -19,8 +17,7 @@ from schemathesis import GenerationMode
 from llminfer import EngineConfig, InferenceEngine
 from llminfer.api import create_app, serve_in_thread
 
-MAX_EXAMPLES = 40  # per operation and mode (positive, negative)
-TIME_BUDGET_S = 90.0  # examples drawn after this are not sent (the run stays bounded on a busy machine)
+MAX_EXAMPLES = 25  # per operation and mode (positive, negative): the run is bounded by count, not by time
 
 
 @pytest.fixture(scope="module")
@@ -47,14 +44,11 @@ def test_no_server_errors(fuzz_server):
     paths = {op.path for op in operations}
     assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/healthz", "/metrics"} <= paths
     calls = 0
-    deadline = time.monotonic() + TIME_BUDGET_S
 
     @settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True, database=None,
               phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
     def fuzz(case) -> None:
         nonlocal calls
-        if time.monotonic() > deadline:
-            return
         calls += 1
         _check(case.call(base_url=url, timeout=60), case)
 

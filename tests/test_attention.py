@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llminfer.kv.attention import masked_attention
+from llminfer.backends.attention import masked_attention
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
@@ -78,7 +78,7 @@ def test_decode_attention_is_batch_invariant(dtype):
 
 
 def test_decode_metadata_pads_to_whole_chunks():
-    from llminfer.kv.attention import PagedKVCache, build_metadata, decode_chunk_blocks
+    from llminfer.backends.attention import PagedKVCache, build_metadata, decode_chunk_blocks
 
     cache = PagedKVCache(1, 64, 16, 2, 8, torch.float32, "cpu")
     meta, positions = build_metadata(cache, [5, 130, 3], [1, 1, 4], [[7], list(range(9, 18)), [2]], "cpu")

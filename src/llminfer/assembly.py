@@ -67,10 +67,6 @@ def build_core(rt: Runtime, cfg: EngineConfig, backend: Any, tracer: Tracer) -> 
         policy=cfg.scheduler.policy,
         num_lookahead_tokens=cfg.speculative_num_assistant_tokens if rt.draft_model is not None else 0,
     )
-    # Requests a previous pipeline left when it was cut off at shutdown: free their blocks and states.
-    for request_id in list(rt.kv_manager.block_tables):
-        rt.kv_manager.free(request_id)
-    backend.states.clear()
     return EngineCore(Scheduler(limits, rt.kv_manager, rt.eos_token_ids), backend, cfg.batch_timeout_ms, tracer)
 
 

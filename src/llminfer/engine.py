@@ -91,9 +91,7 @@ class InferenceEngine:
         raise AttributeError(f"{type(self).__name__!s} has no attribute {name!r}"
                              + ("" if runtime is not None else " (call load() first)"))
 
-    @property
-    def loaded(self) -> bool:
-        return self.runtime is not None
+    loaded = property(lambda self: self.runtime is not None, doc="True once :meth:`load` has run.")
 
     def load(self) -> InferenceEngine:
         """Load tokenizer and model, size and allocate the KV pool once, build the backend. Returns self."""
@@ -171,11 +169,9 @@ class InferenceEngine:
 
     def is_idle(self) -> bool:
         """True when no request is in flight: no open handle and none in the core."""
-        pipeline = self._pipeline
-        if pipeline is None or self.core is None:
+        if self._pipeline is None or self.core is None:
             return True
-        counts = self.core.scheduler_stats()
-        return not getattr(pipeline.sink, "streams", None) and not (counts["running"] or counts["waiting"])
+        return not getattr(self._pipeline.sink, "streams", None) and not any(self.core.scheduler_stats().values())
 
     def _require_portal(self) -> Any:
         if self._portal is None:
@@ -223,8 +219,7 @@ class InferenceEngine:
         """Generate for one prompt and wait for the result (keyword arguments: :meth:`make_request`).
 
         Raises:
-            InvalidRequestError: bad input (empty prompt, prompt too long, bad sampling value).
-            CapacityError: the request can never fit in the KV cache.
+            InvalidRequestError: bad input; CapacityError: it can never fit in the KV cache;
             EngineError: the backend failed.
         """
         return self.run_requests([self.make_request(prompt, **kwargs)])[0]
@@ -395,7 +390,7 @@ class InferenceEngine:
 
     def scheduler_stats(self) -> dict[str, int]:
         """``running`` and ``waiting`` request counts in the engine core (0 before it loads)."""
-        return self.core.scheduler_stats() if self.core is not None else {"running": 0, "waiting": 0}
+        return self.core.scheduler_stats() if self.core else {"running": 0, "waiting": 0}
 
     def info(self) -> dict[str, Any]:
         """Environment, model, weight bytes and KV capacity (what ``llminfer info`` prints; see

@@ -16,6 +16,7 @@ import attrs
 import structlog
 import torch
 
+from llminfer.backends.attention import PagedKVCache, register_paged_attention
 from llminfer.backends.loading import (
     load_config,
     load_model,
@@ -26,7 +27,6 @@ from llminfer.backends.loading import (
 )
 from llminfer.config import Backend, EngineConfig, QuantMode
 from llminfer.errors import ConfigError
-from llminfer.kv.attention import PagedKVCache, register_paged_attention
 from llminfer.kv.manager import KVCacheManager
 from llminfer.kv.sizing import kv_geometry, plan_num_blocks
 

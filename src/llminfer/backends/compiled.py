@@ -2,7 +2,7 @@
 
 How the step is split
 ---------------------
-The paged attention (``kv.attention.paged_attention_forward``) is data-dependent Python: it loops over
+The paged attention (``backends.attention.paged_attention_forward``) is data-dependent Python: it loops over
 the step's prefill segments and gathers a different context length for each sequence. Traced by dynamo
 it would specialise on every segment length and recompile nearly every step. So the attention is hidden
 from the compiler behind one opaque custom operator, ``torch.ops.llminfer.paged_attention(query, key,
@@ -44,8 +44,8 @@ from typing import Any
 import structlog
 import torch
 
+from llminfer.backends.attention import METADATA_KWARG, PagedKVCache, build_metadata, paged_attention_forward
 from llminfer.backends.hf import HFBackend
-from llminfer.kv.attention import METADATA_KWARG, PagedKVCache, build_metadata, paged_attention_forward
 from llminfer.protocols.messages import SchedulerOutput
 
 log = structlog.get_logger("llminfer.compiled")
@@ -117,7 +117,7 @@ def paged_attention_op_forward(module: torch.nn.Module, query: torch.Tensor, key
                                dropout: float = 0.0, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """The attention function registered as ``"llminfer_paged_op"``: calls the opaque op.
 
-    Shapes as :func:`llminfer.kv.attention.paged_attention_forward` (``[1, T, H, D]`` out).
+    Shapes as :func:`llminfer.backends.attention.paged_attention_forward` (``[1, T, H, D]`` out).
     """
     return paged_attention_op(query, key, value, int(module.layer_idx),
                               None if scaling is None else float(scaling)), None

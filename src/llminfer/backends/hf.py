@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from llminfer.kv.attention import METADATA_KWARG, PagedKVCache, build_metadata
+from llminfer.backends.attention import METADATA_KWARG, PagedKVCache, build_metadata
 from llminfer.protocols.messages import SchedulerOutput, StepOutput
 from llminfer.sampling.sampler import SamplingState, sample
 
@@ -78,6 +78,11 @@ class HFBackend:
         return run_packed(self.model, self.cache, [s.token_ids for s in seqs], [s.start_position for s in seqs],
                           [s.block_table for s in seqs], keep, self.device)
 
+    def release(self, request_ids: Sequence[str]) -> None:
+        """Drop the sampling state of finished requests."""
+        for rid in request_ids:
+            self.states.pop(rid, None)
+
     def describe(self) -> dict[str, Any]:
         """Facts for ``engine.info()``: steps run so far."""
         return {"steps": self.num_steps}
@@ -92,8 +97,7 @@ class HFBackend:
         """Run one step; never raises (an exception is returned in ``StepOutput.error``)."""
         start = time.perf_counter_ns()
         try:
-            for rid in plan.finished_request_ids:
-                self.states.pop(rid, None)
+            self.release(plan.finished_request_ids)
             self._register(plan)
             sampling = [s for s in plan.sequences if s.sample]
             with torch.inference_mode():

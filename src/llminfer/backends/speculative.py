@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import torch
 
 from llminfer.backends.hf import HFBackend, run_packed
-from llminfer.kv.attention import PagedKVCache
+from llminfer.backends.attention import PagedKVCache
 from llminfer.protocols.messages import ScheduledSequence, SchedulerOutput, StepOutput
 from llminfer.sampling.sampler import SamplingState, sample, warp
 
@@ -146,8 +146,7 @@ class SpeculativeBackend(HFBackend):
         """One step with drafting and verification; never raises (errors go in ``StepOutput.error``)."""
         start = time.perf_counter_ns()
         try:
-            for rid in plan.finished_request_ids:
-                self.states.pop(rid, None)
+            self.release(plan.finished_request_ids)
                 self.draft_computed.pop(rid, None)
             self._register(plan)
             with torch.inference_mode():

@@ -1,6 +1,6 @@
 """The engine core: one actor that owns the scheduler, the KV cache manager and the backend.
 
-Start reading here. :meth:`EngineCore.run` is the loop that explains the system::
+Start reading here. :meth:`EngineCore._step_loop` is the loop that explains the system::
 
     while there is work:
         take every message waiting in the inbox, in order    (requests, aborts, stop-string finishes, control)
@@ -56,12 +56,17 @@ class EngineCore:
         backend: runs one step (:class:`~llminfer.protocols.Backend`), called in a worker thread.
         batch_timeout_ms: when idle, wait this long (ms) after the first arrival for more before stepping.
         tracer: records the core's trace events, from the requests' own timestamps.
+
+    Raises:
+        TypeError: ``backend`` does not implement :class:`~llminfer.protocols.Backend`.
     """
 
     name = "core"
 
     def __init__(self, scheduler: Scheduler, backend: Backend, batch_timeout_ms: float = 0.0,
                  tracer: Tracer | None = None) -> None:
+        if not isinstance(backend, Backend):
+            raise TypeError(f"{backend!r} is not a Backend (needs name, execute(plan) and describe())")
         self.scheduler = scheduler
         self.backend = backend
         self.batch_timeout_s = batch_timeout_ms / 1000.0
@@ -80,25 +85,36 @@ class EngineCore:
         """Serve until the inbox ends and every admitted request has finished."""
         sched = self.scheduler
         async with outbox:
-            while True:
-                self._take_waiting(inbox)
-                if not sched.has_unfinished():
-                    await self._emit(outbox, -1)
-                    if self._closing or not self._inbox_open:
-                        return
-                    await self._wait_for_work(inbox)
-                    continue
-                plan, failures = sched.schedule()
-                self._updates.extend(failures)
-                if plan.sequences:
-                    result = await self._execute(plan)
-                    self._updates.extend(sched.update_from_output(plan, result))
-                elif not failures:
-                    # Admission control makes this unreachable (a request that can never fit is refused
-                    # and a lone running one that outgrows the pool fails); never spin if it happens.
-                    log.error("nothing schedulable while requests wait", waiting=sched.num_waiting)
-                    await anyio.sleep(0.001)
-                await self._emit(outbox, plan.step_id)
+            try:
+                await self._step_loop(inbox, outbox)
+            finally:
+                # Cut off at shutdown: free what the unfinished requests still hold.
+                unfinished = list(sched.requests)
+                for request_id in unfinished:
+                    sched.finish_request(request_id)
+                self.backend.release(unfinished)
+
+    async def _step_loop(self, inbox: ObjectReceiveStream[Any], outbox: ObjectSendStream[Any]) -> None:
+        sched = self.scheduler
+        while True:
+            self._take_waiting(inbox)
+            if not sched.has_unfinished():
+                await self._emit(outbox, -1)
+                if self._closing or not self._inbox_open:
+                    return
+                await self._wait_for_work(inbox)
+                continue
+            plan, failures = sched.schedule()
+            self._updates.extend(failures)
+            if plan.sequences:
+                result = await self._execute(plan)
+                self._updates.extend(sched.update_from_output(plan, result))
+            elif not failures:
+                # Admission control makes this unreachable (a request that can never fit is refused
+                # and a lone running one that outgrows the pool fails); never spin if it happens.
+                log.error("nothing schedulable while requests wait", waiting=sched.num_waiting)
+                await anyio.sleep(0.001)
+            await self._emit(outbox, plan.step_id)
 
     async def _execute(self, plan: SchedulerOutput) -> StepOutput:
         """Run the backend on ``plan`` in a worker thread; trace the step and the requests in it."""

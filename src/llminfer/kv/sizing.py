@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
+from llminfer.backends.attention import PagedKVCache
 from llminfer.config import EngineConfig
 from llminfer.errors import ConfigError
-from llminfer.kv.attention import PagedKVCache
 from llminfer.kv.manager import cdiv
 
 CPU_DEFAULT_KV_BYTES_CAP = 2 * 1024**3

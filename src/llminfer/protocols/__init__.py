@@ -13,7 +13,7 @@ sender. The engine core (:class:`EngineCore`) is one stage among them: the pipel
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
@@ -85,12 +85,15 @@ class Backend(Protocol):
 
     ``execute`` takes a :class:`SchedulerOutput` and returns a :class:`StepOutput` with the sampled token
     ids of every sequence whose ``sample`` flag is set. It must not raise: errors go in
-    ``StepOutput.error``. ``describe()`` returns facts for ``engine.info()``.
+    ``StepOutput.error``. ``release(ids)`` drops the per-request state of requests that ended without
+    a further step (the core calls it when it stops); ``describe()`` returns facts for ``engine.info()``.
     """
 
     name: str
 
     def execute(self, plan: SchedulerOutput) -> StepOutput: ...
+
+    def release(self, request_ids: Sequence[str]) -> None: ...
 
     def describe(self) -> dict[str, Any]: ...
 
