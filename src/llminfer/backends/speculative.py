@@ -25,8 +25,8 @@ from collections.abc import Sequence
 
 import torch
 
-from llminfer.backends.hf import HFBackend, run_packed
 from llminfer.backends.attention import PagedKVCache
+from llminfer.backends.hf import HFBackend, run_packed
 from llminfer.protocols.messages import ScheduledSequence, SchedulerOutput, StepOutput
 from llminfer.sampling.sampler import SamplingState, sample, warp
 
@@ -142,12 +142,17 @@ class SpeculativeBackend(HFBackend):
         bonus = int(torch.multinomial(p[len(proposed)], 1, generator=gen))
         return proposed + [bonus], len(proposed)
 
+    def release(self, request_ids: Sequence[str]) -> None:
+        """Drop the sampling state and the draft's progress of finished requests."""
+        super().release(request_ids)
+        for rid in request_ids:
+            self.draft_computed.pop(rid, None)
+
     def execute(self, plan: SchedulerOutput) -> StepOutput:
         """One step with drafting and verification; never raises (errors go in ``StepOutput.error``)."""
         start = time.perf_counter_ns()
         try:
             self.release(plan.finished_request_ids)
-                self.draft_computed.pop(rid, None)
             self._register(plan)
             with torch.inference_mode():
                 drafts = self.propose(plan)
