@@ -65,8 +65,7 @@ class InferenceEngine:
     ``backend`` and ``core`` (the running :class:`~llminfer.protocols.EngineCore`).
 
     Raises:
-        ConfigError: inconsistent configuration (at construction or :meth:`load`).
-        ModelLoadError: the model or tokenizer cannot be found or loaded.
+        ConfigError: inconsistent configuration; ModelLoadError: the model or tokenizer cannot be loaded;
         BackendUnavailableError: the backend cannot run here.
     """
 
@@ -78,9 +77,7 @@ class InferenceEngine:
         self.core: EngineCore | None = None
         self.adapter_manager: Any = None
         self._pipeline: Pipeline | None = None
-        self._portal_cm: Any = None
-        self._portal: Any = None
-        self._pipeline_cm: Any = None
+        self._portal_cm = self._portal = self._pipeline_cm = None  # the background loop (sync API)
         self._loop_token: Any = None  # the caller's event loop, inside ``running()``
 
     def __getattr__(self, name: str) -> Any:
@@ -88,8 +85,7 @@ class InferenceEngine:
         runtime = self.__dict__.get("runtime")
         if runtime is not None and name in _RUNTIME_NAMES:
             return getattr(runtime, name)
-        raise AttributeError(f"{type(self).__name__!s} has no attribute {name!r}"
-                             + ("" if runtime is not None else " (call load() first)"))
+        raise AttributeError(f"InferenceEngine has no attribute {name!r}{'' if runtime else ' (call load() first)'}")
 
     loaded = property(lambda self: self.runtime is not None, doc="True once :meth:`load` has run.")
 
@@ -105,11 +101,11 @@ class InferenceEngine:
     # ------------------------------------------------------------------ assembly and lifecycle
     def default_stages(self) -> dict[str, Stage]:
         """Fresh built-in stages around a fresh core, by name in pipeline order (see
-        :func:`llminfer.assembly.default_stages`); ``engine.core`` becomes that core."""
+        :func:`llminfer.assembly.default_stages`)."""
         if self.runtime is None:
             raise EngineError("call load() first")
-        self.core = assembly.build_core(self.runtime, self.cfg, self.backend, self.tracer)
-        return assembly.default_stages(self.runtime, self.core, self.tracer)
+        core = assembly.build_core(self.runtime, self.cfg, self.backend, self.tracer)
+        return assembly.default_stages(self.runtime, core, self.tracer)
 
     def build_pipeline(self, after_detokenize: Sequence[Stage] = (), sink: Stage | None = None) -> Pipeline:
         """The default pipeline, with user stages between detokenize and the sink and, optionally, a
@@ -118,11 +114,16 @@ class InferenceEngine:
         last = stages.pop("sink")
         return Pipeline([*stages.values(), *after_detokenize, sink or last])
 
+    def _own_pipeline(self) -> Pipeline:
+        stages = self.default_stages()
+        self.core = stages["core"]  # the core that engine.cache_stats() and friends read
+        return Pipeline(list(stages.values()))
+
     def start(self) -> InferenceEngine:
         """Start the pipeline in a background event loop (done on first use by the sync methods)."""
         self.load()
         if self._portal is None:
-            self._pipeline = self.build_pipeline()
+            self._pipeline = self._own_pipeline()
             self._portal_cm = anyio.from_thread.start_blocking_portal()
             self._portal = self._portal_cm.__enter__()
             self._pipeline_cm = self._portal.wrap_async_context_manager(self._pipeline)
@@ -137,7 +138,7 @@ class InferenceEngine:
             await anyio.to_thread.run_sync(self.load)
         if self._portal is not None or self._pipeline is not None and self._pipeline.running:
             raise EngineError("the engine is already running")
-        self._pipeline = self.build_pipeline()
+        self._pipeline = self._own_pipeline()
         self._loop_token = anyio.lowlevel.current_token()
         try:
             async with self._pipeline:
@@ -396,8 +397,7 @@ class InferenceEngine:
         """Environment, model, weight bytes and KV capacity (what ``llminfer info`` prints; see
         :func:`llminfer.runtime.describe_runtime`), merged with the core's and backend's own facts."""
         self.load()
-        assert self.runtime is not None and self.core is not None
-        facts = {**describe_runtime(self.runtime, self.cfg), **self.core.describe()}
+        facts = {**describe_runtime(self.runtime, self.cfg), **self.core.describe()}  # type: ignore[union-attr, arg-type]
         if self.list_adapters():
             facts.update(adapters=list(self.list_adapters()), active_adapter=self.active_adapter)
         return facts
