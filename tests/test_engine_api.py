@@ -166,8 +166,7 @@ def test_async_generate_inside_running_loop():
             async for _ in agen:
                 break
             await agen.aclose()
-            with anyio.fail_after(5):
-                while engine.cache_stats()["blocks_used"]:
-                    await anyio.sleep(0.01)
+            await engine.drained()
+            assert engine.cache_stats()["blocks_used"] == 0
 
     anyio.run(main)
