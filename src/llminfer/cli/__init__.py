@@ -499,7 +499,3 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         typer.echo("error: interrupted", err=True)
         sys.exit(130)
-
-
-if __name__ == "__main__":  # pragma: no cover
-    main()
