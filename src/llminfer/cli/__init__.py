@@ -1,0 +1,68 @@
+"""The ``llminfer`` command line (Typer): the app, its commands and :func:`main`, the console entry point.
+
+The commands live in :mod:`llminfer.cli.generate` (run, stream, info, serve) and :mod:`llminfer.cli.bench`
+(bench, compare, bench-serve); the flags they share, and how those become an ``EngineConfig``, in
+:mod:`llminfer.cli.options`. This module registers the commands, in the order ``--help`` lists them.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+try:  # typer >= 0.20 vendors its own click; older versions use click itself
+    from typer._click import exceptions as click_exc
+except ImportError:  # pragma: no cover
+    from click import exceptions as click_exc
+
+from llminfer.cli import bench, generate
+from llminfer.errors import LLMInferError
+
+__all__ = ["app", "main"]
+
+app = typer.Typer(
+    name="llminfer",
+    help="llminfer: a compact LLM inference and benchmarking engine. Runs offline on a built-in tiny model "
+    "when no --model is given.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+    add_completion=False,
+)
+
+app.command()(generate.run)
+app.command()(generate.stream)
+app.command()(generate.info)
+app.command()(generate.serve)
+app.command()(bench.bench)
+app.command()(bench.compare)
+app.command("bench-serve")(bench.bench_serve)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: runs the Typer app; any user error becomes one line on stderr and exit code 1 or 2."""
+    try:
+        rc = app(args=argv, standalone_mode=False)  # returns the code of a typer.Exit
+        if isinstance(rc, int) and rc:
+            sys.exit(rc)
+    except click_exc.NoArgsIsHelpError as exc:  # pragma: no cover - typer prints help itself
+        typer.echo(exc.ctx.get_help() if exc.ctx else "", err=True)
+        sys.exit(2)
+    except click_exc.UsageError as exc:
+        typer.echo(f"error: {exc.format_message()}", err=True)
+        sys.exit(2)
+    except click_exc.ClickException as exc:
+        typer.echo(f"error: {exc.format_message()}", err=True)
+        sys.exit(exc.exit_code or 1)
+    except typer.Abort:
+        typer.echo("error: aborted", err=True)
+        sys.exit(130)
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
+    except LLMInferError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        typer.echo("error: interrupted", err=True)
+        sys.exit(130)

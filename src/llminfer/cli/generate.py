@@ -1,0 +1,225 @@
+"""The generation commands: ``run`` (one prompt, then a stats line), ``stream`` (tokens as they arrive),
+``info`` (environment, model and KV capacity) and ``serve`` (the OpenAI-compatible HTTP API).
+
+The functions are plain; :mod:`llminfer.cli` registers them on the Typer app. Bad flag values raise
+typer.BadParameter or ConfigError; ``serve`` raises BackendUnavailableError without the serve extra.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated
+
+import typer
+
+from llminfer.cli.options import (
+    AdapterName,
+    AdapterOpt,
+    Assistant,
+    BackendOpt,
+    BadWords,
+    BatchSize,
+    CacheDir,
+    CompileMode,
+    Device,
+    Dtype,
+    ForceWords,
+    HFToken,
+    IgnoreEos,
+    KVBytes,
+    LocalOnly,
+    LogLevel,
+    Logprobs,
+    MaxLen,
+    MaxNew,
+    MinP,
+    Model,
+    NoPrefix,
+    NoRepeat,
+    NSamples,
+    PageSize,
+    PPSize,
+    QuantOpt,
+    RepPen,
+    Revision,
+    Seed,
+    SpecC,
+    SpecK,
+    Stop,
+    Temp,
+    TopK,
+    TopP,
+    TPSize,
+    TrustRemote,
+    build_config,
+    load_engine,
+    sampling_kwargs,
+)
+from llminfer.config import Backend, QuantMode
+
+
+def _stats_line(stats) -> str:
+    spec = ""
+    if stats.spec_acceptance_rate is not None:
+        spec = f" | draft acceptance {stats.spec_acceptance_rate:.0%}"
+    return (f"[latency {stats.total_latency_ms:.1f} ms | TTFT {stats.ttft_ms:.1f} ms | "
+            f"{stats.throughput_tokens_per_sec:.1f} tok/s | prompt {stats.prompt_tokens} tok | "
+            f"completion {stats.completion_tokens} tok | cached {stats.cached_tokens} tok{spec}]")
+
+
+def run(
+    prompt: Annotated[str, typer.Argument(help="The prompt text.")],
+    model: Model = None, max_new_tokens: MaxNew = 64, temp: Temp = 0.0, top_p: TopP = 1.0, top_k: TopK = 0,
+    seed: Seed = None, stop: Stop = None, ignore_eos: IgnoreEos = False, min_p: MinP = 0.0,
+    repetition_penalty: RepPen = 1.0, no_repeat_ngram_size: NoRepeat = 0, bad_words: BadWords = None,
+    force_words: ForceWords = None, n: NSamples = 1, logprobs: Logprobs = None,
+    assistant_model: Assistant = None, spec_num_assistant_tokens: SpecK = 5, spec_confidence_threshold: SpecC = 0.4,
+    backend: BackendOpt = Backend.EAGER, dtype: Dtype = "auto", device: Device = "auto",
+    max_batch_size: BatchSize = 16, page_size: PageSize = 16, no_prefix_cache: NoPrefix = False,
+    kv_cache_bytes: KVBytes = None, max_model_len: MaxLen = None, revision: Revision = None,
+    hf_token: HFToken = None, local_files_only: LocalOnly = False, cache_dir: CacheDir = None,
+    trust_remote_code: TrustRemote = False, tp_size: TPSize = 1, pp_size: PPSize = 1,
+    quant: QuantOpt = QuantMode.NONE, adapter: AdapterOpt = None, adapter_name: AdapterName = None,
+    compile_mode: CompileMode = "default",
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as one JSON object.")] = False,
+    log_level: LogLevel = "warning",
+) -> None:
+    """Generate for one prompt; print the text, then one stats line."""
+    cfg = build_config(model=model, backend=backend, dtype=dtype, device=device, max_batch_size=max_batch_size,
+                       page_size=page_size, no_prefix_cache=no_prefix_cache, kv_cache_bytes=kv_cache_bytes,
+                       max_model_len=max_model_len, revision=revision, hf_token=hf_token,
+                       local_files_only=local_files_only, cache_dir=cache_dir, trust_remote_code=trust_remote_code,
+                       tp_size=tp_size, pp_size=pp_size, quant=quant,
+                       assistant_model=assistant_model, spec_num_assistant_tokens=spec_num_assistant_tokens,
+                       spec_confidence_threshold=spec_confidence_threshold, compile_mode=compile_mode)
+    kw = sampling_kwargs(max_new_tokens=max_new_tokens, temp=temp, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
+                         ignore_eos=ignore_eos, min_p=min_p, repetition_penalty=repetition_penalty,
+                         no_repeat_ngram_size=no_repeat_ngram_size, bad_words=bad_words, force_words=force_words,
+                         logprobs=logprobs)
+    with load_engine(cfg, log_level, adapter, adapter_name) as engine:
+        results = engine.run_n(prompt, n=n, **kw)
+        tokenizer = engine.tokenizer
+    if as_json:
+        import attrs
+
+        payload = [attrs.asdict(r) for r in results]
+        typer.echo(json.dumps(payload[0] if n == 1 else payload))
+        return
+    for i, result in enumerate(results):
+        if n > 1:
+            typer.echo(f"--- sample {i} ---")
+        typer.echo(result.generated_text)
+        if logprobs is not None:
+            for lp in result.logprobs:
+                alts = "  ".join(f"{tokenizer.decode([t])!r}:{v:.3f}" for t, v in lp.top)
+                typer.echo(f"  {tokenizer.decode([lp.token_id])!r:>20} {lp.logprob:8.3f}   {alts}")
+        typer.echo(_stats_line(result.stats))
+
+
+def stream(
+    prompt: Annotated[str, typer.Argument(help="The prompt text.")],
+    model: Model = None, max_new_tokens: MaxNew = 64, temp: Temp = 0.0, top_p: TopP = 1.0, top_k: TopK = 0,
+    seed: Seed = None, stop: Stop = None, ignore_eos: IgnoreEos = False, min_p: MinP = 0.0,
+    repetition_penalty: RepPen = 1.0, no_repeat_ngram_size: NoRepeat = 0, bad_words: BadWords = None,
+    force_words: ForceWords = None,
+    assistant_model: Assistant = None, spec_num_assistant_tokens: SpecK = 5, spec_confidence_threshold: SpecC = 0.4,
+    backend: BackendOpt = Backend.EAGER, dtype: Dtype = "auto", device: Device = "auto",
+    page_size: PageSize = 16, no_prefix_cache: NoPrefix = False, kv_cache_bytes: KVBytes = None,
+    max_model_len: MaxLen = None, revision: Revision = None, hf_token: HFToken = None,
+    local_files_only: LocalOnly = False, cache_dir: CacheDir = None, trust_remote_code: TrustRemote = False,
+    tp_size: TPSize = 1, pp_size: PPSize = 1, quant: QuantOpt = QuantMode.NONE, adapter: AdapterOpt = None,
+    adapter_name: AdapterName = None, compile_mode: CompileMode = "default", log_level: LogLevel = "warning",
+) -> None:
+    """Print tokens as they arrive, then one stats line."""
+    cfg = build_config(model=model, backend=backend, dtype=dtype, device=device, max_batch_size=16,
+                       page_size=page_size, no_prefix_cache=no_prefix_cache, kv_cache_bytes=kv_cache_bytes,
+                       max_model_len=max_model_len, revision=revision, hf_token=hf_token,
+                       local_files_only=local_files_only, cache_dir=cache_dir, trust_remote_code=trust_remote_code,
+                       tp_size=tp_size, pp_size=pp_size, quant=quant,
+                       assistant_model=assistant_model, spec_num_assistant_tokens=spec_num_assistant_tokens,
+                       spec_confidence_threshold=spec_confidence_threshold, compile_mode=compile_mode)
+    with load_engine(cfg, log_level, adapter, adapter_name) as engine:
+        final = None
+        kw = sampling_kwargs(max_new_tokens=max_new_tokens, temp=temp, top_p=top_p, top_k=top_k, seed=seed,
+                             stop=stop, ignore_eos=ignore_eos, min_p=min_p, repetition_penalty=repetition_penalty,
+                             no_repeat_ngram_size=no_repeat_ngram_size, bad_words=bad_words,
+                             force_words=force_words)
+        for chunk in engine.stream(prompt, **kw):
+            sys.stdout.write(chunk.token)
+            sys.stdout.flush()
+            if chunk.is_final:
+                final = chunk
+    typer.echo("")
+    if final is not None and final.stats is not None:
+        typer.echo(_stats_line(final.stats))
+
+
+def info(
+    model: Model = None, backend: BackendOpt = Backend.EAGER, dtype: Dtype = "auto", device: Device = "auto",
+    max_batch_size: BatchSize = 16, page_size: PageSize = 16, kv_cache_bytes: KVBytes = None,
+    max_model_len: MaxLen = None, revision: Revision = None, hf_token: HFToken = None,
+    local_files_only: LocalOnly = False, cache_dir: CacheDir = None, trust_remote_code: TrustRemote = False,
+    tp_size: TPSize = 1, pp_size: PPSize = 1, quant: QuantOpt = QuantMode.NONE, adapter: AdapterOpt = None,
+    adapter_name: AdapterName = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    log_level: LogLevel = "warning",
+) -> None:
+    """Print the environment, the model (architecture, parameters, dtype, weight bytes before and after
+    quantization) and KV capacity."""
+    cfg = build_config(model=model, backend=backend, dtype=dtype, device=device, max_batch_size=max_batch_size,
+                       page_size=page_size, no_prefix_cache=False, kv_cache_bytes=kv_cache_bytes,
+                       max_model_len=max_model_len, revision=revision, hf_token=hf_token,
+                       local_files_only=local_files_only, cache_dir=cache_dir, trust_remote_code=trust_remote_code,
+                       tp_size=tp_size, pp_size=pp_size, quant=quant)
+    engine = load_engine(cfg, log_level, adapter, adapter_name)
+    facts = engine.info()
+    if as_json:
+        typer.echo(json.dumps(facts))
+        return
+    width = max(len(k) for k in facts)
+    for key, value in facts.items():
+        if key.endswith("_bytes") and isinstance(value, int):
+            value = f"{value:,} bytes ({value / 2**20:.1f} MiB)"
+        elif key == "parameters":
+            value = f"{value:,}"
+        typer.echo(f"{key:<{width}}  {value}")
+
+
+def serve(
+    model: Model = None, backend: BackendOpt = Backend.EAGER,
+    host: Annotated[str, typer.Option("--host", help="Address to bind (default: loopback only).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="TCP port.", min=0, max=65535)] = 8000,
+    max_batch_size: BatchSize = 16,
+    batch_timeout_ms: Annotated[float, typer.Option("--batch-timeout-ms", help="How long the scheduler waits "
+                                                    "to fill a batch (ms).")] = 5.0,
+    max_queue_size: Annotated[int, typer.Option("--max-queue-size", min=0, help="Requests accepted beyond the "
+                                                "running batch; more get HTTP 429 with Retry-After.")] = 1024,
+    api_key: Annotated[str | None, typer.Option("--api-key", envvar="LLMINFER_API_KEY", help="Require "
+                                                "`Authorization: Bearer KEY` on /v1 (env LLMINFER_API_KEY).")] = None,
+    served_model_name: Annotated[str | None, typer.Option("--served-model-name", help="Model id clients see "
+                                                          "(default: the model id).")] = None,
+    dtype: Dtype = "auto", device: Device = "auto", page_size: PageSize = 16, no_prefix_cache: NoPrefix = False,
+    kv_cache_bytes: KVBytes = None, max_model_len: MaxLen = None, revision: Revision = None,
+    hf_token: HFToken = None, local_files_only: LocalOnly = False, cache_dir: CacheDir = None,
+    trust_remote_code: TrustRemote = False, tp_size: TPSize = 1, pp_size: PPSize = 1,
+    quant: QuantOpt = QuantMode.NONE, adapter: AdapterOpt = None, adapter_name: AdapterName = None,
+    compile_mode: CompileMode = "default", log_level: LogLevel = "info",
+) -> None:
+    """Serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /healthz,
+    /metrics) with uvicorn until Ctrl-C."""
+    try:
+        from llminfer.api import create_app, run_server
+    except ImportError as exc:  # pragma: no cover - the serve extra is missing
+        from llminfer.errors import BackendUnavailableError
+
+        raise BackendUnavailableError(f"the server needs: pip install 'llminfer[serve]' ({exc})") from None
+    cfg = build_config(model=model, backend=backend, dtype=dtype, device=device, max_batch_size=max_batch_size,
+                       page_size=page_size, no_prefix_cache=no_prefix_cache, kv_cache_bytes=kv_cache_bytes,
+                       max_model_len=max_model_len, revision=revision, hf_token=hf_token,
+                       local_files_only=local_files_only, cache_dir=cache_dir, trust_remote_code=trust_remote_code,
+                       tp_size=tp_size, pp_size=pp_size, quant=quant, compile_mode=compile_mode,
+                       batch_timeout_ms=batch_timeout_ms, served_model_name=served_model_name)
+    engine = load_engine(cfg, log_level, adapter, adapter_name)
+    asgi_app = create_app(engine, api_key=api_key, max_queue_size=max_queue_size)
+    run_server(asgi_app, host=host, port=port, log_level=log_level)

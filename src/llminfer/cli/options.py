@@ -1,0 +1,148 @@
+"""The flags the ``llminfer`` commands share, and how they become engine settings.
+
+Holds the ``Annotated[...]`` option types (one per flag, so each flag's name and help text is written
+once), :func:`build_config` (engine flags → a validated :class:`EngineConfig`), :func:`sampling_kwargs`
+(sampling flags → ``InferenceEngine.make_request`` keyword arguments) and the small helpers every command
+uses: :func:`split_csv`, :func:`check_log_level` and :func:`load_engine`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+
+from llminfer.config import Backend, CacheConfig, EngineConfig, QuantConfig, QuantMode, SchedulerConfig
+
+# ---------------------------------------------------------------------------- engine and sampling options
+Model = Annotated[str | None, typer.Option("--model", "-m", help="Hugging Face model id or local folder "
+                                           "(default: the built-in tiny model).")]
+BackendOpt = Annotated[Backend, typer.Option("--backend", help="Backend that runs the model step.")]
+Dtype = Annotated[str, typer.Option("--dtype", help="auto, float32, bfloat16 or float16.")]
+Device = Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cuda:N.")]
+MaxNew = Annotated[int, typer.Option("--max-new-tokens", "-n", help="Tokens to generate at most.")]
+Temp = Annotated[float, typer.Option("--temp", "--temperature", help="0 = greedy.")]
+TopP = Annotated[float, typer.Option("--top-p", help="Nucleus sampling threshold in (0, 1].")]
+TopK = Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens (0 = off).")]
+Seed = Annotated[int | None, typer.Option("--seed", help="Seed of this request's sampler.")]
+Stop = Annotated[str | None, typer.Option("--stop", help='Comma-separated stop strings, e.g. "a,b"; '
+                                          r'\n and \t stand for a newline and a tab.')]
+IgnoreEos = Annotated[bool, typer.Option("--ignore-eos", help="Keep generating past EOS.")]
+BatchSize = Annotated[int, typer.Option("--max-batch-size", help="Most sequences in one step.")]
+PageSize = Annotated[int, typer.Option("--page-size", help="KV block size in tokens.")]
+NoPrefix = Annotated[bool, typer.Option("--no-prefix-cache", help="Switch automatic prefix caching off.")]
+KVBytes = Annotated[int | None, typer.Option("--kv-cache-bytes", help="KV pool budget in bytes.")]
+MaxLen = Annotated[int | None, typer.Option("--max-model-len", help="Context length in tokens.")]
+Revision = Annotated[str | None, typer.Option("--revision", help="Model revision (branch, tag or commit).")]
+HFToken = Annotated[str | None, typer.Option("--hf-token", help="Hugging Face token (never logged).")]
+LocalOnly = Annotated[bool, typer.Option("--local-files-only", help="Never touch the network.")]
+CacheDir = Annotated[str | None, typer.Option("--cache-dir", help="Hugging Face cache folder.")]
+TrustRemote = Annotated[bool, typer.Option("--trust-remote-code", help="Allow model code from the hub.")]
+TPSize = Annotated[int, typer.Option("--tp-size", help="Tensor-parallel size (vLLM backend only).")]
+PPSize = Annotated[int, typer.Option("--pp-size", help="Pipeline-parallel size (vLLM backend only).")]
+LogLevel = Annotated[str, typer.Option("--log-level", help="debug, info, warning or error.")]
+MinP = Annotated[float, typer.Option("--min-p", help="Drop tokens below min_p x the top probability.")]
+RepPen = Annotated[float, typer.Option("--repetition-penalty", help="> 0; 1 = off (HF semantics).")]
+NoRepeat = Annotated[int, typer.Option("--no-repeat-ngram-size", help="Never repeat an n-gram of this size.")]
+BadWords = Annotated[str | None, typer.Option("--bad-words", help='Comma-separated words never generated.')]
+ForceWords = Annotated[str | None, typer.Option("--force-words", help='Comma-separated phrases that must appear.')]
+NSamples = Annotated[int, typer.Option("--n", help="Number of samples of the prompt.")]
+Logprobs = Annotated[int | None, typer.Option("--logprobs", help="Show each token's logprob and top-N.")]
+Assistant = Annotated[str | None, typer.Option("--assistant-model", help="Draft model for speculative "
+                                               "decoding (same tokenizer as --model; 'builtin' allowed).")]
+SpecK = Annotated[int, typer.Option("--spec-num-assistant-tokens", help="Draft tokens verified per step.")]
+SpecC = Annotated[float, typer.Option("--spec-confidence-threshold",
+                                      help="Stop drafting when the draft's top probability is below this.")]
+QuantOpt = Annotated[QuantMode, typer.Option("--quant", help="Weight quantization through bitsandbytes "
+                                             "(none, nf4, fp4, int8).")]
+AdapterOpt = Annotated[str | None, typer.Option("--adapter", help="LoRA adapter (PEFT folder or hub id) "
+                                                "loaded on top of the model.")]
+AdapterName = Annotated[str | None, typer.Option("--adapter-name", help="Name of the --adapter (default: "
+                                                 "its folder's name).")]
+CompileMode = Annotated[str, typer.Option("--compile-mode", help="Compiled backend: default, reduce-overhead "
+                                          "or max-autotune.")]
+
+# ---------------------------------------------------------------------------- benchmark options
+ArtifactsDir = Annotated[str | None, typer.Option("--artifacts-dir", help="Folder for the JSON/CSV artifacts.")]
+JsonOut = Annotated[str | None, typer.Option("--json-out", help="Explicit path of the JSON artifact.")]
+CsvOut = Annotated[str | None, typer.Option("--csv-out", help="Explicit path of the CSV artifact.")]
+PlotOpt = Annotated[str | None, typer.Option("--plot", help="Write a 2x2 dashboard PNG here.")]
+PlotSuite = Annotated[str | None, typer.Option("--plot-suite-dir", help="Write the dashboard and one PNG per "
+                                               "metric into this folder.")]
+BatchSizes = Annotated[str, typer.Option("--batch-sizes", help="Comma-separated batch sizes, e.g. 1,2,4,8.")]
+Runs = Annotated[int, typer.Option("--runs", help="Measured runs per batch size (after warm-up).")]
+Warmup = Annotated[int, typer.Option("--warmup", help="Warm-up runs per batch size (not measured).")]
+PromptLen = Annotated[int, typer.Option("--prompt-len", help="Tokens per synthetic prompt.")]
+
+
+# ---------------------------------------------------------------------------- flags -> settings
+def build_config(
+    *, model: str | None = None, backend: Backend = Backend.EAGER, dtype: str = "auto", device: str = "auto",
+    max_batch_size: int = 16, page_size: int = 16, no_prefix_cache: bool = False,
+    kv_cache_bytes: int | None = None, max_model_len: int | None = None, revision: str | None = None,
+    hf_token: str | None = None, local_files_only: bool = False, cache_dir: str | None = None,
+    trust_remote_code: bool = False, tp_size: int = 1, pp_size: int = 1, assistant_model: str | None = None,
+    spec_num_assistant_tokens: int = 5, spec_confidence_threshold: float = 0.4,
+    quant: QuantMode | str = QuantMode.NONE, **extra: Any,
+) -> EngineConfig:
+    """Turn the engine flags (keyword arguments named like the command parameters; the defaults are the
+    flags' defaults) into a validated :class:`EngineConfig`. ``extra`` goes to ``EngineConfig`` as is.
+
+    Raises ConfigError naming the field when a value is out of range.
+    """
+    return EngineConfig(
+        model_name=model, backend=backend, dtype=dtype, device=device, max_batch_size=max_batch_size,
+        max_model_len=max_model_len,
+        cache=CacheConfig(page_size_tokens=page_size, enable_prefix_cache=not no_prefix_cache,
+                          kv_cache_memory_bytes=kv_cache_bytes),
+        quant=QuantConfig(mode=quant), scheduler=SchedulerConfig(),
+        hf_revision=revision, hf_token=hf_token, hf_local_files_only=local_files_only, hf_cache_dir=cache_dir,
+        hf_trust_remote_code=trust_remote_code, tp_size=tp_size, pp_size=pp_size,
+        assistant_model_name=assistant_model, speculative_num_assistant_tokens=spec_num_assistant_tokens,
+        speculative_confidence_threshold=spec_confidence_threshold, **extra,
+    ).validate()
+
+
+def sampling_kwargs(
+    *, max_new_tokens: int, temp: float, top_p: float, top_k: int, seed: int | None, stop: str | None,
+    ignore_eos: bool, min_p: float = 0.0, repetition_penalty: float = 1.0, no_repeat_ngram_size: int = 0,
+    bad_words: str | None = None, force_words: str | None = None, logprobs: int | None = None,
+) -> dict[str, Any]:
+    """Sampling flags → ``InferenceEngine.make_request`` keyword arguments (``--stop`` unescapes \\n, \\t)."""
+    return dict(max_new_tokens=max_new_tokens, temperature=temp, top_p=top_p, top_k=top_k, seed=seed,
+                stop_sequences=[x.replace("\\n", "\n").replace("\\t", "\t") for x in split_csv(stop)],
+                ignore_eos=ignore_eos, min_p=min_p,
+                repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
+                bad_words=split_csv(bad_words), force_words=split_csv(force_words), logprobs=logprobs)
+
+
+def split_csv(value: str | None) -> list[str]:
+    """``"a,,b"`` → ``["a", "b"]``; ``None`` or ``""`` → ``[]``."""
+    return [s for s in (value or "").split(",") if s]
+
+
+def check_log_level(level: str) -> None:
+    """Raises typer.BadParameter unless ``level`` is debug, info, warning or error (any case)."""
+    if level.lower() not in ("debug", "info", "warning", "error"):
+        raise typer.BadParameter(f"--log-level must be debug, info, warning or error, got {level!r}")
+
+
+def load_engine(cfg: EngineConfig, log_level: str, adapter: str | None = None, adapter_name: str | None = None):
+    """Configure logging, load an :class:`InferenceEngine` for ``cfg`` and the ``--adapter``, if any.
+
+    Raises typer.BadParameter for a bad ``--log-level``, ConfigError for ``--adapter-name`` without
+    ``--adapter``, and whatever loading the model or the adapter raises.
+    """
+    from llminfer.engine import InferenceEngine
+    from llminfer.logging import configure_logging
+
+    check_log_level(log_level)
+    configure_logging(log_level)
+    engine = InferenceEngine(cfg).load()
+    if adapter:
+        engine.load_adapter(adapter, adapter_name)
+    elif adapter_name:
+        from llminfer.errors import ConfigError
+
+        raise ConfigError("--adapter-name needs --adapter")
+    return engine
