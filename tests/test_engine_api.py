@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import anyio
 import pytest
 
@@ -10,6 +12,7 @@ from llminfer import (
     CapacityError,
     ConfigError,
     EngineConfig,
+    EngineError,
     InferenceEngine,
     InvalidRequestError,
     ModelLoadError,
@@ -170,3 +173,50 @@ def test_async_generate_inside_running_loop():
             assert engine.cache_stats()["blocks_used"] == 0
 
     anyio.run(main)
+
+
+def test_generate_cancelled_inside_submit_is_aborted():
+    """A cancellation that lands while the request is being submitted still aborts it (found by attack:
+    a pre-cancelled scope left the request running with its blocks held)."""
+    async def main():
+        engine = make_engine(builtin_model_path(), max_batch_size=4)
+        async with engine.running():
+            for _ in range(3):
+                with anyio.CancelScope() as scope:
+                    scope.cancel()
+                    async for _ in engine.generate("y", max_new_tokens=None, ignore_eos=True):
+                        pass
+            with anyio.fail_after(60):  # a bound, not a timing: without the fix this never returns
+                await engine.drained()
+            assert engine.cache_stats()["blocks_used"] == 0
+            assert engine.scheduler_stats() == {"running": 0, "waiting": 0}
+            with pytest.raises(EngineError, match="await engine.drained"):
+                engine.wait_drained()  # would deadlock the loop it runs on
+
+    anyio.run(main)
+
+
+def test_threads_starting_the_engine_at_once():
+    engine = make_engine(builtin_model_path(), max_batch_size=8)
+    out: list = []
+
+    def worker():
+        try:
+            out.append(engine.run("hello", max_new_tokens=3).finish_reason)
+        except Exception as exc:  # noqa: BLE001 - recorded for the assertion
+            out.append(repr(exc))
+
+    threads = [threading.Thread(target=worker) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    engine.close()
+    engine.close()
+    assert out == ["length"] * 6
+
+
+def test_out_of_range_seed_is_a_bad_value(engine):
+    with pytest.raises(InvalidRequestError) as err:
+        engine.run("hi", max_new_tokens=2, temperature=1.0, seed=2**70)
+    assert err.value.param == "seed"

@@ -33,6 +33,9 @@ def test_user_stages_filter_and_record(tmp_path):
     ex = _load_example()
     engine = make_engine(builtin_model_path(), max_batch_size=4)
     plain = {p: engine.run(p, max_new_tokens=10).generated_text for p in ("Hello there", "Paged")}
+    with pytest.raises(EngineError, match="close"):
+        engine.build_pipeline()  # one pipeline at a time on the engine's KV cache
+    engine.close()
     out = tmp_path / "deltas.jsonl"
     pipeline = engine.build_pipeline(after_detokenize=[ex.RedactStage(), ex.JsonlRecorder(out)])
 

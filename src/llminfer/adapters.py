@@ -121,10 +121,28 @@ class AdapterManager:
         self.active: str | None = None
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module, cfg: Any) -> AdapterManager:
-        """A manager using ``cfg``'s hub settings (an :class:`~llminfer.config.EngineConfig`)."""
+    def checked(cls, engine: Any, what: str) -> AdapterManager:
+        """The engine's manager (made on first use with its hub settings), once adapters can change now.
+
+        Raises:
+            BackendUnavailableError: PEFT is not installed, or the backend has no transformers model (vLLM).
+            EngineError: requests are in flight (``what`` says what was refused).
+        """
+        from llminfer.errors import EngineError
+
+        engine.load()
+        if engine.model is None:
+            raise BackendUnavailableError(f"LoRA adapters are not available with the {engine.cfg.backend.value} "
+                                          "backend in this version")
+        require_peft()
+        if not engine.is_idle():
+            raise EngineError(f"cannot {what} while requests are in flight; wait until they finish "
+                              "(adapters change the model every request runs on)")
+        if engine.adapter_manager is not None:
+            return engine.adapter_manager
+        cfg = engine.cfg
         dl = {"token": cfg.hf_token, "cache_dir": cfg.hf_cache_dir, "local_files_only": cfg.hf_local_files_only}
-        return cls(model, dl, (cfg.hf_token,))
+        return cls(engine.model, dl, (cfg.hf_token,))
 
     def load(self, path_or_id: str, adapter_name: str | None = None, *, activate: bool = True) -> str:
         """Load a PEFT LoRA adapter into the model (the base model is not reloaded). Returns its name.

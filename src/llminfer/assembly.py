@@ -72,7 +72,13 @@ def build_core(rt: Runtime, cfg: EngineConfig, backend: Any, tracer: Tracer) -> 
 
 def default_stages(rt: Runtime, core: EngineCoreProtocol, tracer: Tracer) -> dict[str, Stage]:
     """Fresh built-in stages around ``core``, by name, in pipeline order: ``tokenize``, ``prefix_hash``
-    (llminfer's core only: vLLM hashes its own blocks), ``core``, ``detokenize``, ``sink``."""
+    (llminfer's core only: vLLM hashes its own blocks), ``core``, ``detokenize``, ``sink``.
+
+    Raises:
+        TypeError: ``core`` does not implement :class:`~llminfer.protocols.EngineCore`.
+    """
+    if not isinstance(core, EngineCoreProtocol):
+        raise TypeError(f"{core!r} is not an EngineCore (a stage with cache_stats, scheduler_stats, describe)")
     stages: dict[str, Stage] = {
         "tokenize": TokenizeStage(InputProcessor(rt.tokenizer, rt.max_model_len, rt.vocab_size), tracer)}
     if rt.kv_manager is not None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import threading
 import weakref
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
@@ -25,7 +26,7 @@ import attrs
 
 from llminfer import assembly
 from llminfer.config import EngineConfig
-from llminfer.errors import BackendUnavailableError, EngineError, InvalidRequestError
+from llminfer.errors import EngineError, InvalidRequestError
 from llminfer.frontend.input import InputProcessor, build_request
 from llminfer.frontend.output import RequestHandle, collect_all
 from llminfer.pipeline import Pipeline
@@ -39,6 +40,8 @@ from llminfer.trace import Tracer
 # before garbage collection would close the portal, which then waits for it forever: a script that
 # forgets close() (or dies of an exception) would hang instead of exiting. Closing them at exit avoids it.
 _STARTED_ENGINES: weakref.WeakSet[InferenceEngine] = weakref.WeakSet()
+# start() and close() from many threads at once: one portal per engine, never two half-started ones.
+_LIFECYCLE_LOCK = threading.RLock()
 
 
 @atexit.register
@@ -100,10 +103,10 @@ class InferenceEngine:
 
     # ------------------------------------------------------------------ assembly and lifecycle
     def default_stages(self) -> dict[str, Stage]:
-        """Fresh built-in stages around a fresh core, by name in pipeline order (see
-        :func:`llminfer.assembly.default_stages`)."""
-        if self.runtime is None:
-            raise EngineError("call load() first")
+        """Fresh built-in stages around a fresh core, by name in order (:func:`assembly.default_stages`)."""
+        if self.runtime is None or self.is_running:
+            raise EngineError("call load() first" if self.runtime is None else "the engine's own pipeline runs "
+                              "on this KV cache: close() the engine before building another pipeline")
         core = assembly.build_core(self.runtime, self.cfg, self.backend, self.tracer)
         return assembly.default_stages(self.runtime, core, self.tracer)
 
@@ -120,7 +123,12 @@ class InferenceEngine:
         return Pipeline(list(stages.values()))
 
     def start(self) -> InferenceEngine:
-        """Start the pipeline in a background event loop (done on first use by the sync methods)."""
+        """Start the pipeline in a background event loop (done on first use by the sync methods); safe to
+        call from several threads at once."""
+        with _LIFECYCLE_LOCK:
+            return self._start()
+
+    def _start(self) -> InferenceEngine:
         self.load()
         if self._portal is None:
             self._pipeline = self._own_pipeline()
@@ -148,6 +156,10 @@ class InferenceEngine:
 
     def close(self) -> None:
         """Stop the pipeline (in-flight requests finish first, up to 30 s)."""
+        with _LIFECYCLE_LOCK:
+            self._close()
+
+    def _close(self) -> None:
         _STARTED_ENGINES.discard(self)
         if self._pipeline_cm is not None:
             cm, self._pipeline_cm = self._pipeline_cm, None
@@ -175,9 +187,7 @@ class InferenceEngine:
         return not getattr(self._pipeline.sink, "streams", None) and not any(self.core.scheduler_stats().values())
 
     def _require_portal(self) -> Any:
-        if self._portal is None:
-            self.start()
-        return self._portal
+        return self._portal or self.start()._portal
 
     def _running_pipeline(self) -> Pipeline:
         if self._pipeline is None:
@@ -231,10 +241,7 @@ class InferenceEngine:
 
     def run_batch_continuous(self, prompts: Sequence[str | Sequence[int]], **kwargs: Any) -> list[GenerationResult]:
         """Submit every prompt at once to the continuous-batching scheduler; results in prompt order.
-
-        Raises:
-            The first error any request raised (the others still finish or are cancelled).
-        """
+        Raises the first error any request raised (the others still finish)."""
         return self.run_requests([self.make_request(p, **kwargs) for p in prompts])
 
     def run_batch(self, prompts: Sequence[str | Sequence[int]], **kwargs: Any) -> list[GenerationResult]:
@@ -276,11 +283,7 @@ class InferenceEngine:
                 portal.call(chunks.aclose)
 
     async def generate(self, prompt: str | Sequence[int], **kwargs: Any) -> AsyncIterator[StreamChunk]:
-        """Async iterator of :class:`StreamChunk` (inside ``async with engine.running():``).
-
-        Raises:
-            EngineError: the engine is not running in this event loop.
-        """
+        """Async iterator of :class:`StreamChunk` inside ``async with engine.running():`` (else EngineError)."""
         if self._pipeline is None or self._portal is not None:
             raise EngineError("use `async with engine.running():` before generate()")
         async for chunk in self.generate_request(self.make_request(prompt, **kwargs)):
@@ -306,11 +309,18 @@ class InferenceEngine:
 
     def wait_drained(self) -> None:
         """:meth:`drained` from synchronous code in another thread than the engine's loop (the background
-        loop, or the server's loop inside ``running()``)."""
+        loop, or the server's loop inside ``running()``); returns at once when nothing runs.
+
+        Raises:
+            EngineError: called on the engine's own event loop (use ``await engine.drained()`` there).
+        """
         if self._loop_token is not None:
+            with contextlib.suppress(RuntimeError):  # raised when no event loop runs in this thread
+                if anyio.lowlevel.current_token() == self._loop_token:
+                    raise EngineError("wait_drained() would block the engine's own loop: await engine.drained()")
             anyio.from_thread.run(self.drained, token=self._loop_token)
-        else:
-            self._require_portal().call(self.drained)
+        elif self._portal is not None:
+            self._portal.call(self.drained)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached free KV block (a cold cache), ordered after the requests already submitted.
@@ -338,18 +348,9 @@ class InferenceEngine:
                 param="adapter_name")
 
     def _adapters_for(self, what: str) -> Any:
-        from llminfer.adapters import AdapterManager, require_peft
+        from llminfer.adapters import AdapterManager
 
-        self.load()
-        if self.model is None:
-            raise BackendUnavailableError(f"LoRA adapters are not available with the {self.cfg.backend.value} "
-                                          "backend in this version")
-        require_peft()
-        if not self.is_idle():
-            raise EngineError(f"cannot {what} while requests are in flight; wait until they finish "
-                              "(adapters change the model every request runs on)")
-        if self.adapter_manager is None:
-            self.adapter_manager = AdapterManager.for_model(self.model, self.cfg)
+        self.adapter_manager = AdapterManager.checked(self, what)
         return self.adapter_manager
 
     def load_adapter(self, path_or_id: str, adapter_name: str | None = None, *, activate: bool = True) -> str:

@@ -66,7 +66,7 @@ class EngineCore:
     def __init__(self, scheduler: Scheduler, backend: Backend, batch_timeout_ms: float = 0.0,
                  tracer: Tracer | None = None) -> None:
         if not isinstance(backend, Backend):
-            raise TypeError(f"{backend!r} is not a Backend (needs name, execute(plan) and describe())")
+            raise TypeError(f"{backend!r} is not a Backend (needs name, execute(plan), release(ids) and describe())")
         self.scheduler = scheduler
         self.backend = backend
         self.batch_timeout_s = batch_timeout_ms / 1000.0

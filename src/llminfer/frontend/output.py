@@ -97,8 +97,9 @@ class RequestHandle:
             LLMInferError: the request failed; EngineError: the engine stopped before it finished.
         """
         rid = self.request.request_id
-        stream = await self.pipeline.submit(self.request)
         try:
+            # Inside the try: a cancellation that lands in submit() must abort the request too.
+            stream = await self.pipeline.submit(self.request)
             async with stream:
                 async for delta in stream:
                     yield self.builder.add(delta)

@@ -100,7 +100,8 @@ class SamplingParams:
                "stop_sequences", "stop_sequences must be non-empty strings")
         _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids", "stop_token_ids must be non-negative integers")
-        _check(self.seed is None or _is_int(self.seed), "seed", f"seed must be an integer, got {self.seed!r}")
+        _check(self.seed is None or (_is_int(self.seed) and -(2**63) <= self.seed < 2**64), "seed",
+               f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
         _check(_is_num(self.repetition_penalty) and 0.01 <= self.repetition_penalty <= 100,
                "repetition_penalty", f"repetition_penalty must be in [0.01, 100], got {self.repetition_penalty!r}")
         for name in ("presence_penalty", "frequency_penalty"):
