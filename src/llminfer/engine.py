@@ -133,9 +133,10 @@ class InferenceEngine:
         if self._portal is None:
             self._pipeline = self._own_pipeline()
             self._portal_cm = anyio.from_thread.start_blocking_portal()
-            self._portal = self._portal_cm.__enter__()
-            self._pipeline_cm = self._portal.wrap_async_context_manager(self._pipeline)
+            portal = self._portal_cm.__enter__()
+            self._pipeline_cm = portal.wrap_async_context_manager(self._pipeline)
             self._pipeline_cm.__enter__()
+            self._portal = portal  # last: other threads read it without the lock, so only once it runs
             _STARTED_ENGINES.add(self)
         return self
 
