@@ -166,3 +166,32 @@ def test_handle_cancel_while_waiting_upstream_frees_everything():
         engine.wait_drained()
         assert engine.cache_stats()["blocks_used"] == 0
         assert engine.run("again", max_new_tokens=3).finish_reason == "length"
+
+
+def test_stop_string_finish_goes_through_the_core_and_counts_delivered_tokens():
+    """A stop-string hit sends FinishRequest upstream and a non-final delta; tokens the core produced
+    meanwhile are dropped, and the core's final update becomes a "stop" delta whose stats count only the
+    delivered tokens (also when the core ended the request first, with "length")."""
+    from transformers import AutoTokenizer
+
+    from llminfer.protocols.messages import EngineStepOutput, FinishRequest, SequenceUpdate, TokenizedRequest
+    from llminfer.results import GenerationStats
+    from llminfer.stages.detokenize import DetokenizeStage
+
+    tok = AutoTokenizer.from_pretrained(str(builtin_model_path()))
+    ids = tok.encode(" hello world again", add_special_tokens=False)
+    stage = DetokenizeStage(tok)
+    params = SamplingParams(max_new_tokens=10, stop_sequences=("world",))
+    admitted = (TokenizedRequest("r", (1,), params, 0),)
+    deltas, finishes = stage.process(EngineStepOutput(0, (SequenceUpdate("r", tuple(ids)),), 0, admitted))
+    assert finishes == [FinishRequest("r", len(ids))]
+    assert not deltas[0].finished and "world" not in deltas[0].text and deltas[0].text.strip() == "hello"
+    stats = GenerationStats(10.0, 1.0, 0.0, 1, len(ids) + 2, False, 0)
+    late = SequenceUpdate("r", (5, 6), "length", stats=stats)  # the core finished it before FinishRequest arrived
+    deltas, finishes = stage.process(EngineStepOutput(1, (late,), 0))
+    assert not finishes and len(deltas) == 1
+    final = deltas[0]
+    assert final.finish_reason == "stop" and final.text == "" and final.token_ids == ()
+    assert final.stats.completion_tokens == len(ids) and final.stats.throughput_tokens_per_sec == len(ids) / 0.01
+    assert stage.states == {}
+    assert stage.process(EngineStepOutput(2, (SequenceUpdate("r", (7,)),), 0)) == ([], [])  # unknown now

@@ -66,6 +66,7 @@ class Runtime:
 
     @property
     def vocab_size(self) -> int | None:
+        """The config's vocabulary size (token ids must be below it), None when it has none."""
         return getattr(self.model_config.get_text_config(), "vocab_size", None)
 
     @property

@@ -427,12 +427,15 @@ class VLLMEngineCore:
         self._resolve_drains()
 
     def cache_stats(self) -> dict[str, Any]:
+        """vLLM's prefix-cache figures (see :meth:`VLLMBackend.cache_stats`)."""
         return self.backend.cache_stats()
 
     def scheduler_stats(self) -> dict[str, int]:
+        """``running``: requests streaming from vLLM; ``waiting``: admitted here, no output yet."""
         return {"running": self.backend.num_running, "waiting": max(len(self._scopes) - self.backend.num_running, 0)}
 
     def describe(self) -> dict[str, Any]:
+        """vLLM's facts for ``engine.info()`` (see :meth:`VLLMBackend.describe`)."""
         return self.backend.describe()
 
 

@@ -118,9 +118,9 @@ class EngineCore:
 
     async def _execute(self, plan: SchedulerOutput) -> StepOutput:
         """Run the backend on ``plan`` in a worker thread; trace the step and the requests in it."""
-        requests = [self.scheduler.requests[s.request_id] for s in plan.sequences]
         traced = self.tracer.enabled
         if traced:
+            requests = [self.scheduler.requests[s.request_id] for s in plan.sequences]
             for new in plan.new_requests:
                 req = self.scheduler.requests[new.request_id]
                 self.tracer.record(req.request_id, SCHEDULER_STAGE, "first_scheduled", req.num_cached_tokens or 0,
