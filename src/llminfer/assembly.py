@@ -80,7 +80,8 @@ def default_stages(rt: Runtime, core: EngineCoreProtocol, tracer: Tracer) -> dic
     if not isinstance(core, EngineCoreProtocol):
         raise TypeError(f"{core!r} is not an EngineCore (a stage with cache_stats, scheduler_stats, describe)")
     stages: dict[str, Stage] = {
-        "tokenize": TokenizeStage(InputProcessor(rt.tokenizer, rt.max_model_len, rt.vocab_size), tracer)}
+        "tokenize": TokenizeStage(InputProcessor(rt.tokenizer, rt.max_model_len, rt.vocab_size,
+                                                           rt.grammar_compiler), tracer)}
     if rt.kv_manager is not None:
         stages["prefix_hash"] = PrefixHashStage(rt.kv_manager.block_size, rt.kv_manager.enable_prefix_cache)
     stages["core"] = core

@@ -169,6 +169,8 @@ class EngineConfig:
     seed: int = attrs.field(default=0, validator=_int)
     enable_tracing: bool = attrs.field(default=True, validator=_bool)
     served_model_name: str | None = attrs.field(default=None, validator=v.optional(_typed(str)))
+    #: A structured-output grammar still compiling after this many seconds fails its request.
+    grammar_compile_timeout_s: float = attrs.field(default=10.0, validator=[_num, _positive])
 
     cache: CacheConfig = attrs.field(factory=CacheConfig, validator=v.instance_of(CacheConfig))
     quant: QuantConfig = attrs.field(factory=QuantConfig, validator=v.instance_of(QuantConfig))

@@ -199,7 +199,8 @@ class InferenceEngine:
     @property
     def inputs(self) -> InputProcessor:
         """The validator every prompt goes through (the tokenize stage and the HTTP layer share it)."""
-        return InputProcessor(self.tokenizer, self.max_model_len, self.vocab_size)
+        return InputProcessor(self.tokenizer, self.max_model_len, self.vocab_size,
+                              self.runtime.grammar_compiler if self.runtime is not None else None)
 
     def make_request(self, prompt: str | Sequence[int], *, adapter_name: str | None = None,
                      **kwargs: Any) -> GenerationRequest:

@@ -15,6 +15,7 @@ import attrs
 
 from llminfer.results import GenerationStats
 from llminfer.sampling.params import SamplingParams
+from llminfer.sampling.structured import GrammarHandle
 
 
 class RequestStatus(enum.Enum):
@@ -36,6 +37,7 @@ class Request:
         block_hashes: chained hashes of full blocks of ``token_ids`` (extended as blocks fill).
         extra_keys: prefix-cache partition keys (adapter, cache salt).
         bad_words_ids, force_words_ids: tokenized banned and forced words.
+        grammar: the structured-output constraint being compiled; the request waits until it is ready.
         arrival_ns: submitted to the engine; queued_ns: admitted by the scheduler; first_scheduled_ns,
             prefill_done_ns, first_token_ns: as named (0: not yet).
         sent_to_backend: the backend has been told about it (its sampling state must be dropped at finish).
@@ -52,6 +54,7 @@ class Request:
     block_hashes: list[bytes] = attrs.field(factory=list)
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
     force_words_ids: tuple[tuple[tuple[int, ...], ...], ...] = ()
+    grammar: GrammarHandle | None = None
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int | None = None

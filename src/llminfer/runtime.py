@@ -29,6 +29,7 @@ from llminfer.config import Backend, EngineConfig, QuantMode
 from llminfer.errors import ConfigError
 from llminfer.kv.manager import KVCacheManager
 from llminfer.kv.sizing import kv_geometry, plan_num_blocks
+from llminfer.sampling.structured import GrammarCompiler
 
 log = structlog.get_logger("llminfer.runtime")
 
@@ -48,6 +49,8 @@ class Runtime:
         kv_cache, kv_manager: paged KV tensors and their block bookkeeping (None with vLLM).
         draft_model, draft_cache: the speculative-decoding assistant and its KV tensors, or None.
         load_time_s: seconds spent loading the weights.
+        grammar_compiler: compiles structured-output constraints for this tokenizer (None with vLLM,
+            which compiles its own).
     """
 
     model_path: str
@@ -63,6 +66,7 @@ class Runtime:
     draft_model: Any = None
     draft_cache: PagedKVCache | None = None
     load_time_s: float = 0.0
+    grammar_compiler: GrammarCompiler | None = None
 
     @property
     def vocab_size(self) -> int | None:
@@ -124,6 +128,8 @@ def load_runtime(cfg: EngineConfig) -> Runtime:
                                    enable_prefix_cache=cache_cfg.enable_prefix_cache and cache_cfg.enable_paged_kv)
     if cfg.assistant_model_name:
         _load_draft(cfg, rt)
+    rt.grammar_compiler = GrammarCompiler(rt.tokenizer, rt.model.get_output_embeddings().weight.shape[0],
+                                          rt.eos_token_ids, timeout_s=cfg.grammar_compile_timeout_s)
     log.info("engine loaded", model=rt.model_path, device=str(device), dtype=str(rt.dtype),
              kv_blocks=num_blocks, block_size=block_size)
     return rt

@@ -91,7 +91,7 @@ class HFBackend:
         for new in plan.new_requests:
             self.states[new.request_id] = SamplingState(
                 new.params, self.device, new.prompt_token_ids, new.bad_words_ids, new.force_words_ids,
-                self.eos_token_ids)
+                self.eos_token_ids, new.grammar)
 
     def execute(self, plan: SchedulerOutput) -> StepOutput:
         """Run one step; never raises (an exception is returned in ``StepOutput.error``)."""

@@ -16,6 +16,8 @@ installed, choosing the backend fails at once with :data:`INSTALL_HINT`. The par
 
 from __future__ import annotations
 
+import json
+
 import contextlib
 import dataclasses
 import math
@@ -122,7 +124,27 @@ def sampling_kwargs(params: SamplingParams) -> dict[str, Any]:
     }
     if params.bad_words:
         kw["bad_words"] = list(params.bad_words)
+    so = params.structured_output
+    if so is not None:
+        # The fields of vLLM's ``StructuredOutputsParams`` (``GuidedDecodingParams`` before 0.10.2).
+        kw["structured_outputs"] = {
+            "json_schema": {"json": json.loads(so.json_schema) if so.json_schema is not None else None},
+            "json_object": {"json_object": True},
+            "regex": {"regex": so.regex},
+            "grammar": {"grammar": so.grammar},
+            "choice": {"choice": list(so.choice or ())},
+        }[so.kind]
     return kw
+
+
+def structured_outputs_param(vllm: Any, fields: dict[str, Any]) -> dict[str, Any]:
+    """``structured_outputs`` fields → the keyword vLLM's ``SamplingParams`` takes for them in the
+    installed version: ``structured_outputs=StructuredOutputsParams(...)``, else the older
+    ``guided_decoding=GuidedDecodingParams(...)``."""
+    sp = vllm.sampling_params
+    if hasattr(sp, "StructuredOutputsParams"):
+        return {"structured_outputs": sp.StructuredOutputsParams(**fields)}
+    return {"guided_decoding": sp.GuidedDecodingParams(**fields)}
 
 
 def engine_args_kwargs(cfg: EngineConfig, model_path: str, max_model_len: int | None = None) -> dict[str, Any]:
@@ -232,6 +254,9 @@ class VLLMBackend:
         client = build_engine(cfg, model_path, max_model_len)
 
         def make_params(**kw: Any) -> Any:
+            fields = kw.pop("structured_outputs", None)
+            if fields is not None:
+                kw.update(structured_outputs_param(vllm, fields))
             return vllm.SamplingParams(**kw, output_kind=RequestOutputKind.DELTA)
 
         return cls(client, make_params, lambda ids: TokensPrompt(prompt_token_ids=ids),

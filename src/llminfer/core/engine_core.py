@@ -44,6 +44,7 @@ from llminfer.trace import STEP, Tracer
 
 log = structlog.get_logger("llminfer.core")
 
+GRAMMAR_POLL_S = 0.002  # while only compiling requests wait: how often to look whether a grammar is ready
 SCHEDULER_STAGE = "scheduler"  # trace stage names (the benchmark metrics read them)
 STEP_STAGE = "step"
 
@@ -109,6 +110,8 @@ class EngineCore:
             if plan.sequences:
                 result = await self._execute(plan)
                 self._updates.extend(sched.update_from_output(plan, result))
+            elif sched.waiting_for_grammar:
+                await self._wait_for_work(inbox, GRAMMAR_POLL_S)  # a compile finishing is no message
             elif not failures:
                 # Admission control makes this unreachable (a request that can never fit is refused
                 # and a lone running one that outgrows the pool fails); never spin if it happens.
@@ -146,10 +149,15 @@ class EngineCore:
             except (anyio.EndOfStream, anyio.ClosedResourceError):
                 self._inbox_open = False
 
-    async def _wait_for_work(self, inbox: ObjectReceiveStream[Any]) -> None:
-        """Block while idle until a message arrives, then give late arrivals ``batch_timeout_ms``."""
+    async def _wait_for_work(self, inbox: ObjectReceiveStream[Any], timeout_s: float = math.inf) -> None:
+        """Block while idle until a message arrives (at most ``timeout_s``), then give late arrivals
+        ``batch_timeout_ms``."""
         try:
-            self._handle(await inbox.receive())
+            with anyio.move_on_after(timeout_s) as scope:
+                msg = await inbox.receive()
+            if scope.cancelled_caught:
+                return
+            self._handle(msg)
         except (anyio.EndOfStream, anyio.ClosedResourceError):
             self._inbox_open = False
             return

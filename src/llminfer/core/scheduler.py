@@ -8,6 +8,10 @@ recently admitted running request is preempted by recompute: its blocks are free
 head of the waiting queue (its full blocks usually survive in the prefix cache). Admission keeps a
 free-block watermark so running requests can grow.
 
+A request with a structured-output constraint waits until its grammar has compiled (in a worker thread,
+see :mod:`llminfer.sampling.structured`); the requests behind it are scheduled meanwhile, and a compile
+that fails or times out fails that request alone.
+
 Liveness: a request that could never fit in the whole KV pool is rejected when it arrives, and a lone
 running request that outgrows the pool fails with :class:`CapacityError`, so nothing can stall the queue.
 
@@ -24,7 +28,7 @@ import time
 import attrs
 
 from llminfer.core.queues import PriorityWaitingQueue, WaitingQueue
-from llminfer.errors import CapacityError
+from llminfer.errors import CapacityError, InvalidRequestError
 from llminfer.kv.manager import KVCacheManager
 from llminfer.protocols.messages import (
     NewRequestData,
@@ -107,6 +111,7 @@ class Scheduler:
             queued_ns=time.perf_counter_ns(),
             bad_words_ids=msg.bad_words_ids,
             force_words_ids=msg.force_words_ids,
+            grammar=msg.grammar,
         )
         self.requests[req.request_id] = req
         self.waiting.push(req)
@@ -139,6 +144,11 @@ class Scheduler:
     @property
     def num_running(self) -> int:
         return len(self.running)
+
+    @property
+    def waiting_for_grammar(self) -> bool:
+        """Some waiting request's structured-output grammar is still compiling."""
+        return any(r.grammar is not None and not r.sent_to_backend and not r.grammar.ready() for r in self.waiting)
 
     # ------------------------------------------------------------------ one step
     def schedule(self) -> tuple[SchedulerOutput, list[SequenceUpdate]]:
@@ -185,6 +195,16 @@ class Scheduler:
             for req in list(self.waiting):
                 if budget <= 0 or len(self.running) >= self.limits.max_batch_size:
                     break
+                if req.grammar is not None and not req.sent_to_backend:
+                    if not req.grammar.ready():
+                        continue  # compiling in a worker thread; the requests behind it go ahead
+                    try:
+                        req.grammar.result()
+                    except InvalidRequestError as exc:  # invalid constraint, or the compile timed out
+                        self.waiting.remove(req)
+                        self._finish(req)
+                        failures.append(SequenceUpdate(req.request_id, (), "error", exc, stats=req.stats(now)))
+                        continue
                 cached_blocks, num_cached = self.kv.find_cached_prefix(req)
                 if self._waits_for_inflight(req, len(cached_blocks)):
                     continue
@@ -228,7 +248,8 @@ class Scheduler:
                 req.sent_to_backend = True
                 new_requests.append(
                     NewRequestData(req.request_id, req.params, tuple(req.token_ids[: req.num_prompt_tokens]),
-                                   req.bad_words_ids, req.force_words_ids)
+                                   req.bad_words_ids, req.force_words_ids,
+                                   req.grammar.result() if req.grammar is not None else None)
                 )
         finished = tuple(self._finished_since_last_step)
         self._finished_since_last_step.clear()

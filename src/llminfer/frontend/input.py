@@ -19,6 +19,7 @@ from llminfer.kv.hashing import encode_extra_keys
 from llminfer.protocols import Tokenizer
 from llminfer.protocols.messages import GenerationRequest, TokenizedRequest
 from llminfer.sampling.params import SamplingParams
+from llminfer.sampling.structured import GrammarCompiler
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
@@ -69,12 +70,16 @@ class InputProcessor:
         tokenizer: encodes text prompts (token-id prompts skip it).
         max_model_len: context length in tokens; a prompt must leave room for one generated token.
         vocab_size: token-id prompts must be below it (None: not checked, the backend checks).
+        grammars: compiles structured-output constraints (None: the backend takes them itself, or
+            refuses them).
     """
 
-    def __init__(self, tokenizer: Tokenizer, max_model_len: int, vocab_size: int | None = None) -> None:
+    def __init__(self, tokenizer: Tokenizer, max_model_len: int, vocab_size: int | None = None,
+                 grammars: GrammarCompiler | None = None) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        self.grammars = grammars
 
     def encode(self, text: str, *, param: str = "prompt", add_special_tokens: bool = True) -> tuple[int, ...]:
         """Token ids of ``text``.
@@ -135,7 +140,8 @@ class InputProcessor:
         return tuple(dict.fromkeys(s for s in seqs if s))
 
     def process(self, req: GenerationRequest) -> TokenizedRequest:
-        """Tokenize and validate one request (prompt, bad and forced words, the prefix-cache keys).
+        """Tokenize and validate one request (prompt, bad and forced words, the prefix-cache keys), and
+        start compiling its structured-output constraint (the scheduler waits for it).
 
         Raises:
             InvalidRequestError: see :meth:`encode` and :meth:`check_prompt_ids`.
@@ -148,6 +154,9 @@ class InputProcessor:
         params = req.params
         bad = tuple(dict.fromkeys(v for w in params.bad_words for v in self.word_variants(w)))
         force = tuple(self.word_variants(w) for w in params.force_words)
+        grammar = None
+        if params.structured_output is not None and self.grammars is not None:
+            grammar = self.grammars.submit(params.structured_output)
         return TokenizedRequest(
             request_id=req.request_id,
             prompt_token_ids=ids,
@@ -157,4 +166,5 @@ class InputProcessor:
             extra_keys=encode_extra_keys(req.adapter_name, req.cache_salt),
             bad_words_ids=bad,
             force_words_ids=force,
+            grammar=grammar,
         )

@@ -17,6 +17,7 @@ import attrs
 
 from llminfer.results import GenerationStats, TokenLogprob
 from llminfer.sampling.params import SamplingParams
+from llminfer.sampling.structured import GrammarHandle
 
 
 @attrs.frozen
@@ -45,6 +46,7 @@ class TokenizedRequest:
     block_hashes: tuple[bytes, ...] = ()
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
     force_words_ids: tuple[tuple[tuple[int, ...], ...], ...] = ()
+    grammar: GrammarHandle | None = None  #: the structured-output constraint, compiling off the step
 
 
 @attrs.frozen
@@ -123,6 +125,7 @@ class NewRequestData:
     prompt_token_ids: tuple[int, ...]
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
     force_words_ids: tuple[tuple[tuple[int, ...], ...], ...] = ()
+    grammar: Any = None  #: the compiled structured-output grammar (``xgrammar.CompiledGrammar``), or None
 
 
 @attrs.frozen

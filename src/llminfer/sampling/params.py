@@ -8,6 +8,7 @@ from typing import Any
 import attrs
 
 from llminfer.errors import InvalidRequestError
+from llminfer.sampling.structured import StructuredOutput
 
 
 def _check(condition: bool, param: str, message: str) -> None:
@@ -56,6 +57,9 @@ class SamplingParams:
         force_words: phrases that must appear in the output (see ``sampling.sampler.ForcedWords``).
         logprobs: None = off; k >= 0 returns the chosen token's log-probability and the top-k alternatives.
         n: number of samples of the prompt (the engine fans out; their prompt KV blocks are shared).
+        structured_output: a constraint the output must satisfy (JSON Schema, JSON object, regex, grammar
+            or choice; see :mod:`llminfer.sampling.structured`). The output ends where the constraint is
+            complete, so ``ignore_eos`` cannot be combined with it.
 
     Raises:
         InvalidRequestError: a value is out of range (the message names the field).
@@ -79,6 +83,7 @@ class SamplingParams:
     force_words: tuple[str, ...] = attrs.field(default=(), converter=_as_tuple)
     logprobs: int | None = None
     n: int = 1
+    structured_output: StructuredOutput | None = None
 
     def __attrs_post_init__(self) -> None:
         m = self.max_new_tokens
@@ -115,6 +120,13 @@ class SamplingParams:
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
                "logprobs", f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
         _check(_is_int(self.n) and self.n >= 1, "n", f"n must be an integer >= 1, got {self.n!r}")
+        so = self.structured_output
+        _check(so is None or isinstance(so, StructuredOutput), "structured_output",
+               f"structured_output must be a StructuredOutput, got {type(so).__name__}")
+        _check(so is None or not self.ignore_eos, "ignore_eos",
+               "ignore_eos cannot be combined with structured output: the constraint decides where the output ends")
+        _check(so is None or not self.force_words, "force_words",
+               "force_words cannot be combined with structured output: forcing a phrase could break the constraint")
 
     @property
     def needs_history(self) -> bool:
@@ -125,9 +137,10 @@ class SamplingParams:
     @property
     def speculation_allowed(self) -> bool:
         """Speculative decoding verifies drafts with the target's warped distribution only, so it serves
-        requests without history-dependent processors, ``min_new_tokens`` or logprobs; other requests in
-        the same batch decode one token per step."""
-        return not self.needs_history and not self.min_new_tokens and self.logprobs is None
+        requests without history-dependent processors, ``min_new_tokens``, logprobs or a structured-output
+        constraint; other requests in the same batch decode one token per step."""
+        return (not self.needs_history and not self.min_new_tokens and self.logprobs is None
+                and self.structured_output is None)
 
     @property
     def greedy(self) -> bool:

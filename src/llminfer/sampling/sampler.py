@@ -7,21 +7,27 @@ Order inside one step, for each row (the semantics of the named Hugging Face pro
    penalties (OpenAI definitions, over output tokens only), no-repeat n-gram (``NoRepeatNGramLogitsProcessor``,
    over prompt + output), bad words (``NoBadWordsLogitsProcessor``), EOS / stop ids masked below
    ``min_new_tokens``, and forced words (see :class:`ForcedWords`);
-2. log-probabilities are read here when asked for (``logprobs``);
-3. warpers, vectorised over the sampling rows: temperature, top-k, top-p, min-p;
-4. greedy rows take the argmax; sampling rows draw from the softmax with their own ``torch.Generator``
-   when seeded, so a seeded request gives the same tokens whatever else shares its batch.
+2. the structured-output mask, for the constrained rows in one batched call (a token the grammar does not
+   allow next becomes -inf; EOS is allowed only where the grammar accepts). The grammar wins: if the bans
+   of step 1 and the grammar together leave no token, the row's bans are dropped;
+3. log-probabilities are read here when asked for (``logprobs``);
+4. warpers, vectorised over the sampling rows: temperature, top-k, top-p, min-p;
+5. greedy rows take the argmax; sampling rows draw from the softmax with their own ``torch.Generator``
+   when seeded, so a seeded request gives the same tokens whatever else shares its batch. A constrained
+   request's grammar then advances by its token.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from llminfer.results import TokenLogprob
 from llminfer.sampling.params import SamplingParams
+from llminfer.sampling.structured import GrammarMatcher, allocate_bitmask, apply_bitmask
 
 NEG_INF = float("-inf")
 
@@ -82,16 +88,18 @@ class SamplingState:
         prompt_token_ids: the prompt (history for repetition penalty and n-grams).
         bad_words_ids / force_words_ids: token sequences from the tokenize stage.
         eos_token_ids: suppressed below ``min_new_tokens`` and while forced words are pending.
+        grammar: the compiled structured-output grammar (``xgrammar.CompiledGrammar``), or None.
     """
 
     __slots__ = ("params", "generator", "token_ids", "num_prompt", "output_counts", "ngrams", "bad_single",
-                 "bad_multi", "forced", "eos_token_ids", "history_tensor")
+                 "bad_multi", "forced", "eos_token_ids", "history_tensor", "grammar")
 
     def __init__(self, params: SamplingParams, device: torch.device | str, prompt_token_ids: Sequence[int] = (),
                  bad_words_ids: Sequence[tuple[int, ...]] = (),
                  force_words_ids: Sequence[Sequence[tuple[int, ...]]] = (),
-                 eos_token_ids: Sequence[int] = ()) -> None:
+                 eos_token_ids: Sequence[int] = (), grammar: Any = None) -> None:
         self.params = params
+        self.grammar = GrammarMatcher(grammar) if grammar is not None else None
         self.generator: torch.Generator | None = None
         if params.seed is not None and not params.greedy:
             self.generator = torch.Generator(device=device)
@@ -127,6 +135,8 @@ class SamplingState:
             self.ngrams.setdefault(tuple(gram[:-1]), set()).add(gram[-1])
         if self.forced is not None:
             self.forced.update(self.token_ids[self.num_prompt :])
+        if self.grammar is not None and not self.grammar.terminated:
+            self.grammar.accept(token)  # the token came from the grammar's own mask
 
     @property
     def can_ban_everything(self) -> bool:
@@ -255,16 +265,33 @@ def sample(
         ids = state.banned_stop_ids()
         mask_rows.extend([row] * len(ids))
         mask_ids.extend(ids)
+    constrained = [row for row, state in enumerate(states) if state.grammar is not None]
+    # Only a constrained row that also has bans can be left with no token at all: keep its logits to
+    # fall back on (the grammar wins over the bans).
+    banned = set(mask_rows)
+    fallback = [row for row in constrained if row in banned or states[row].params.needs_history]
+    saved = logits[fallback].clone() if fallback else None
     if mask_rows:  # one indexed write for the whole batch (min_new_tokens is common in benchmarks)
         logits[torch.tensor(mask_rows), torch.tensor(mask_ids)] = NEG_INF
     for row, state in enumerate(states):
         if state.params.needs_history:
             # Bans (n-grams, bad words) could in principle cover the whole vocabulary: keep a copy to fall
             # back on. EOS masking and penalties alone cannot, and a 150k-entry copy per row per step costs.
-            saved = logits[row].clone() if state.can_ban_everything else None
+            saved_row = logits[row].clone() if state.can_ban_everything and state.grammar is None else None
             state.process(logits[row])
-            if saved is not None and not bool(torch.isfinite(logits[row]).any()):
-                logits[row] = saved  # every token banned: ignore the bans rather than fail the request
+            if saved_row is not None and not bool(torch.isfinite(logits[row]).any()):
+                logits[row] = saved_row  # every token banned: ignore the bans rather than fail the request
+    if constrained:
+        bitmask = allocate_bitmask(len(states), logits.shape[-1])
+        for row in constrained:
+            states[row].grammar.fill_bitmask(bitmask, row)  # type: ignore[union-attr]
+        apply_bitmask(logits, bitmask, constrained)
+        if saved is not None:
+            empty = [j for j, row in enumerate(fallback) if not bool(torch.isfinite(logits[row]).any())]
+            if empty:  # bans and grammar together left nothing: the grammar wins
+                rows = [fallback[j] for j in empty]
+                logits[rows] = saved[empty]
+                apply_bitmask(logits, bitmask, rows)
 
     logprobs: list[TokenLogprob | None] = [None] * len(states)
     want_lp = [i for i, s in enumerate(states) if s.params.logprobs is not None]
