@@ -21,12 +21,16 @@ from llminfer.cli.options import (
     BadWords,
     BatchSize,
     CacheDir,
+    ChoiceOpt,
     CompileMode,
     Device,
     Dtype,
     ForceWords,
+    GrammarOpt,
     HFToken,
     IgnoreEos,
+    JsonObjectOpt,
+    JsonSchemaOpt,
     KVBytes,
     LocalOnly,
     LogLevel,
@@ -41,6 +45,7 @@ from llminfer.cli.options import (
     PageSize,
     PPSize,
     QuantOpt,
+    RegexOpt,
     RepPen,
     Revision,
     Seed,
@@ -74,6 +79,8 @@ def run(
     seed: Seed = None, stop: Stop = None, ignore_eos: IgnoreEos = False, min_p: MinP = 0.0,
     repetition_penalty: RepPen = 1.0, no_repeat_ngram_size: NoRepeat = 0, bad_words: BadWords = None,
     force_words: ForceWords = None, n: NSamples = 1, logprobs: Logprobs = None,
+    json_schema: JsonSchemaOpt = None, json_object: JsonObjectOpt = False, regex: RegexOpt = None,
+    choice: ChoiceOpt = None, grammar: GrammarOpt = None,
     assistant_model: Assistant = None, spec_num_assistant_tokens: SpecK = 5, spec_confidence_threshold: SpecC = 0.4,
     backend: BackendOpt = Backend.EAGER, dtype: Dtype = "auto", device: Device = "auto",
     max_batch_size: BatchSize = 16, page_size: PageSize = 16, no_prefix_cache: NoPrefix = False,
@@ -96,7 +103,8 @@ def run(
     kw = sampling_kwargs(max_new_tokens=max_new_tokens, temp=temp, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
                          ignore_eos=ignore_eos, min_p=min_p, repetition_penalty=repetition_penalty,
                          no_repeat_ngram_size=no_repeat_ngram_size, bad_words=bad_words, force_words=force_words,
-                         logprobs=logprobs)
+                         logprobs=logprobs, json_schema=json_schema, json_object=json_object, regex=regex,
+                         choice=choice, grammar=grammar)
     with load_engine(cfg, log_level, adapter, adapter_name) as engine:
         results = engine.run_n(prompt, n=n, **kw)
         tokenizer = engine.tokenizer
@@ -122,7 +130,8 @@ def stream(
     model: Model = None, max_new_tokens: MaxNew = 64, temp: Temp = 0.0, top_p: TopP = 1.0, top_k: TopK = 0,
     seed: Seed = None, stop: Stop = None, ignore_eos: IgnoreEos = False, min_p: MinP = 0.0,
     repetition_penalty: RepPen = 1.0, no_repeat_ngram_size: NoRepeat = 0, bad_words: BadWords = None,
-    force_words: ForceWords = None,
+    force_words: ForceWords = None, json_schema: JsonSchemaOpt = None, json_object: JsonObjectOpt = False,
+    regex: RegexOpt = None, choice: ChoiceOpt = None, grammar: GrammarOpt = None,
     assistant_model: Assistant = None, spec_num_assistant_tokens: SpecK = 5, spec_confidence_threshold: SpecC = 0.4,
     backend: BackendOpt = Backend.EAGER, dtype: Dtype = "auto", device: Device = "auto",
     page_size: PageSize = 16, no_prefix_cache: NoPrefix = False, kv_cache_bytes: KVBytes = None,
@@ -139,12 +148,13 @@ def stream(
                        tp_size=tp_size, pp_size=pp_size, quant=quant,
                        assistant_model=assistant_model, spec_num_assistant_tokens=spec_num_assistant_tokens,
                        spec_confidence_threshold=spec_confidence_threshold, compile_mode=compile_mode)
+    kw = sampling_kwargs(max_new_tokens=max_new_tokens, temp=temp, top_p=top_p, top_k=top_k, seed=seed,
+                         stop=stop, ignore_eos=ignore_eos, min_p=min_p, repetition_penalty=repetition_penalty,
+                         no_repeat_ngram_size=no_repeat_ngram_size, bad_words=bad_words,
+                         force_words=force_words, json_schema=json_schema, json_object=json_object,
+                         regex=regex, choice=choice, grammar=grammar)
     with load_engine(cfg, log_level, adapter, adapter_name) as engine:
         final = None
-        kw = sampling_kwargs(max_new_tokens=max_new_tokens, temp=temp, top_p=top_p, top_k=top_k, seed=seed,
-                             stop=stop, ignore_eos=ignore_eos, min_p=min_p, repetition_penalty=repetition_penalty,
-                             no_repeat_ngram_size=no_repeat_ngram_size, bad_words=bad_words,
-                             force_words=force_words)
         for chunk in engine.stream(prompt, **kw):
             sys.stdout.write(chunk.token)
             sys.stdout.flush()

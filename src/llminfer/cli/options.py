@@ -47,6 +47,14 @@ NoRepeat = Annotated[int, typer.Option("--no-repeat-ngram-size", help="Never rep
 BadWords = Annotated[str | None, typer.Option("--bad-words", help='Comma-separated words never generated.')]
 ForceWords = Annotated[str | None, typer.Option("--force-words", help='Comma-separated phrases that must appear.')]
 NSamples = Annotated[int, typer.Option("--n", help="Number of samples of the prompt.")]
+JsonSchemaOpt = Annotated[str | None, typer.Option("--json-schema", help="Constrain the output to this JSON "
+                                                 "Schema: JSON text, or @path to a .json file.")]
+JsonObjectOpt = Annotated[bool, typer.Option("--json-object", help="Constrain the output to any JSON object.")]
+RegexOpt = Annotated[str | None, typer.Option("--regex", help="Constrain the output to match this regex.")]
+ChoiceOpt = Annotated[list[str] | None, typer.Option("--choice", help="The output is one of these strings "
+                                                     "(repeat the flag once per choice).")]
+GrammarOpt = Annotated[str | None, typer.Option("--grammar", help="Constrain the output to this EBNF grammar "
+                                                "(xgrammar's, root rule 'root'): text, or @path to a file.")]
 Logprobs = Annotated[int | None, typer.Option("--logprobs", help="Show each token's logprob and top-N.")]
 Assistant = Annotated[str | None, typer.Option("--assistant-model", help="Draft model for speculative "
                                                "decoding (same tokenizer as --model; 'builtin' allowed).")]
@@ -107,13 +115,49 @@ def sampling_kwargs(
     *, max_new_tokens: int, temp: float, top_p: float, top_k: int, seed: int | None, stop: str | None,
     ignore_eos: bool, min_p: float = 0.0, repetition_penalty: float = 1.0, no_repeat_ngram_size: int = 0,
     bad_words: str | None = None, force_words: str | None = None, logprobs: int | None = None,
+    json_schema: str | None = None, json_object: bool = False, regex: str | None = None,
+    choice: list[str] | None = None, grammar: str | None = None,
 ) -> dict[str, Any]:
-    """Sampling flags → ``InferenceEngine.make_request`` keyword arguments (``--stop`` unescapes \\n, \\t)."""
-    return dict(max_new_tokens=max_new_tokens, temperature=temp, top_p=top_p, top_k=top_k, seed=seed,
+    """Sampling flags → ``InferenceEngine.make_request`` keyword arguments (``--stop`` unescapes \\n, \\t).
+
+    Raises:
+        InvalidRequestError: more than one structured-output flag, or one that is not valid.
+        typer.BadParameter: an ``@path`` that cannot be read.
+    """
+    constraint = structured_output(json_schema, json_object, regex, choice, grammar)
+    extra = {"structured_output": constraint} if constraint is not None else {}
+    return dict(**extra, max_new_tokens=max_new_tokens, temperature=temp, top_p=top_p, top_k=top_k, seed=seed,
                 stop_sequences=[x.replace("\\n", "\n").replace("\\t", "\t") for x in split_csv(stop)],
                 ignore_eos=ignore_eos, min_p=min_p,
                 repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
                 bad_words=split_csv(bad_words), force_words=split_csv(force_words), logprobs=logprobs)
+
+
+def structured_output(json_schema: str | None, json_object: bool, regex: str | None, choice: list[str] | None,
+                      grammar: str | None) -> Any:
+    """The ``--json-schema`` / ``--json-object`` / ``--regex`` / ``--choice`` / ``--grammar`` flags as one
+    :class:`~llminfer.sampling.structured.StructuredOutput`, or None when none is given.
+
+    Raises:
+        InvalidRequestError: more than one given, or an invalid value (``param="structured_output"``).
+        typer.BadParameter: an ``@path`` that cannot be read.
+    """
+    from llminfer.sampling.structured import StructuredOutput
+
+    if json_schema is None and not json_object and regex is None and not choice and grammar is None:
+        return None
+    return StructuredOutput(json_schema=_text_or_file(json_schema, "--json-schema"), json_object=json_object,
+                            regex=regex, choice=choice or None, grammar=_text_or_file(grammar, "--grammar"))
+
+
+def _text_or_file(value: str | None, flag: str) -> str | None:
+    if value is None or not value.startswith("@"):
+        return value
+    try:
+        with open(value[1:], encoding="utf-8") as f:
+            return f.read()
+    except OSError as exc:
+        raise typer.BadParameter(f"{flag}: cannot read {value[1:]!r}: {exc.strerror}") from None
 
 
 def split_csv(value: str | None) -> list[str]:
