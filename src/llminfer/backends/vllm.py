@@ -16,10 +16,9 @@ installed, choosing the backend fails at once with :data:`INSTALL_HINT`. The par
 
 from __future__ import annotations
 
-import json
-
 import contextlib
 import dataclasses
+import json
 import math
 import os
 import time
