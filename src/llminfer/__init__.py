@@ -16,6 +16,7 @@ from llminfer.kv.manager import KVCacheManager
 from llminfer.pipeline import Pipeline
 from llminfer.results import GenerationResult, GenerationStats, StreamChunk
 from llminfer.sampling.params import SamplingParams
+from llminfer.sampling.structured import StructuredOutput
 
 __version__ = "0.1.0"
 
@@ -39,6 +40,7 @@ __all__ = [
     "QuantMode",
     "RequestAbortedError",
     "SamplingParams",
+    "StructuredOutput",
     "SchedulerConfig",
     "StreamChunk",
     "__version__",

@@ -191,6 +191,7 @@ class GrammarCompiler:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers, thread_name_prefix="llminfer-grammar")
         self._cache: OrderedDict[StructuredOutput, concurrent.futures.Future] = OrderedDict()
         self._lock = threading.Lock()
+        self._build_lock = threading.Lock()
         self._compiler: Any = None
         self.compile_times_s: list[float] = []  # of each cache miss, for the benchmark
 
@@ -208,6 +209,11 @@ class GrammarCompiler:
             self._cache.move_to_end(spec)
         return GrammarHandle(future, self.clock() + self.timeout_s, self.clock, self.timeout_s)
 
+    def prepare(self) -> concurrent.futures.Future:
+        """Build the tokenizer info now, in the compile thread (a server calls this at start, so its first
+        constrained request does not pay for it)."""
+        return self._pool.submit(self._xgrammar)
+
     def compile(self, spec: StructuredOutput) -> Any:
         """Compile ``spec`` now, in the calling thread's wait (for tests and tools).
 
@@ -223,6 +229,11 @@ class GrammarCompiler:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _xgrammar(self) -> Any:
+        # Only the compile thread calls this (max_workers threads share the lock below).
+        with self._build_lock:
+            return self._build()
+
+    def _build(self) -> Any:
         if self._compiler is None:
             try:
                 import xgrammar
