@@ -8,10 +8,11 @@ import logging
 
 import pytest
 import structlog
+import torch
 
 from helpers import make_engine
 from llminfer import Backend, ConfigError, EngineConfig, InferenceEngine, ModelLoadError
-from llminfer.backends.loading import hf_kwargs
+from llminfer.backends.loading import cpu_native_half, hf_kwargs, resolve_dtype
 from llminfer.cli import main
 
 
@@ -90,3 +91,49 @@ def test_cli_parallelism_refused_naming_vllm(backend, capsys):
     assert err.startswith("error: ") and "vLLM backend" in err and err.count("\n") == 1
     with pytest.raises(ConfigError, match="vLLM backend"):
         EngineConfig(backend=Backend(backend), pp_size=2).validate()
+
+
+# ---------------------------------------------------------------------------- dtype="auto" by the CPU
+class _Config:
+    def __init__(self, dtype):
+        self.dtype = dtype
+
+
+@pytest.mark.parametrize(
+    ("checkpoint", "native", "expected"),
+    [
+        ("bfloat16", {"bfloat16": True, "float16": True}, torch.bfloat16),   # AVX-512 BF16 / AMX
+        ("bfloat16", {"bfloat16": False, "float16": True}, torch.float16),   # native fp16 only
+        ("bfloat16", {"bfloat16": False, "float16": False}, torch.float32),  # AVX2: half is emulated
+        ("float16", {"bfloat16": False, "float16": False}, torch.float32),
+        ("float32", {"bfloat16": True, "float16": True}, torch.float32),     # never below the checkpoint
+        (None, {"bfloat16": True, "float16": True}, torch.float32),
+    ],
+)
+def test_auto_dtype_follows_what_the_cpu_runs_natively(checkpoint, native, expected):
+    dtype, reason = resolve_dtype(EngineConfig(), _Config(checkpoint), torch.device("cpu"), native_half=native)
+    assert dtype == expected and reason.startswith("auto:")
+    if checkpoint == "bfloat16" and expected == torch.float32:
+        assert "no native bf16/fp16" in reason
+
+
+def test_explicit_dtype_and_gpu_keep_the_asked_or_checkpoint_dtype():
+    none = {"bfloat16": False, "float16": False}
+    assert resolve_dtype(EngineConfig(dtype="bfloat16"), _Config("float32"), torch.device("cpu"), none) == (
+        torch.bfloat16, "bfloat16 (set)")
+    assert resolve_dtype(EngineConfig(), _Config("bfloat16"), torch.device("cuda"), none)[0] == torch.bfloat16
+
+
+def test_native_half_needs_both_onednn_and_the_instructions(monkeypatch):
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_fp16_supported", lambda: True)
+    assert cpu_native_half(frozenset({"avx2", "avx512f", "avx512_core"})) == {"bfloat16": False, "float16": False}
+    assert cpu_native_half(frozenset({"avx512f", "avx512_bf16"})) == {"bfloat16": True, "float16": False}
+    assert cpu_native_half(frozenset({"amx_bf16", "amx_fp16"})) == {"bfloat16": True, "float16": True}
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    assert cpu_native_half(frozenset({"avx512_bf16"}))["bfloat16"] is False
+
+
+def test_info_says_which_dtype_and_why(qwen2_dir):
+    engine = make_engine(qwen2_dir)
+    assert engine.info()["dtype_reason"] == "float32 (set)"

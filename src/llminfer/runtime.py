@@ -41,7 +41,7 @@ class Runtime:
     Attributes:
         model_path: the resolved model folder (or hub id, for vLLM).
         model_config: the transformers config.
-        device, dtype: where and in which dtype the weights live.
+        device, dtype: where and in which dtype the weights live; dtype_reason: why that dtype (one line).
         max_model_len: context length in tokens.
         tokenizer: the Hugging Face tokenizer.
         eos_token_ids: ids that end a request (generation config and tokenizer).
@@ -66,6 +66,7 @@ class Runtime:
     draft_model: Any = None
     draft_cache: PagedKVCache | None = None
     load_time_s: float = 0.0
+    dtype_reason: str = ""
     grammar_compiler: GrammarCompiler | None = None
 
     @property
@@ -138,12 +139,13 @@ def load_runtime(cfg: EngineConfig) -> Runtime:
 def _config_and_tokenizer(cfg: EngineConfig, device: torch.device) -> Runtime:
     model_path = resolve_model_path(cfg)
     model_config = load_config(model_path, cfg)
-    dtype = resolve_dtype(cfg, model_config, device)
+    dtype, dtype_reason = resolve_dtype(cfg, model_config, device)
     model_max = getattr(model_config.get_text_config(), "max_position_embeddings", None) or 2048
     if cfg.max_model_len is not None and cfg.max_model_len > model_max:
         raise ConfigError(f"max_model_len {cfg.max_model_len} exceeds the model's context of {model_max} tokens")
     return Runtime(model_path=model_path, model_config=model_config, device=device, dtype=dtype,
-                   max_model_len=cfg.max_model_len or model_max, tokenizer=load_tokenizer(model_path, cfg))
+                   max_model_len=cfg.max_model_len or model_max, tokenizer=load_tokenizer(model_path, cfg),
+                   dtype_reason=dtype_reason)
 
 
 def _load_draft(cfg: EngineConfig, rt: Runtime) -> None:
@@ -209,6 +211,7 @@ def describe_runtime(rt: Runtime, cfg: EngineConfig) -> dict[str, Any]:
                                  or [type(rt.model).__name__ if rt.model is not None else "?"]),
         "parameters": base_params,
         "dtype": str(rt.dtype).replace("torch.", ""),
+        "dtype_reason": rt.dtype_reason,
         "quant": cfg.quant.mode.value,
         "weight_bytes_unquantized": base_bytes,
         "max_model_len": rt.max_model_len,

@@ -69,18 +69,71 @@ def load_config(path: str, cfg: EngineConfig):
         raise ModelLoadError(f"cannot load model {path!r}: {_first_line(exc)}") from exc
 
 
-def resolve_dtype(cfg: EngineConfig, model_config: Any, device: torch.device) -> torch.dtype:
-    """``cfg.dtype``, or for ``"auto"`` the model config's dtype (float32 when it names none)."""
+def cpu_flags() -> frozenset[str]:
+    """The CPU feature flags of ``/proc/cpuinfo`` (empty where there is none, e.g. macOS)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def cpu_native_half(flags: frozenset[str] | None = None) -> dict[str, bool]:
+    """Whether this CPU computes bf16 / fp16 matmuls natively (oneDNN reports the type usable *and* the
+    CPU has the instructions: AVX-512 BF16 or AMX-BF16; AVX-512 FP16 or AMX-FP16). Without them oneDNN
+    emulates the type through fp32 conversions, which is much slower than fp32 itself.
+
+    Args:
+        flags: CPU flags (default: :func:`cpu_flags`); where none are known, oneDNN's answer alone counts.
+
+    Returns:
+        ``{"bfloat16": bool, "float16": bool}``.
+    """
+    flags = cpu_flags() if flags is None else flags
+    ops = torch.ops.mkldnn
+    try:
+        onednn = {"bfloat16": bool(ops._is_mkldnn_bf16_supported()), "float16": bool(ops._is_mkldnn_fp16_supported())}
+    except (AttributeError, RuntimeError):
+        onednn = {"bfloat16": False, "float16": False}
+    if not flags:
+        return onednn
+    return {"bfloat16": onednn["bfloat16"] and bool(flags & {"avx512_bf16", "amx_bf16"}),
+            "float16": onednn["float16"] and bool(flags & {"avx512_fp16", "amx_fp16"})}
+
+
+def resolve_dtype(cfg: EngineConfig, model_config: Any, device: torch.device,
+                  native_half: dict[str, bool] | None = None) -> tuple[torch.dtype, str]:
+    """The weights' dtype, and why it was chosen.
+
+    ``cfg.dtype`` when set. For ``"auto"``: on GPU, the checkpoint's dtype (float32 when it names none);
+    on CPU, a half-precision checkpoint runs in bfloat16 where the CPU has native bf16, else float16 where
+    it has native fp16, else float32 (emulated half precision is several times slower than fp32).
+
+    Args:
+        native_half: the CPU's native half types (default: :func:`cpu_native_half`; injected in tests).
+
+    Returns:
+        ``(dtype, reason)``, the reason one line for ``llminfer info`` and benchmark artifacts.
+    """
     if cfg.dtype != "auto":
-        return _DTYPES[cfg.dtype]
+        return _DTYPES[cfg.dtype], f"{cfg.dtype} (set)"
     dt = getattr(model_config, "dtype", None) or getattr(model_config, "torch_dtype", None)
     if isinstance(dt, str):
         dt = _DTYPES.get(dt)
     if dt not in _DTYPES.values():
         dt = torch.float32
-    if device.type == "cpu" and dt == torch.float16:
-        dt = torch.bfloat16  # fp16 matmuls are slow or missing on many CPUs
-    return dt
+    name = str(dt).replace("torch.", "")
+    if device.type != "cpu" or dt == torch.float32:
+        return dt, f"auto: the checkpoint's {name}"
+    native = cpu_native_half() if native_half is None else native_half
+    for half in ("bfloat16", "float16"):
+        if native[half]:
+            return _DTYPES[half], f"auto: {name} checkpoint, and this CPU computes {half} natively"
+    return torch.float32, (f"auto: {name} checkpoint, but this CPU has no native bf16/fp16 "
+                           f"({torch.backends.cpu.get_cpu_capability()}): float32 is faster")
 
 
 def load_tokenizer(path: str, cfg: EngineConfig):

@@ -246,7 +246,7 @@ class Benchmarker:
                       "prompt_len": None if self.prompts else self.prompt_len, "ignore_eos": ignore_eos},
             config=engine.cfg.to_dict(),
             environment=environment(),
-            info={k: info[k] for k in ("model", "architecture", "parameters", "dtype", "weight_bytes", "kv_blocks",
+            info={k: info[k] for k in ("model", "architecture", "parameters", "dtype", "dtype_reason", "weight_bytes", "kv_blocks",
                                        "kv_block_size", "kv_bytes", "device") if k in info},
         )
 
