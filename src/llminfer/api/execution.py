@@ -31,6 +31,7 @@ from llminfer.api.request_info import RequestInfo, request_info
 from llminfer.errors import InvalidRequestError, LLMInferError
 from llminfer.protocols.messages import GenerationRequest
 from llminfer.results import StreamChunk
+from llminfer.tools import ToolPlan
 
 if TYPE_CHECKING:
     from llminfer.api.app import ServerState
@@ -54,6 +55,7 @@ class Job:
         requests: the engine requests, one per choice, in choice order.
         logprobs: top alternatives per token to report (``None``: no logprobs).
         echo_texts: for completions with ``echo``, the prompt text of each prompt.
+        tools: for chat with tools, how calls are parsed out of each choice's text.
     """
 
     kind: str
@@ -66,6 +68,7 @@ class Job:
     logprobs: int | None = None
     echo_texts: list[str] | None = None
     include_usage: bool = False
+    tools: ToolPlan | None = None
 
 
 def new_job(kind: str, model: str, prompt_ids: list[list[int]], n: int, make: Callable[..., GenerationRequest],
