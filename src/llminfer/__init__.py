@@ -1,5 +1,6 @@
 """llminfer: a compact, hackable LLM inference and benchmarking engine."""
 
+from llminfer.chat import ChatResult
 from llminfer.config import Backend, CacheConfig, EngineConfig, QuantConfig, QuantMode, SchedulerConfig
 from llminfer.engine import InferenceEngine
 from llminfer.errors import (
@@ -16,6 +17,7 @@ from llminfer.kv.manager import KVCacheManager
 from llminfer.pipeline import Pipeline
 from llminfer.results import GenerationResult, GenerationStats, StreamChunk
 from llminfer.sampling.params import SamplingParams
+from llminfer.tools import Tool, ToolCall
 
 __version__ = "0.1.0"
 
@@ -24,6 +26,7 @@ __all__ = [
     "BackendUnavailableError",
     "CacheConfig",
     "CapacityError",
+    "ChatResult",
     "ConfigError",
     "EngineConfig",
     "EngineError",
@@ -41,5 +44,7 @@ __all__ = [
     "SamplingParams",
     "SchedulerConfig",
     "StreamChunk",
+    "Tool",
+    "ToolCall",
     "__version__",
 ]

@@ -112,8 +112,8 @@ def normalize_messages(messages: Sequence[dict[str, Any]], *, param: str = "mess
     ``system``, content ``None`` → ``""``, call arguments as dicts).
 
     Raises:
-        InvalidRequestError: a message that is not an object, an unknown role, a non-text content, or a
-            malformed tool call; ``param`` names it (``messages[2].tool_calls[0].function.name``).
+        InvalidRequestError: a message that is not an object, an unknown role, a non-text content, a
+            malformed tool call, or a ``tool`` message that does not follow one with ``tool_calls``; ``param`` names it (``messages[2].tool_calls[0].function.name``).
     """
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
         raise InvalidRequestError("messages must be a non-empty list of messages", param=param)
@@ -125,6 +125,10 @@ def normalize_messages(messages: Sequence[dict[str, Any]], *, param: str = "mess
         role = message.get("role")
         if role not in ROLES:
             raise InvalidRequestError(f"role must be one of {list(ROLES)}, got {role!r}", param=f"{where}.role")
+        if role == "tool" and not (out and (out[-1]["role"] == "tool" or out[-1].get("tool_calls"))):
+            # OpenAI's rule: a result answers the calls of the assistant message just before it.
+            raise InvalidRequestError("a 'tool' message must follow an assistant message with 'tool_calls' "
+                                      "(or another 'tool' message)", param=f"{where}.role")
         content = message.get("content")
         if content is not None and not isinstance(content, str):
             raise InvalidRequestError("content must be a string or null", param=f"{where}.content")
