@@ -194,6 +194,22 @@ def test_tool_choice_named_function(client):
     assert (streamed["name"], streamed["arguments"]) == ("get_weather", call.function.arguments)
 
 
+def test_tools_with_n_choices(client):
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Sum?"}], tools=TOOLS, max_tokens=60, n=2,
+              tool_choice={"type": "function", "function": {"name": "add"}}, temperature=1.0, seed=8)
+    r = client.chat.completions.create(**kw)
+    assert [c.index for c in r.choices] == [0, 1]
+    for choice in r.choices:
+        (call,) = choice.message.tool_calls
+        _check_calls([call], {"add"})
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    for i, choice in enumerate(r.choices):
+        (streamed,) = _stream_calls([c for c in chunks if c.choices and c.choices[0].index == i])
+        assert streamed["arguments"] == choice.message.tool_calls[0].function.arguments
+    assert len({c.choices[0].delta.tool_calls[0].id for c in chunks
+                if c.choices and c.choices[0].delta.tool_calls and c.choices[0].delta.tool_calls[0].id}) == 2
+
+
 def test_tool_choice_auto_and_none_without_calls(client):
     # The random model does not write <tool_call> blocks: the text comes back as content (the parser
     # itself is tested on hand-written outputs in test_tools.py).
