@@ -358,6 +358,19 @@ def test_compile_timeout_is_a_400(http, served, monkeypatch):
     _error(r, "response_format", "grammar_compile_timeout")
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_engine_side_constraint_errors_name_the_field(http, monkeypatch, stream):
+    # Without the server's pre-check, the engine itself fails the request (param "structured_output"):
+    # the client still gets a 400 naming the field it used.
+    import llminfer.api.chat as chat_route
+
+    async def no_check(engine, spec, param):
+        return None
+
+    monkeypatch.setattr(chat_route, "check_structured_output", no_check)
+    _error(http.post(CHAT, json=_body(stream=stream, guided_regex="[unclosed")), "guided_regex")
+
+
 def test_server_keeps_serving_after_errors(http, client, served):
     engine = served[1]
     for extra, _ in ERROR_CASES[:4]:

@@ -70,6 +70,7 @@ async def chat_completions(request: Request, data: SkipValidation[s.ChatCompleti
     job = new_job("chat", model, [ids], data.n or 1, state.engine.make_request,
                   sampling_kwargs(data, max_new, logprobs, spec), logprobs=logprobs)
     job.include_usage = include_usage(data)
+    job.constraint_param = spec_param or None
     job.tools = plan if plan is not None and plan.mode != "none" else None
     await check_structured_output(state.engine, spec, spec_param)
     return await execute(request, state, job, stream=bool(data.stream),  # type: ignore[return-value]

@@ -61,6 +61,7 @@ async def completions(request: Request, data: SkipValidation[s.CompletionRequest
     job = new_job("completion", model, prompt_ids, data.n or 1, state.engine.make_request,
                   sampling_kwargs(data, max_new, data.logprobs, spec), logprobs=data.logprobs)
     job.include_usage = include_usage(data)
+    job.constraint_param = spec_param or None
     await check_structured_output(state.engine, spec, spec_param)
     if data.echo:
         if isinstance(data.prompt, str):
