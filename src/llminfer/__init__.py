@@ -1,5 +1,6 @@
 """llminfer: a compact, hackable LLM inference and benchmarking engine."""
 
+from llminfer.chat import ChatResult
 from llminfer.config import Backend, CacheConfig, EngineConfig, QuantConfig, QuantMode, SchedulerConfig
 from llminfer.engine import InferenceEngine
 from llminfer.errors import (
@@ -17,6 +18,7 @@ from llminfer.pipeline import Pipeline
 from llminfer.results import GenerationResult, GenerationStats, StreamChunk
 from llminfer.sampling.params import SamplingParams
 from llminfer.sampling.structured import StructuredOutput
+from llminfer.tools import Tool, ToolCall
 
 __version__ = "0.1.0"
 
@@ -25,6 +27,7 @@ __all__ = [
     "BackendUnavailableError",
     "CacheConfig",
     "CapacityError",
+    "ChatResult",
     "ConfigError",
     "EngineConfig",
     "EngineError",
@@ -43,5 +46,7 @@ __all__ = [
     "StructuredOutput",
     "SchedulerConfig",
     "StreamChunk",
+    "Tool",
+    "ToolCall",
     "__version__",
 ]

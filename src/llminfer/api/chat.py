@@ -1,5 +1,11 @@
 """``POST /v1/chat/completions``: the handler, and its JSON (:func:`chat_response`) and SSE
-(:func:`chat_events`) renderers."""
+(:func:`chat_events`) renderers.
+
+With tools, each choice's text goes through a :class:`~llminfer.tools.ToolCallParser` (one per choice):
+the JSON response folds its events into ``message.content`` and ``message.tool_calls``; the stream sends
+the same events as they become certain, content as ``delta.content`` and calls as ``delta.tool_calls``
+fragments (the first with ``id``, ``type`` and ``function.name``), so both agree.
+"""
 
 from __future__ import annotations
 
@@ -25,8 +31,18 @@ from llminfer.api.execution import (
 )
 from llminfer.api.logprobs import TokenText, chat_logprobs
 from llminfer.api.middleware import server_state
-from llminfer.api.translate import check_chat, check_context, include_usage, max_new_tokens, sampling_kwargs
+from llminfer.api.translate import (
+    check_chat,
+    check_context,
+    check_structured_output,
+    include_usage,
+    max_new_tokens,
+    sampling_kwargs,
+    structured_output,
+    tool_plan,
+)
 from llminfer.results import StreamChunk
+from llminfer.tools import Event, ToolCallDelta, finish_reason, fold_events
 
 
 @post("/chat/completions", status_code=200, responses=OPENAPI_ERRORS, summary="Create a chat completion",
@@ -36,46 +52,79 @@ async def chat_completions(request: Request, data: SkipValidation[s.ChatCompleti
     """Chat completion: the messages through the model's chat template, then generation (JSON or SSE).
 
     Raises:
-        APIError: 400 bad input (incl. ``context_length_exceeded``), 404 unknown model, 429 queue full.
+        APIError: 400 bad input (incl. ``context_length_exceeded`` and constraints that do not compile),
+            404 unknown model, 429 queue full.
     """
     data = s.parse_body(data, s.ChatCompletionRequest)
     state = server_state(request)
     model = state.resolve_model(data.model)
     logprobs = check_chat(data)
+    plan = tool_plan(data)
+    spec, spec_param = structured_output(data, plan)
     assert state.prompts is not None
     # Tokenized in the event loop, as the engine's own tokenize stage does: the HF tokenizer is shared
     # with the pipeline and a fast tokenizer must not be used from two threads at once.
-    ids = state.prompts.chat(data.messages)
+    ids = state.prompts.chat(data.messages, plan.tools if plan is not None else ())
     max_new, _ = max_new_tokens(data, None)
     check_context(state.prompts.inputs, ids, max_new, param="messages")
     job = new_job("chat", model, [ids], data.n or 1, state.engine.make_request,
-                  sampling_kwargs(data, max_new, logprobs), logprobs=logprobs)
+                  sampling_kwargs(data, max_new, logprobs, spec), logprobs=logprobs)
     job.include_usage = include_usage(data)
+    job.constraint_param = spec_param or None
+    job.tools = plan if plan is not None and plan.mode != "none" else None
+    await check_structured_output(state.engine, spec, spec_param)
     return await execute(request, state, job, stream=bool(data.stream),  # type: ignore[return-value]
                          prompt_param="messages", render_json=chat_response, render_events=chat_events)
 
 
+def _tool_call_out(events: Sequence[Event]) -> tuple[str | None, list[s.ToolCallOut]]:
+    content, calls = fold_events(events)
+    return content, [s.ToolCallOut(c.id, s.FunctionCallOut(c.name, c.arguments)) for c in calls]
+
+
 def chat_response(job: Job, items: Sequence[Item], outcome: JobOutcome, token_text: TokenText) -> s.ChatCompletion:
-    """The non-streamed chat completion."""
+    """The non-streamed chat completion (with tools: the text parsed into content and ``tool_calls``)."""
     choices = []
     for i, c in enumerate(collect(job, items)):
         lp = None
         if job.logprobs is not None:
             lp = s.ChatLogprobs(content=chat_logprobs(c.logprobs, job.logprobs, token_text))
-        choices.append(s.ChatChoice(i, s.ChatResponseMessage("assistant", "".join(c.text)), lp, c.finish_reason))
+        text = "".join(c.text)
+        if job.tools is None:
+            message = s.ChatResponseMessage("assistant", text)
+            reason = c.finish_reason
+        else:
+            parser = job.tools.parser()
+            content, calls = _tool_call_out([*parser.feed(text), *parser.finish()])
+            message = s.ChatResponseMessage("assistant", content, tool_calls=calls or UNSET)
+            reason = finish_reason(c.finish_reason, bool(calls))
+        choices.append(s.ChatChoice(i, message, lp, reason))
     return s.ChatCompletion(job.id, job.created, job.model, choices, usage_of(job, outcome))
+
+
+def _delta(event: Event) -> s.ChatDelta:
+    if isinstance(event, str):
+        return s.ChatDelta(content=event)
+    assert isinstance(event, ToolCallDelta)
+    if event.id is not None:
+        chunk = s.ToolCallChunk(event.index, s.FunctionDelta(event.name or "", event.arguments), event.id,
+                                "function")
+    else:
+        chunk = s.ToolCallChunk(event.index, s.FunctionDelta(arguments=event.arguments))
+    return s.ChatDelta(tool_calls=[chunk])
 
 
 def chat_events(job: Job, first: Sequence[Item], rest: AsyncIterator[Item], outcome: JobOutcome,
                 token_text: TokenText) -> AsyncIterator[bytes]:
     """SSE frames of a streamed chat completion.
 
-    Every choice first gets a delta with the role, then content deltas, then a chunk with an empty delta
-    and its ``finish_reason``; with ``include_usage`` every chunk has ``usage: null`` and one last chunk
-    with empty ``choices`` carries the usage; then ``[DONE]``. ``first`` are chunks already pulled,
-    ``rest`` the remaining ones (the caller closes it).
+    Every choice first gets a delta with the role, then content (and, with tools, ``tool_calls``) deltas,
+    then a chunk with an empty delta and its ``finish_reason``; with ``include_usage`` every chunk has
+    ``usage: null`` and one last chunk with empty ``choices`` carries the usage; then ``[DONE]``. ``first``
+    are chunks already pulled, ``rest`` the remaining ones (the caller closes it).
     """
     usage_field: Any = None if job.include_usage else UNSET
+    parsers = [job.tools.parser() for _ in job.requests] if job.tools is not None else None
 
     def chunk_frame(choices: list[s.ChatChunkChoice], usage: Any = usage_field) -> bytes:
         return frame(s.ChatCompletionChunk(job.id, job.created, job.model, choices, usage=usage))
@@ -83,14 +132,30 @@ def chat_events(job: Job, first: Sequence[Item], rest: AsyncIterator[Item], outc
     def render(index: int, item: StreamChunk) -> list[bytes]:
         frames = []
         entries = getattr(item, "logprobs", ()) or ()
-        if item.token or (job.logprobs is not None and entries):
+        if parsers is None:
+            if item.token or (job.logprobs is not None and entries):
+                lp = None
+                if job.logprobs is not None:
+                    lp = s.ChatLogprobs(content=chat_logprobs(entries, job.logprobs, token_text))
+                frames.append(chunk_frame([s.ChatChunkChoice(index, s.ChatDelta(content=item.token), lp)]))
+            reason = item.finish_reason or "stop"
+        else:
             lp = None
-            if job.logprobs is not None:
+            if job.logprobs is not None and entries:
                 lp = s.ChatLogprobs(content=chat_logprobs(entries, job.logprobs, token_text))
-            frames.append(chunk_frame([s.ChatChunkChoice(index, s.ChatDelta(content=item.token), lp)]))
+            parser = parsers[index]
+            events = parser.feed(item.token) if item.token else []
+            if item.is_final:
+                events += parser.finish()
+            for event in events:
+                # A token's logprobs ride on the first frame it produced (or an empty delta if held back).
+                frames.append(chunk_frame([s.ChatChunkChoice(index, _delta(event), lp)]))
+                lp = None
+            if lp is not None:
+                frames.append(chunk_frame([s.ChatChunkChoice(index, s.ChatDelta(), lp)]))
+            reason = finish_reason(item.finish_reason, parser.calls > 0)
         if item.is_final:
-            frames.append(chunk_frame([s.ChatChunkChoice(index, s.ChatDelta(), None,
-                                                         item.finish_reason or "stop")]))
+            frames.append(chunk_frame([s.ChatChunkChoice(index, s.ChatDelta(), None, reason)]))
         return frames
 
     opening = [chunk_frame([s.ChatChunkChoice(i, s.ChatDelta(role="assistant", content=""))])

@@ -28,9 +28,11 @@ from llminfer.api.middleware import server_state
 from llminfer.api.translate import (
     check_completion,
     check_context,
+    check_structured_output,
     include_usage,
     max_new_tokens,
     sampling_kwargs,
+    structured_output,
 )
 from llminfer.results import StreamChunk
 
@@ -42,12 +44,14 @@ async def completions(request: Request, data: SkipValidation[s.CompletionRequest
     """Legacy completion of one or several prompts (text or token ids), JSON or SSE.
 
     Raises:
-        APIError: 400 bad input (incl. ``context_length_exceeded``), 404 unknown model, 429 queue full.
+        APIError: 400 bad input (incl. ``context_length_exceeded`` and constraints that do not compile),
+            404 unknown model, 429 queue full.
     """
     data = s.parse_body(data, s.CompletionRequest)
     state = server_state(request)
     model = state.resolve_model(data.model)
     check_completion(data)
+    spec, spec_param = structured_output(data)
     assert state.prompts is not None
     prompt_ids = state.prompts.completion(data.prompt)
     max_new, _ = max_new_tokens(data, 16)
@@ -55,8 +59,10 @@ async def completions(request: Request, data: SkipValidation[s.CompletionRequest
         check_context(state.prompts.inputs, ids, max_new,
                       param="prompt" if len(prompt_ids) == 1 else f"prompt[{i}]")
     job = new_job("completion", model, prompt_ids, data.n or 1, state.engine.make_request,
-                  sampling_kwargs(data, max_new, data.logprobs), logprobs=data.logprobs)
+                  sampling_kwargs(data, max_new, data.logprobs, spec), logprobs=data.logprobs)
     job.include_usage = include_usage(data)
+    job.constraint_param = spec_param or None
+    await check_structured_output(state.engine, spec, spec_param)
     if data.echo:
         if isinstance(data.prompt, str):
             job.echo_texts = [data.prompt]

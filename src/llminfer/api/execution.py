@@ -24,13 +24,15 @@ from anyio.abc import TaskGroup
 from litestar import Request, Response
 
 from llminfer.api import protocol as s
-from llminfer.api.errors import SERVER_ERROR, APIError, from_engine_error
+from llminfer.api.errors import SERVER_ERROR, APIError, bad_request, from_engine_error
 from llminfer.api.logprobs import TokenText
 from llminfer.api.middleware import EventStream, watch_disconnect
 from llminfer.api.request_info import RequestInfo, request_info
 from llminfer.errors import InvalidRequestError, LLMInferError
 from llminfer.protocols.messages import GenerationRequest
 from llminfer.results import StreamChunk
+from llminfer.sampling.structured import PARAM as STRUCTURED_PARAM
+from llminfer.tools import ToolPlan
 
 if TYPE_CHECKING:
     from llminfer.api.app import ServerState
@@ -54,6 +56,9 @@ class Job:
         requests: the engine requests, one per choice, in choice order.
         logprobs: top alternatives per token to report (``None``: no logprobs).
         echo_texts: for completions with ``echo``, the prompt text of each prompt.
+        tools: for chat with tools, how calls are parsed out of each choice's text.
+        constraint_param: the request field the output constraint came from (``response_format``,
+            ``guided_regex``, ``tools``, ...): engine errors about the constraint name it.
     """
 
     kind: str
@@ -66,6 +71,8 @@ class Job:
     logprobs: int | None = None
     echo_texts: list[str] | None = None
     include_usage: bool = False
+    tools: ToolPlan | None = None
+    constraint_param: str | None = None
 
 
 def new_job(kind: str, model: str, prompt_ids: list[list[int]], n: int, make: Callable[..., GenerationRequest],
@@ -271,7 +278,15 @@ async def sse_frames(job: Job, first: Sequence[Item], rest: AsyncIterator[Item],
     yield DONE_FRAME
 
 
-async def _guarded(events: AsyncIterator[bytes], chunks: AsyncIterator[Any], info: RequestInfo) -> AsyncIterator[bytes]:
+def _job_error(job: Job, exc: LLMInferError, prompt_param: str) -> APIError:
+    """:func:`from_engine_error`, with the engine's ``structured_output`` named as the field the client used."""
+    if isinstance(exc, InvalidRequestError) and exc.param == STRUCTURED_PARAM and job.constraint_param:
+        return bad_request(str(exc), job.constraint_param, exc.code)
+    return from_engine_error(exc, prompt_param=prompt_param)
+
+
+async def _guarded(events: AsyncIterator[bytes], chunks: AsyncIterator[Any], info: RequestInfo,
+                   job: Job) -> AsyncIterator[bytes]:
     """Frames of ``events``; a failure after the stream started becomes an error event, then ``[DONE]``."""
     finished = False
     try:
@@ -280,7 +295,7 @@ async def _guarded(events: AsyncIterator[bytes], chunks: AsyncIterator[Any], inf
                 yield f
         finished = True
     except LLMInferError as exc:
-        error = from_engine_error(exc)
+        error = _job_error(job, exc, "prompt")
         log.error("stream failed", error=repr(exc))
         info.error = error.message
         yield error_frame(error)
@@ -340,7 +355,7 @@ async def execute(request: Request, state: ServerState, job: Job, *, stream: boo
         items, disconnected = await watch_disconnect(request.receive, preroll if stream else collect_all)
     except LLMInferError as exc:
         await chunks.aclose()
-        raise from_engine_error(exc, prompt_param=prompt_param) from None
+        raise _job_error(job, exc, prompt_param) from None
     except BaseException:
         await chunks.aclose()
         ticket.release()
@@ -356,7 +371,7 @@ async def execute(request: Request, state: ServerState, job: Job, *, stream: boo
     if not stream:
         await chunks.aclose()
         return Response(render_json(job, items, outcome, token_text), status_code=200)
-    frames = _guarded(render_events(job, items, chunks, outcome, token_text), chunks, info)
+    frames = _guarded(render_events(job, items, chunks, outcome, token_text), chunks, info, job)
 
     async def cleanup() -> None:
         # Run by the request middleware once the response is over, however it ended: a stream cancelled

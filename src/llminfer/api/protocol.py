@@ -65,6 +65,15 @@ class _Common(Struct, kw_only=True):
     bad_words: WordList | None = None
     force_words: WordList | None = None
     ignore_eos: bool | None = None
+    # Structured output: OpenAI's ``response_format``, vLLM's older ``guided_*`` fields and its newer
+    # ``structured_outputs`` object (checked in :func:`llminfer.api.translate.structured_output`).
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_json_object: bool | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class ContentPart(Struct):
@@ -74,12 +83,30 @@ class ContentPart(Struct):
     text: str | None = None
 
 
-class ChatMessage(Struct):
-    """One message of the conversation (``developer`` is treated as ``system``)."""
+class FunctionCall(Struct):
+    """``function`` of a tool call: ``arguments`` is JSON text (an object is accepted too)."""
 
-    role: Literal["system", "developer", "user", "assistant"]
+    name: str
+    arguments: str | dict[str, Any] | None = None
+
+
+class MessageToolCall(Struct):
+    """A tool call the assistant made earlier in the conversation."""
+
+    function: FunctionCall
+    id: str | None = None
+    type: str = "function"
+
+
+class ChatMessage(Struct):
+    """One message of the conversation (``developer`` is treated as ``system``; ``tool`` carries the
+    result of the call ``tool_call_id``; an assistant message may hold ``tool_calls`` and null content)."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(_Common, kw_only=True):
@@ -89,7 +116,8 @@ class ChatCompletionRequest(_Common, kw_only=True):
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(_Common, kw_only=True):
@@ -135,10 +163,39 @@ class ChatLogprobs(Struct):
     refusal: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCallOut(Struct):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(Struct):
+    """A call in a response: ``function.arguments`` is JSON text."""
+
+    id: str
+    function: FunctionCallOut
+    type: str = "function"
+
+
 class ChatResponseMessage(Struct):
     role: str
     content: str | None
     refusal: str | None = None
+    tool_calls: list[ToolCallOut] | UnsetType = UNSET
+
+
+class FunctionDelta(Struct):
+    name: str | UnsetType = UNSET
+    arguments: str | UnsetType = UNSET
+
+
+class ToolCallChunk(Struct):
+    """A fragment of a streamed call: the first one of a call has ``id``, ``type`` and ``function.name``;
+    ``function.arguments`` fragments concatenate to the arguments."""
+
+    index: int
+    function: FunctionDelta
+    id: str | UnsetType = UNSET
+    type: str | UnsetType = UNSET
 
 
 class ChatChoice(Struct):
@@ -163,6 +220,7 @@ class ChatCompletion(Struct):
 class ChatDelta(Struct):
     role: str | UnsetType = UNSET
     content: str | UnsetType = UNSET
+    tool_calls: list[ToolCallChunk] | UnsetType = UNSET
 
 
 class ChatChunkChoice(Struct):

@@ -10,7 +10,6 @@ support. Prompts are judged by the engine's own :class:`~llminfer.frontend.input
 
 from __future__ import annotations
 
-import contextlib
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -19,8 +18,11 @@ from msgspec import UNSET
 
 from llminfer.api import protocol as s
 from llminfer.api.errors import bad_request, from_engine_error
+from llminfer.chat import ChatRenderer
 from llminfer.errors import InvalidRequestError
 from llminfer.frontend.input import InputProcessor
+from llminfer.sampling.structured import StructuredOutput
+from llminfer.tools import Tool, ToolPlan, plan_tools
 
 Body = s.ChatCompletionRequest | s.CompletionRequest
 
@@ -39,12 +41,7 @@ class PromptBuilder:
     def __init__(self, tokenizer: Any, vocab_size: int | None = None, *, inputs: InputProcessor | None = None) -> None:
         self.tokenizer = tokenizer
         self.inputs = inputs if inputs is not None else InputProcessor(tokenizer, sys.maxsize, vocab_size)
-        bos = getattr(tokenizer, "bos_token_id", None)
-        self.bos_id: int | None = bos if isinstance(bos, int) else None
-        self.adds_bos = False
-        if self.bos_id is not None:
-            with contextlib.suppress(Exception):
-                self.adds_bos = tokenizer.encode("a")[:1] == [self.bos_id]
+        self.renderer = ChatRenderer(tokenizer)
 
     def encode(self, text: str, param: str, *, add_special_tokens: bool = True) -> list[int]:
         """Tokenize a prompt as the engine's tokenize stage does (special tokens added by default).
@@ -57,9 +54,10 @@ class PromptBuilder:
         except InvalidRequestError as exc:
             raise from_engine_error(exc, prompt_param=param) from None
 
-    def chat(self, messages: Sequence[s.ChatMessage]) -> list[int]:
-        """Render the conversation with the chat template (generation prompt added) and tokenize it with
-        exactly one BOS token (when the model uses one).
+    def chat(self, messages: Sequence[s.ChatMessage], tools: Sequence[Tool] = ()) -> list[int]:
+        """Render the conversation (and ``tools``) with the chat template, generation prompt added (see
+        :class:`llminfer.chat.ChatRenderer`: templates without tool support get the documented fallback),
+        and tokenize it with exactly one BOS token (when the model uses one).
 
         Raises:
             APIError: 400 for a non-text content part, a model without a chat template, messages the
@@ -68,11 +66,7 @@ class PromptBuilder:
         conversation = []
         for i, message in enumerate(messages):
             content = message.content
-            if content is None:
-                text = ""
-            elif isinstance(content, str):
-                text = content
-            else:
+            if content is not None and not isinstance(content, str):
                 parts = []
                 for j, part in enumerate(content):
                     if part.type != "text":
@@ -82,25 +76,21 @@ class PromptBuilder:
                         raise bad_request("a 'text' content part needs a 'text' field",
                                           f"messages[{i}].content[{j}].text", "missing_required_parameter")
                     parts.append(part.text)
-                text = "\n".join(parts)
-            role = "system" if message.role == "developer" else message.role
-            conversation.append({"role": role, "content": text})
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise bad_request("this model has no chat template; use /v1/completions", "messages",
-                              "no_chat_template")
+                content = "\n".join(parts)
+            entry: dict[str, Any] = {"role": message.role, "content": content, "name": message.name,
+                                     "tool_call_id": message.tool_call_id}
+            if message.tool_calls:
+                entry["tool_calls"] = [{"id": c.id, "type": c.type, "function": {
+                    "name": c.function.name, "arguments": c.function.arguments}} for c in message.tool_calls]
+            conversation.append(entry)
         try:
-            rendered = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
-        except Exception as exc:  # noqa: BLE001 - jinja TemplateError and the like: the messages' fault
-            raise bad_request(f"the messages could not be rendered with the chat template: {exc}",
-                              "messages") from None
-        ids = self.encode(rendered, "messages", add_special_tokens=False)
-        bos = self.bos_id
-        if bos is not None:
-            while len(ids) > 1 and ids[0] == bos and ids[1] == bos:
-                del ids[0]
-            if self.adds_bos and ids[0] != bos:
-                ids.insert(0, bos)
-        return ids
+            rendered = self.renderer.render(conversation, tools)
+        except InvalidRequestError as exc:
+            if exc.code == "no_chat_template":
+                raise bad_request("this model has no chat template; use /v1/completions", "messages",
+                                  "no_chat_template") from None
+            raise from_engine_error(exc, prompt_param="messages") from None
+        return self.renderer.fix_bos(self.encode(rendered, "messages", add_special_tokens=False))
 
     def completion(self, prompt: str | list[Any]) -> list[list[int]]:
         """Split ``prompt`` into prompts (a string, strings, token ids, or token-id lists) as token ids.
@@ -165,18 +155,116 @@ def check_chat(body: s.ChatCompletionRequest) -> int | None:
     """Refuse chat options this server does not support; return the logprobs to report (``None``: none).
 
     Raises:
-        APIError: 400 naming the field (``tools``, ``response_format``, ``top_logprobs``, or see
-            :func:`check_common`).
+        APIError: 400 naming the field (``top_logprobs``, or see :func:`check_common`).
     """
     check_common(body, 1)
-    if body.tools:
-        raise bad_request("tools are not supported by this server", "tools", "unsupported_parameter")
-    if body.response_format and body.response_format.get("type", "text") != "text":
-        raise bad_request("only response_format type 'text' is supported", "response_format",
-                          "unsupported_parameter")
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
     return (body.top_logprobs or 0) if body.logprobs else None
+
+
+def tool_plan(body: s.ChatCompletionRequest) -> ToolPlan | None:
+    """How the request's ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` are served (None: no tools).
+
+    Raises:
+        APIError: 400 naming ``tools[...]``, ``tool_choice`` or ``parallel_tool_calls``.
+    """
+    try:
+        return plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+    except InvalidRequestError as exc:
+        raise bad_request(str(exc), exc.param, exc.code) from None
+
+
+_STRUCTURED_OUTPUTS_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
+                            "json_object": "json_object"}
+
+
+def _response_format(value: dict[str, Any]) -> StructuredOutput | None:
+    kind = value.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput(json_object=True)
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict):
+            raise InvalidRequestError("response_format type 'json_schema' needs a 'json_schema' object "
+                                      "({\"name\": ..., \"schema\": {...}, \"strict\": ...})")
+        schema = spec.get("schema", spec.get("json_schema"))  # some clients nest it under the older name
+        if not isinstance(schema, dict):
+            raise InvalidRequestError("response_format.json_schema needs a 'schema' object")
+        # ``strict`` needs no handling: the output is always held to the whole schema.
+        return StructuredOutput(json_schema=schema)
+    raise InvalidRequestError(f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
+
+
+def _structured_outputs(value: dict[str, Any]) -> StructuredOutput:
+    given = {k: v for k, v in value.items() if k in _STRUCTURED_OUTPUTS_KEYS and v not in (None, False)}
+    if len(given) != 1:
+        raise InvalidRequestError(f"structured_outputs takes exactly one of {sorted(_STRUCTURED_OUTPUTS_KEYS)}, "
+                                  f"got {sorted(given) or 'none'}")
+    ((key, v),) = given.items()
+    if key == "json_object":
+        return StructuredOutput(json_object=bool(v))
+    return StructuredOutput(**{_STRUCTURED_OUTPUTS_KEYS[key]: v})
+
+
+def structured_output(body: Body, plan: ToolPlan | None = None) -> tuple[StructuredOutput | None, str]:
+    """The output constraint of a request and the field it came from (to name in errors).
+
+    Sources: ``response_format`` (OpenAI), ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
+    ``guided_grammar`` / ``guided_json_object`` (vLLM's older fields), ``structured_outputs`` (vLLM's
+    newer object), and the constraint ``tool_choice`` ``required`` or a named function implies. At most one.
+
+    Raises:
+        APIError: 400 naming the field: a malformed value, two sources, or a constraint together with tools.
+    """
+    sources: list[tuple[str, Any]] = []
+    if body.response_format is not None and body.response_format.get("type", "text") != "text":
+        sources.append(("response_format", lambda: _response_format(body.response_format)))  # type: ignore[arg-type]
+    guided = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
+              "guided_grammar": "grammar"}
+    for field, kind in guided.items():
+        value = getattr(body, field)
+        if value is not None:
+            sources.append((field, lambda kind=kind, value=value: StructuredOutput(**{kind: value})))
+    if body.guided_json_object:
+        sources.append(("guided_json_object", lambda: StructuredOutput(json_object=True)))
+    if body.structured_outputs is not None:
+        sources.append(("structured_outputs", lambda: _structured_outputs(body.structured_outputs)))  # type: ignore[arg-type]
+    if len(sources) > 1:
+        names = [name for name, _ in sources]
+        raise bad_request(f"at most one output constraint per request; got {', '.join(names)}", names[1],
+                          "conflicting_parameters")
+    if sources and plan is not None:
+        raise bad_request(f"{sources[0][0]} cannot be combined with tools (a tool_choice already decides the "
+                          "output's shape)", sources[0][0], "conflicting_parameters")
+    if sources:
+        param, make = sources[0]
+        try:
+            return make(), param
+        except InvalidRequestError as exc:
+            raise bad_request(str(exc), param, exc.code) from None
+    if plan is not None and plan.structured_output is not None:
+        return plan.structured_output, plan.constraint_param
+    return None, ""
+
+
+async def check_structured_output(engine: Any, spec: StructuredOutput | None, param: str) -> None:
+    """Compile ``spec`` now (the engine's compile cache keeps it for the request), so that an invalid or
+    unsupported constraint, or one that compiles too slowly, is a 400 before anything is generated, for
+    streamed requests too. Engines whose backend compiles constraints itself (vLLM) are not checked here.
+
+    Raises:
+        APIError: 400 naming ``param`` (``code="grammar_compile_timeout"`` past the time limit).
+    """
+    compiler = getattr(getattr(engine, "runtime", None), "grammar_compiler", None)
+    if spec is None or compiler is None:
+        return
+    try:
+        await compiler.submit(spec).wait()
+    except InvalidRequestError as exc:
+        raise bad_request(str(exc), param, exc.code) from None
 
 
 def check_completion(body: s.CompletionRequest) -> None:
@@ -219,7 +307,8 @@ def max_new_tokens(body: Body, default: int | None) -> tuple[int | None, str]:
     return default, "max_tokens"
 
 
-def sampling_kwargs(body: Body, max_new: int | None, logprobs: int | None) -> dict[str, Any]:
+def sampling_kwargs(body: Body, max_new: int | None, logprobs: int | None,
+                    structured: StructuredOutput | None = None) -> dict[str, Any]:
     """Keyword arguments of ``engine.make_request`` for an OpenAI request (OpenAI defaults: temperature 1,
     top_p 1; a temperature below 1e-5 is greedy). Fields the client did not send are left out, so the
     engine's defaults apply; the engine validates the values (see :func:`~llminfer.api.execution.new_job`)."""
@@ -248,4 +337,6 @@ def sampling_kwargs(body: Body, max_new: int | None, logprobs: int | None) -> di
         kw["force_words"] = tuple(body.force_words)
     if logprobs is not None:
         kw["logprobs"] = logprobs
+    if structured is not None:
+        kw["structured_output"] = structured
     return kw

@@ -1,0 +1,260 @@
+"""Tool calling without a server: the ``<tool_call>`` parser (whole and streamed), ``tool_choice`` plans,
+chat-template rendering of tools and tool results (a template with tool support, and the fallback), and
+:meth:`InferenceEngine.chat` on the built-in model."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+from transformers import AutoTokenizer
+
+from llminfer import ChatResult, EngineConfig, InferenceEngine, InvalidRequestError
+from llminfer.chat import TOOLS_PREAMBLE, ChatRenderer, template_supports_tools
+from llminfer.models.builtin import extract_builtin_tokenizer
+from llminfer.sampling.structured import StructuredOutput
+from llminfer.tools import fold_events, parse_tool_calls, plan_tools, required_schema
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["city", "days"]}
+ADD = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                        "b": {"type": "integer", "minimum": 0, "maximum": 99}},
+       "required": ["a", "b"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Forecast", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "add", "description": "Sum", "parameters": ADD}}]
+
+# A Qwen2.5-like template with tool support, written for these tests: tools in the system turn, calls as
+# <tool_call> blocks with ``arguments`` through tojson (so a dict renders as an object), results as
+# <tool_response> in a user turn.
+TOOL_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n"
+    "{% endif %}Tools:\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}<|im_end|>\n"
+    "{% elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{% endif %}"
+    "{%- for m in messages %}{% if m.role == 'system' %}"
+    "{% elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n"
+    "{% elif m.tool_calls %}<|im_start|>assistant\n{{ m.content }}{% for c in m.tool_calls %}<tool_call>\n"
+    "{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}\n</tool_call>{% endfor %}"
+    "<|im_end|>\n{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+CONVERSATION = [
+    {"role": "system", "content": "You help."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                          "arguments": '{"city": "Paris", "days": 2}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 22 C"},
+]
+
+
+def _streamed(text: str, plan, step: int = 1):
+    parser = plan.parser()
+    events = []
+    for i in range(0, len(text), step):
+        events += parser.feed(text[i : i + step])
+    events += parser.finish()
+    return fold_events(events)
+
+
+def _pairs(calls):
+    return [(c.name, json.loads(c.arguments)) for c in calls]
+
+
+# ---------------------------------------------------------------------------- parsing
+AUTO_CASES = [
+    # (text, content, calls)
+    ("Plain answer.", "Plain answer.", []),
+    ('<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>', None, [("add", {"a": 1, "b": 2})]),
+    ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 1}}\n</tool_call>\n'
+     '<tool_call>\n{"name": "add", "arguments": {"a": 3, "b": 4}}\n</tool_call>',
+     "Let me check.", [("get_weather", {"city": "Oslo", "days": 1}), ("add", {"a": 3, "b": 4})]),
+    ('A <tool_call>{"name": "add", "arguments": {"a": 1, "b": 1}}</tool_call>\nB', "A\nB", [("add", {"a": 1, "b": 1})]),
+    # malformed JSON, an unknown tool, and an unclosed block stay content
+    ("x <tool_call>{not json}</tool_call> y", "x <tool_call>{not json}</tool_call> y", []),
+    ('<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>', '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>',
+     []),
+    ('ok <tool_call>{"name": "add", "arguments": {"a"', 'ok <tool_call>{"name": "add", "arguments": {"a"', []),
+    # "parameters" for "arguments", and arguments given as JSON text
+    ('<tool_call>{"name": "add", "parameters": {"a": 5, "b": 6}}</tool_call>', None, [("add", {"a": 5, "b": 6})]),
+    ('<tool_call>{"name": "add", "arguments": "{\\"a\\": 7, \\"b\\": 8}"}</tool_call>', None, [("add", {"a": 7, "b": 8})]),
+    ("a <tool_c", "a <tool_c", []),
+]
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), AUTO_CASES)
+def test_auto_parsing_whole_and_streamed(text, content, calls):
+    plan = plan_tools(TOOLS, "auto")
+    got_content, got_calls = parse_tool_calls(text, plan)
+    assert got_content == content
+    assert _pairs(got_calls) == calls
+    assert all(c.id.startswith("call_") and len(c.id) > 10 and c.type == "function" for c in got_calls)
+    for step in (1, 3, 7):  # streamed in pieces: the same content and calls
+        s_content, s_calls = _streamed(text, plan, step)
+        assert s_content == content and _pairs(s_calls) == calls
+
+
+def test_auto_holds_back_a_possible_call_start():
+    parser = plan_tools(TOOLS, "auto").parser()
+    assert parser.feed("Hello <tool") == ["Hello"]  # " <tool" may start a call: held back
+    assert parser.feed("box> there") == [" <toolbox> there"]
+    assert parser.finish() == []
+
+
+def test_auto_without_parallel_keeps_the_first_call():
+    plan = plan_tools(TOOLS, "auto", parallel_tool_calls=False)
+    text = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call><tool_call>{"name": "add", ' \
+           '"arguments": {"a": 3, "b": 4}}</tool_call>'
+    assert _pairs(parse_tool_calls(text, plan)[1]) == [("add", {"a": 1, "b": 2})]
+
+
+def test_none_mode_parses_nothing():
+    text = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+    assert parse_tool_calls(text, plan_tools(TOOLS, "none")) == (text, ())
+
+
+def test_required_and_named_parsing():
+    required = plan_tools(TOOLS, "required")
+    text = '[{"name":"add","arguments":{"a":1,"b":2}},{"name":"get_weather","arguments":{"city":"x","days":3}}]'
+    content, calls = parse_tool_calls(text, required)
+    assert content is None and _pairs(calls) == [("add", {"a": 1, "b": 2}), ("get_weather", {"city": "x", "days": 3})]
+    assert parse_tool_calls('[{"name":"add","argu', required) == ('[{"name":"add","argu', ())  # cut off
+    named = plan_tools(TOOLS, {"type": "function", "function": {"name": "add"}})
+    content, calls = _streamed('{"a":1,"b":2}', named, 2)
+    assert content is None and _pairs(calls) == [("add", {"a": 1, "b": 2})]
+
+
+def test_required_schema_shape():
+    tools = plan_tools(TOOLS, "required").tools
+    schema = required_schema(tools, parallel_tool_calls=False)
+    assert schema["type"] == "array" and schema["minItems"] == 1 and schema["maxItems"] == 1
+    assert [b["properties"]["name"] for b in schema["items"]["anyOf"]] == [{"const": "get_weather"}, {"const": "add"}]
+    good = [{"name": "add", "arguments": {"a": 1, "b": 2}}]
+    jsonschema.validate(good, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "add", "arguments": {"city": "x"}}], schema)
+    assert "maxItems" not in required_schema(tools, parallel_tool_calls=True)
+
+
+@pytest.mark.parametrize(("tools", "choice", "param"), [
+    (TOOLS, "sometimes", "tool_choice"),
+    (TOOLS, {"type": "function", "function": {"name": "nope"}}, "tool_choice"),
+    (TOOLS, {"type": "function"}, "tool_choice"),
+    (None, "required", "tool_choice"),
+    ([{"type": "function", "function": {}}], None, "tools[0].function.name"),
+    ([{"type": "retrieval"}], None, "tools[0].type"),
+    ([{"type": "function", "function": {"name": "f", "parameters": []}}], None, "tools[0].function.parameters"),
+    ([TOOLS[0], TOOLS[0]], None, "tools[1].function.name"),
+    ("f", None, "tools"),
+])
+def test_plan_errors_name_the_field(tools, choice, param):
+    with pytest.raises(InvalidRequestError) as err:
+        plan_tools(tools, choice)
+    assert err.value.param == param
+
+
+def test_plan_defaults():
+    assert plan_tools(None, None) is None and plan_tools([], "none") is None
+    plan = plan_tools(TOOLS)
+    assert plan.mode == "auto" and plan.structured_output is None
+    assert plan_tools(TOOLS, "required").structured_output.kind == "json_schema"
+    named = plan_tools(TOOLS, {"type": "function", "function": {"name": "add"}})
+    assert named.structured_output == StructuredOutput(json_schema=ADD)
+    assert named.constraint_param == "tools[1].function.parameters"
+
+
+# ---------------------------------------------------------------------------- rendering
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return AutoTokenizer.from_pretrained(str(extract_builtin_tokenizer(tmp_path_factory.mktemp("tok"))))
+
+
+def test_template_with_tool_support(tokenizer):
+    assert template_supports_tools(TOOL_TEMPLATE)
+    renderer = ChatRenderer(tokenizer)
+    plan = plan_tools(TOOLS)
+    text = renderer.render(CONVERSATION, plan.tools, chat_template=TOOL_TEMPLATE)
+    assert "Tools:\n" in text and '"name": "get_weather"' in text
+    # the call's JSON-text arguments reached the template as a dict, so tojson wrote an object
+    assert '"arguments": {"city": "Paris", "days": 2}' in text
+    assert "<tool_response>\nsunny, 22 C\n</tool_response>" in text
+    assert text.endswith("<|im_start|>assistant\n")
+    assert TOOLS_PREAMBLE.splitlines()[0] not in text  # no fallback
+
+
+def test_fallback_for_template_without_tools(tokenizer):
+    assert not template_supports_tools(tokenizer.chat_template)  # the built-in model's template
+    renderer = ChatRenderer(tokenizer)
+    plan = plan_tools(TOOLS)
+    text = renderer.render(CONVERSATION, plan.tools)
+    system = text.split("<|im_end|>")[0]
+    assert system.startswith("<|im_start|>system\nYou help.\n\n# Tools")  # appended to the system message
+    for tool in TOOLS:
+        assert json.dumps(tool) in system
+    assert "<tool_call>" in system and "</tool_call>" in system
+    assert '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}' \
+        "\n</tool_call><|im_end|>" in text
+    assert "<|im_start|>user\n<tool_response>\nsunny, 22 C\n</tool_response><|im_end|>" in text
+    # consecutive results share one user turn; without a system message the preamble is a new one
+    two = [CONVERSATION[1], CONVERSATION[2], CONVERSATION[3], {"role": "tool", "content": "rain"}]
+    text = renderer.render(two, plan.tools)
+    assert text.startswith("<|im_start|>system\n# Tools")
+    assert "<tool_response>\nsunny, 22 C\n</tool_response>\n<tool_response>\nrain\n</tool_response><|im_end|>" in text
+    # without tools, tool messages are still rendered through the fallback
+    assert "<tool_response>" in renderer.render(CONVERSATION)
+
+
+@pytest.mark.parametrize(("messages", "param"), [
+    ([], "messages"),
+    ([{"role": "robot", "content": "x"}], "messages[0].role"),
+    ([{"role": "user", "content": 5}], "messages[0].content"),
+    ([{"role": "user", "content": "x"}, {"role": "tool", "content": "r"}], "messages[1].role"),
+    ([{"role": "user", "content": "x", "tool_calls": [{"function": {"name": "f"}}]}], "messages[0].tool_calls"),
+    ([{"role": "assistant", "tool_calls": [{"function": {}}]}], "messages[0].tool_calls[0].function.name"),
+])
+def test_render_errors(tokenizer, messages, param):
+    with pytest.raises(InvalidRequestError) as err:
+        ChatRenderer(tokenizer).render(messages)
+    assert err.value.param == param
+
+
+# ---------------------------------------------------------------------------- InferenceEngine.chat
+@pytest.fixture(scope="module")
+def engine():
+    with InferenceEngine(EngineConfig(max_batch_size=4, batch_timeout_ms=1)) as e:
+        yield e
+
+
+def test_engine_chat_required_and_named(engine):
+    messages = [{"role": "user", "content": "Add 2 and 3"}]
+    r = engine.chat(messages, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, max_new_tokens=120,
+                    temperature=0)
+    assert isinstance(r, ChatResult) and r.finish_reason == "tool_calls" and r.content is None
+    (call,) = r.tool_calls
+    jsonschema.validate(call.parsed_arguments(), {t["function"]["name"]: t["function"]["parameters"]
+                                                  for t in TOOLS}[call.name])
+    r = engine.chat(messages, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "add"}},
+                    max_new_tokens=60, temperature=1.0, seed=3)
+    (call,) = r.tool_calls
+    assert call.name == "add" and r.text == call.arguments
+    jsonschema.validate(call.parsed_arguments(), ADD)
+    assert r.stats.completion_tokens >= 1
+
+
+def test_engine_chat_plain_and_errors(engine):
+    messages = [{"role": "user", "content": "Hi"}]
+    r = engine.chat(messages, max_new_tokens=5, temperature=0, ignore_eos=True)
+    assert r.content == r.text == engine.run(ChatRenderer(engine.tokenizer).render(messages), max_new_tokens=5,
+                                             temperature=0, ignore_eos=True).generated_text
+    assert r.tool_calls == () and r.finish_reason == "length"
+    with pytest.raises(InvalidRequestError) as err:
+        engine.chat(messages, tools=TOOLS, tool_choice="required",
+                    structured_output=StructuredOutput(json_object=True))
+    assert err.value.param == "structured_output"
+    with pytest.raises(InvalidRequestError) as err:
+        engine.chat(messages, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "mul"}})
+    assert err.value.param == "tool_choice"
+    with pytest.raises(InvalidRequestError) as err:
+        engine.chat([{"role": "bot", "content": "x"}])
+    assert err.value.param == "messages[0].role"
