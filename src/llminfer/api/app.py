@@ -76,6 +76,9 @@ class ServerState:
         engine = self.engine
         self.prompts = PromptBuilder(engine.tokenizer, inputs=engine.inputs)
         self.token_text = TokenText(engine.tokenizer)
+        compiler = getattr(getattr(engine, "runtime", None), "grammar_compiler", None)
+        if compiler is not None:
+            compiler.prepare()  # in the background: the first constrained request need not build it
 
     @property
     def serving(self) -> bool:
