@@ -80,6 +80,12 @@ AUTO_CASES = [
     ('<tool_call>{"name": "add", "parameters": {"a": 5, "b": 6}}</tool_call>', None, [("add", {"a": 5, "b": 6})]),
     ('<tool_call>{"name": "add", "arguments": "{\\"a\\": 7, \\"b\\": 8}"}</tool_call>', None, [("add", {"a": 7, "b": 8})]),
     ("a <tool_c", "a <tool_c", []),
+    # Llama 3.x: the output is only JSON call objects
+    ('{"name": "add", "parameters": {"a": 1, "b": 2}}', None, [("add", {"a": 1, "b": 2})]),
+    ('{"name": "add", "parameters": {"a": 1, "b": 2}}; {"name": "get_weather", "parameters": {"city": "Rome"}}',
+     None, [("add", {"a": 1, "b": 2}), ("get_weather", {"city": "Rome"})]),
+    ('{"name": "add", "parameters": {"a": 1}} and more', '{"name": "add", "parameters": {"a": 1}} and more', []),
+    ('{"not": "a call"}', '{"not": "a call"}', []),
 ]
 
 

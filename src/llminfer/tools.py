@@ -258,6 +258,28 @@ def _call_from_json(text: str, names: frozenset[str]) -> tuple[str, str] | None:
     return obj["name"], json.dumps(args, ensure_ascii=False, separators=(",", ":"))
 
 
+def _bare_json_calls(text: str, names: frozenset[str]) -> list[tuple[str, str]]:
+    """The calls of an output made only of JSON call objects (Llama 3.x's tool-call syntax: one object, or
+    several separated by ``;`` or whitespace, or a JSON array of them); empty if anything else is in it."""
+    decoder = json.JSONDecoder()
+    calls: list[tuple[str, str]] = []
+    pos, n = 0, len(text)
+    while True:
+        while pos < n and (text[pos].isspace() or text[pos] == ";"):
+            pos += 1
+        if pos == n:
+            return calls
+        try:
+            obj, pos = decoder.raw_decode(text, pos)
+        except ValueError:
+            return []
+        for item in obj if isinstance(obj, list) else [obj]:
+            parsed = _call_from_json(json.dumps(item), names) if isinstance(item, dict) else None
+            if parsed is None:
+                return []
+            calls.append(parsed)
+
+
 def _partial_open_len(text: str) -> int:
     """Length of the longest suffix of ``text`` that is a proper prefix of ``<tool_call>``: text that may
     still become a call once more arrives, so it is held back."""
@@ -273,7 +295,10 @@ class ToolCallParser:
     :meth:`feed` takes text as it is generated and returns the events that are certain so far;
     :meth:`finish` returns the rest at the end. Events are content strings and :class:`ToolCallDelta`.
 
-    In ``auto`` mode, text that could still be the start of ``<tool_call>`` is held back, whitespace just
+    In ``auto`` mode, calls are Hermes/Qwen ``<tool_call>{json}</tool_call>`` blocks, or an output that is
+    only JSON call objects (Llama 3.x: ``{"name": ..., "parameters": {...}}``, several separated by ``;``);
+    an output starting with ``{`` is therefore held back to its end. Text that could still be the start of
+    ``<tool_call>`` is held back, whitespace just
     before a call or just after one is dropped (``"</tool_call>\\n<tool_call>"`` has no content between), and
     an unclosed or malformed block is given back as content. Without ``parallel_tool_calls`` only the first
     call is kept.
@@ -392,6 +417,18 @@ class ToolCallParser:
                 if self._content_seen and not stripped.startswith(TOOL_CALL_OPEN):
                     self._buffer = self._gap + stripped
                 self._gap = ""
+            if not self._content_seen and not self.calls and self._buffer.lstrip().startswith("{"):
+                # Perhaps Llama 3.x's bare JSON call(s): an output that is only ``{"name": ..., "parameters":
+                # ...}`` objects (separated by ";" or whitespace). Only the whole output can tell.
+                if not final:
+                    return events
+                bare = _bare_json_calls(self._buffer, self.names)
+                if bare:
+                    self._buffer = ""
+                    for name, args in bare[: None if self.plan.parallel_tool_calls else 1]:
+                        events.append(ToolCallDelta(self.calls, args, new_call_id(), name))
+                        self.calls += 1
+                    return events
             start = self._buffer.find(TOOL_CALL_OPEN)
             if start >= 0:
                 content = self._buffer[:start].rstrip()  # whitespace before a call is not content
