@@ -264,3 +264,28 @@ def test_cli_json_schema_from_a_file_and_one_line_errors(tmp_path):
         p = _cli("run", "x", *args)
         err = p.stderr.strip().splitlines()
         assert p.returncode != 0 and len(err) == 1 and err[0].startswith("error:") and needle in err[0], p.stderr
+
+
+def test_special_token_text_is_generated_as_text_not_as_the_special_token(engine):
+    # "<|endoftext|>" is also the name of a stop token: the choice must come out as text.
+    for choice in (["<|endoftext|>"], ["<|im_end|>", "<|im_start|>x"]):
+        for seed in range(3):
+            r = engine.run("hi", structured_output=StructuredOutput(choice=choice), max_new_tokens=40,
+                           temperature=1.0, seed=seed)
+            assert r.generated_text in choice and r.finish_reason == "stop", r
+            special = set(engine.tokenizer.all_special_ids)
+            assert not special & set(r.token_ids[:-1])  # the last token is the real EOS
+
+
+def test_the_mask_never_offers_a_special_token_for_its_text(tokenizer):
+    from llminfer.sampling.structured import GrammarMatcher, allocate_bitmask, special_token_ids
+
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    try:
+        matcher = GrammarMatcher(compiler.compile(StructuredOutput(choice=["<|endoftext|>", "<|im_end|>"])))
+        bitmask = allocate_bitmask(1, len(tokenizer))
+        matcher.fill_bitmask(bitmask, 0)
+        allowed = {t for t in range(len(tokenizer)) if (int(bitmask[0, t // 32]) >> (t % 32)) & 1}
+        assert allowed and not allowed & special_token_ids(tokenizer)
+    finally:
+        compiler.close()

@@ -240,8 +240,7 @@ class GrammarCompiler:
             except ImportError as exc:  # pragma: no cover - a declared dependency
                 raise InvalidRequestError(f"structured output needs xgrammar: {exc}", param=PARAM) from None
             try:
-                info = xgrammar.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
-                                                               stop_token_ids=self.stop_token_ids or None)
+                info = text_only_tokenizer_info(xgrammar, self.tokenizer, self.vocab_size, self.stop_token_ids)
             except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer that is not a Hugging Face one
                 raise InvalidRequestError(f"structured output is not available for this tokenizer: {one_line(exc)}",
                                           param=PARAM) from None
@@ -270,6 +269,35 @@ class GrammarCompiler:
                                       param=PARAM) from None
         self.compile_times_s.append(time.perf_counter() - start)
         return compiled
+
+
+def special_token_ids(tokenizer: Any) -> set[int]:
+    """Ids of the tokenizer's special tokens (``<|im_end|>``, ``<|endoftext|>``, ...)."""
+    ids = {int(i) for i in getattr(tokenizer, "all_special_ids", ())}
+    decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    ids.update(int(i) for i, token in decoder.items() if getattr(token, "special", False))
+    return ids
+
+
+def text_only_tokenizer_info(xgrammar: Any, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> Any:
+    """xgrammar's tokenizer info in which special tokens never stand for text.
+
+    ``TokenizerInfo.from_huggingface`` keeps special tokens' strings, so a choice or grammar literal such
+    as ``"<|im_end|>"`` could be produced as the special token itself: the stop token, which ends the
+    request and is not part of the text (an empty output). Their strings are blanked here, which xgrammar
+    reads as "special, never matched"; the stop tokens are still allowed where the grammar accepts.
+    """
+    info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                   stop_token_ids=list(stop_token_ids) or None)
+    special = special_token_ids(tokenizer)
+    if not special:
+        return info
+    encoded = [""] * vocab_size
+    for token, idx in tokenizer.get_vocab().items():
+        if idx < vocab_size and idx not in special:
+            encoded[idx] = token
+    return xgrammar.TokenizerInfo(encoded, vocab_type=info.vocab_type, vocab_size=vocab_size,
+                                  stop_token_ids=info.stop_token_ids, add_prefix_space=info.add_prefix_space)
 
 
 def _clean(exc: Exception) -> str:
