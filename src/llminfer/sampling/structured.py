@@ -244,8 +244,7 @@ class GrammarCompiler:
         try:
             kind = spec.kind
             if kind == "json_schema":
-                compiled = compiler.compile_json_schema(spec.json_schema, any_whitespace=False, separators=COMPACT,
-                                                       strict_mode=True)
+                compiled = compiler.compile_grammar(json_schema_grammar(spec.json_schema))
             elif kind == "json_object":
                 compiled = compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, separators=COMPACT)
             elif kind == "regex":
@@ -259,6 +258,30 @@ class GrammarCompiler:
                                       param=PARAM) from None
         self.compile_times_s.append(time.perf_counter() - start)
         return compiled
+
+
+# xgrammar 0.2.9 writes a length-bounded JSON string (minLength / maxLength) as ``"\"" chars{m,n} "\""`` with
+# ``chars ::= [^\"\\\r\n]``, which lets raw control characters (tab, U+0000-U+001F other than CR and LF) into
+# the string: invalid JSON (RFC 8259 section 7 requires them escaped), so ``json.loads`` rejects the output.
+# Its unbounded strings exclude ``\0-\x1f`` already; the bounded class is narrowed to the same set.
+_BOUNDED_STRING_CHAR = r'[^\"\\\r\n]'
+_JSON_STRING_CHAR = r'[^\0-\x1f\"\\]'
+
+
+def json_schema_grammar(schema: str) -> Any:
+    """The xgrammar grammar for ``schema`` (JSON text): compact separators, no whitespace, strict (no extra
+    properties or items), with length-bounded strings kept to characters JSON allows unescaped.
+
+    Returns:
+        an ``xgrammar.Grammar``, or its EBNF text when the string class had to be narrowed.
+    """
+    import xgrammar
+
+    grammar = xgrammar.Grammar.from_json_schema(schema, any_whitespace=False, separators=COMPACT, strict_mode=True)
+    text = str(grammar)
+    if _BOUNDED_STRING_CHAR not in text:
+        return grammar
+    return text.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR)
 
 
 def _clean(exc: Exception) -> str:

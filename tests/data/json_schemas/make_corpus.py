@@ -193,21 +193,26 @@ def obj(rng: random.Random, depth: int, defs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def generated(rng: random.Random, count: int) -> list[dict[str, Any]]:
+def generated(rng: random.Random, count: int, seen: set[str]) -> list[dict[str, Any]]:
+    """``count`` random schemas, none equal to one in ``seen`` (canonical JSON texts) or to each other."""
     schemas = []
-    for _ in range(count):
+    while len(schemas) < count:
         defs: dict[str, Any] = {}
         schema = obj(rng, rng.randint(1, 3), defs)
         if defs:
             schema = {"$defs": defs, **schema}
-        schemas.append(schema)
+        key = json.dumps(schema, sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            schemas.append(schema)
     return schemas
 
 
 def corpus() -> list[dict[str, Any]]:
     """The corpus: the hand-written schemas, then random compositions up to ``TOTAL``."""
     first = hand_written()
-    return first + generated(random.Random(SEED), TOTAL - len(first))
+    seen = {json.dumps(s, sort_keys=True) for s in first}
+    return first + generated(random.Random(SEED), TOTAL - len(first), seen)
 
 
 if __name__ == "__main__":
