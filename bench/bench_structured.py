@@ -33,6 +33,7 @@ import json
 import random
 import statistics
 import time
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -249,13 +250,13 @@ def bench_library(engine) -> dict:
             if not lm.consume_token(token):
                 ll_stopped_early += 1
                 break
-    out: dict[str, Any] = {"schemas": len(CORPUS), "threads": 1, "xgrammar_version": xgrammar.__version__,
+    out: dict[str, Any] = {"schemas": len(CORPUS), "threads": 1, "xgrammar_version": version("xgrammar"),
                            "xgrammar_tokenizer_info_s": xg_setup,
                            "xgrammar": {k: summary_ms(v) for k, v in res["xgrammar"].items()}}
     if llguidance is None:
         out["llguidance_skipped"] = skipped
     else:
-        out.update({"llguidance_version": llguidance.get_version() if hasattr(llguidance, "get_version") else None,
+        out.update({"llguidance_version": version("llguidance"),
                     "llguidance_tokenizer_s": ll_setup, "llguidance_walks_stopped_early": ll_stopped_early,
                     "llguidance": {k: summary_ms(v) for k, v in res["llguidance"].items() if v}})
     for lib in ("xgrammar", "llguidance"):
@@ -287,11 +288,10 @@ def main() -> dict:
             payload["mask"] = bench_mask_share(engine, args.num_requests)
         if "library" in which:
             payload["library"] = bench_library(engine)
-    finally:
+    finally:  # what finished is saved even if a later part fails
         engine.close()
-    payload["peak_rss_bytes"] = peak_rss_bytes()
-    out = save("structured", payload)
-    print(f"-> {out}")
+        payload["peak_rss_bytes"] = peak_rss_bytes()
+        print(f"-> {save('structured', payload)}")
     return payload
 
 
