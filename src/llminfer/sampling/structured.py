@@ -1,12 +1,13 @@
 """Structured output: a JSON Schema, any JSON object, a regular expression, a grammar or a choice,
 enforced while decoding by a per-row token mask from `xgrammar <https://github.com/mlc-ai/xgrammar>`_.
 
-Why xgrammar (measured on this project's built-in Qwen2 tokenizer, 151,646 tokens, AVX2 CPU, one thread,
-``python bench/bench_structured.py``): a next-token mask costs 0.01-0.12 ms per row with a worst case
-under 0.2 ms, against llguidance's 0.11-0.35 ms with outliers of 2-5 ms; llguidance compiles a schema
-faster (2-3 ms against 1-30 ms), but compiling happens once per schema, off the step, and is cached, while
-the mask is paid on every step of every constrained row. xgrammar also has the CUDA mask kernel the GPU
-path will use, and it is what vLLM and SGLang ship.
+Why xgrammar (measured on this project's built-in Qwen2 tokenizer, 151,646 tokens, 2-core AVX2 CPU shared
+with other jobs, one thread, the 120-schema test corpus, ``python bench/bench_structured.py --only library``):
+the next-token mask costs p50 0.008 / p99 0.17 / max 0.5 ms per token, against llguidance's p50 0.04 /
+p99 1.9 / max 2.8 ms; llguidance compiles a schema faster (p50 1.4 / p99 3.8 ms, its first mask included,
+against 11 / 45 ms), but compiling happens once per schema, off the step, and is cached, while the mask is
+paid on every step of every constrained row. xgrammar also has the CUDA mask kernel the GPU path will use,
+and it is what vLLM and SGLang ship.
 
 How it flows:
 
