@@ -1,12 +1,13 @@
 """Structured output: a JSON Schema, any JSON object, a regular expression, a grammar or a choice,
 enforced while decoding by a per-row token mask from `xgrammar <https://github.com/mlc-ai/xgrammar>`_.
 
-Why xgrammar (measured on this project's built-in Qwen2 tokenizer, 151,646 tokens, AVX2 CPU, one thread,
-``python bench/bench_structured.py``): a next-token mask costs 0.01-0.12 ms per row with a worst case
-under 0.2 ms, against llguidance's 0.11-0.35 ms with outliers of 2-5 ms; llguidance compiles a schema
-faster (2-3 ms against 1-30 ms), but compiling happens once per schema, off the step, and is cached, while
-the mask is paid on every step of every constrained row. xgrammar also has the CUDA mask kernel the GPU
-path will use, and it is what vLLM and SGLang ship.
+Why xgrammar (measured on this project's built-in Qwen2 tokenizer, 151,646 tokens, 2-core AVX2 CPU shared
+with other jobs, one thread, the 120-schema test corpus, ``python bench/bench_structured.py --only library``):
+the next-token mask costs p50 0.008 / p99 0.17 / max 0.5 ms per token, against llguidance's p50 0.04 /
+p99 1.9 / max 2.8 ms; llguidance compiles a schema faster (p50 1.4 / p99 3.8 ms, its first mask included,
+against 11 / 45 ms), but compiling happens once per schema, off the step, and is cached, while the mask is
+paid on every step of every constrained row. xgrammar also has the CUDA mask kernel the GPU path will use,
+and it is what vLLM and SGLang ship.
 
 How it flows:
 
@@ -254,8 +255,7 @@ class GrammarCompiler:
         try:
             kind = spec.kind
             if kind == "json_schema":
-                compiled = compiler.compile_json_schema(spec.json_schema, any_whitespace=False, separators=COMPACT,
-                                                       strict_mode=True)
+                compiled = compiler.compile_grammar(json_schema_grammar(spec.json_schema))
             elif kind == "json_object":
                 compiled = compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, separators=COMPACT)
             elif kind == "regex":
@@ -298,6 +298,30 @@ def text_only_tokenizer_info(xgrammar: Any, tokenizer: Any, vocab_size: int, sto
             encoded[idx] = token
     return xgrammar.TokenizerInfo(encoded, vocab_type=info.vocab_type, vocab_size=vocab_size,
                                   stop_token_ids=info.stop_token_ids, add_prefix_space=info.add_prefix_space)
+
+
+# xgrammar 0.2.9 writes a length-bounded JSON string (minLength / maxLength) as ``"\"" chars{m,n} "\""`` with
+# ``chars ::= [^\"\\\r\n]``, which lets raw control characters (tab, U+0000-U+001F other than CR and LF) into
+# the string: invalid JSON (RFC 8259 section 7 requires them escaped), so ``json.loads`` rejects the output.
+# Its unbounded strings exclude ``\0-\x1f`` already; the bounded class is narrowed to the same set.
+_BOUNDED_STRING_CHAR = r'[^\"\\\r\n]'
+_JSON_STRING_CHAR = r'[^\0-\x1f\"\\]'
+
+
+def json_schema_grammar(schema: str) -> Any:
+    """The xgrammar grammar for ``schema`` (JSON text): compact separators, no whitespace, strict (no extra
+    properties or items), with length-bounded strings kept to characters JSON allows unescaped.
+
+    Returns:
+        an ``xgrammar.Grammar``, or its EBNF text when the string class had to be narrowed.
+    """
+    import xgrammar
+
+    grammar = xgrammar.Grammar.from_json_schema(schema, any_whitespace=False, separators=COMPACT, strict_mode=True)
+    text = str(grammar)
+    if _BOUNDED_STRING_CHAR not in text:
+        return grammar
+    return text.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR)
 
 
 def _clean(exc: Exception) -> str:
