@@ -23,7 +23,13 @@ from llminfer.kv.manager import KVCacheManager
 from llminfer.models import build_random_model
 from llminfer.models.builtin import builtin_model_path
 from llminfer.protocols.messages import TokenizedRequest
-from llminfer.sampling.structured import MAX_SCHEMA_DEPTH, GrammarCompiler, GrammarHandle, StructuredOutput
+from llminfer.sampling.structured import (
+    MAX_SCHEMA_DEPTH,
+    GrammarCompiler,
+    GrammarHandle,
+    GrammarMatcher,
+    StructuredOutput,
+)
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 130}},
@@ -218,6 +224,21 @@ def test_a_request_joining_a_queued_compile_extends_its_deadline(tokenizer):
         assert joined.future.result(timeout=60) == "compiled regex"
     finally:
         release.set()
+        compiler.close()
+
+
+def test_bounded_strings_admit_no_raw_control_characters(tokenizer):
+    """xgrammar lets a raw tab (or NUL) into a string with maxLength: not JSON (found by attack: a streamed
+    tool call's arguments failed json.loads)."""
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    try:
+        compiled = compiler.compile(StructuredOutput(json_schema={"type": "string", "maxLength": 5}))
+        for text, ok in (('"a\tb"', False), ('"a\x00b"', False), ('"a b"', True), ('"ab\u00e9"', True)):
+            matcher = GrammarMatcher(compiled)
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            accepted = all(matcher.accept(t) for t in ids) and matcher.accept(tokenizer.eos_token_id)
+            assert accepted is ok, text
+    finally:
         compiler.close()
 
 

@@ -307,8 +307,7 @@ class GrammarCompiler:
         try:
             kind = spec.kind
             if kind == "json_schema":
-                compiled = compiler.compile_json_schema(spec.json_schema, any_whitespace=False, separators=COMPACT,
-                                                       strict_mode=True)
+                compiled = _compile_schema(compiler, spec.json_schema)
             elif kind == "json_object":
                 compiled = compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, separators=COMPACT)
             elif kind == "regex":
@@ -322,6 +321,27 @@ class GrammarCompiler:
                                       param=PARAM) from None
         self.compile_times_s.append(time.perf_counter() - start)
         return compiled
+
+
+# xgrammar 0.2.9 writes the characters of a string with minLength / maxLength as this class, which lets
+# raw control characters (a tab, NUL) into the string: not JSON (RFC 8259 section 7), and ``json.loads``
+# refuses it. Its unbounded strings use the right class, the same minus U+0000-U+001F.
+_LOOSE_STRING_CHAR = r'[^\"\\\r\n]'
+_JSON_STRING_CHAR = r'[^\0-\x1f\"\\\r\n]'
+
+
+def _compile_schema(compiler: Any, schema: str) -> Any:
+    """Compile a JSON Schema so that every output is valid JSON (see ``_LOOSE_STRING_CHAR``)."""
+    import xgrammar
+
+    kw = dict(any_whitespace=False, separators=COMPACT, strict_mode=True)
+    ebnf = str(xgrammar.Grammar.from_json_schema(schema, **kw))
+    if _LOOSE_STRING_CHAR in ebnf:
+        try:
+            return compiler.compile_grammar(ebnf.replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR))
+        except Exception:  # noqa: BLE001 - a grammar that does not round-trip: keep xgrammar's own
+            pass
+    return compiler.compile_json_schema(schema, **kw)
 
 
 class _Compile:
