@@ -9,8 +9,10 @@ model's weights are random; schemas bound their strings and numbers so no output
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import re
+import threading
 from typing import Literal
 
 import httpx
@@ -304,6 +306,9 @@ def _body(**extra) -> dict:
     return {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, **extra}
 
 
+DEEP: dict = {"type": "integer"}
+for _ in range(300):  # nested arrays compile in time cubic in the depth: 300 levels take seconds
+    DEEP = {"type": "array", "items": DEEP}
 BAD_PATTERN = {"type": "object", "properties": {"a": {"type": "string", "pattern": "[[["}}}
 ERROR_CASES = [
     (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": BAD_PATTERN}}),
@@ -330,6 +335,12 @@ ERROR_CASES = [
     (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": BAD_PATTERN}}],
           tool_choice="required"), "tools"),
     (dict(response_format={"type": "json_object"}, ignore_eos=True), "ignore_eos"),
+    # hostile values: each was a 500 (TypeError, RecursionError) or silently taken as something else
+    (dict(structured_outputs={"choice": 5}), "structured_outputs"),
+    (dict(structured_outputs={"choice": {"a": 1}}), "structured_outputs"),
+    (dict(structured_outputs={"json_object": "no"}), "structured_outputs"),
+    (dict(guided_json=DEEP), "guided_json"),
+    (dict(guided_json='{"items":' * 5000 + "{}" + "}" * 5000), "guided_json"),
 ]
 
 
@@ -369,6 +380,29 @@ def test_engine_side_constraint_errors_name_the_field(http, monkeypatch, stream)
 
     monkeypatch.setattr(chat_route, "check_structured_output", no_check)
     _error(http.post(CHAT, json=_body(stream=stream, guided_regex="[unclosed")), "guided_regex")
+
+
+def test_a_stuck_compile_does_not_time_out_other_constrained_requests(http, client, served, monkeypatch):
+    compiler = served[1].runtime.grammar_compiler
+    real, release, started = compiler._compile, threading.Event(), threading.Event()
+
+    def compile_(spec):  # a pathological constraint: its compile runs on, uninterruptible
+        if spec.regex == "stuck":
+            started.set()
+            release.wait(60)
+        return real(spec)
+
+    monkeypatch.setattr(compiler, "_compile", compile_)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        stuck = pool.submit(http.post, CHAT, json=_body(guided_regex="stuck"))
+        try:
+            assert started.wait(60)
+            r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=30, temperature=0,
+                                               extra_body={"guided_choice": ["unstuck", "free"]})
+            assert r.choices[0].message.content in {"unstuck", "free"}
+        finally:
+            release.set()
+        assert stuck.result(timeout=60).status_code == 200
 
 
 def test_server_keeps_serving_after_errors(http, client, served):

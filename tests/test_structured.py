@@ -23,7 +23,13 @@ from llminfer.kv.manager import KVCacheManager
 from llminfer.models import build_random_model
 from llminfer.models.builtin import builtin_model_path
 from llminfer.protocols.messages import TokenizedRequest
-from llminfer.sampling.structured import GrammarCompiler, GrammarHandle, StructuredOutput
+from llminfer.sampling.structured import (
+    MAX_SCHEMA_DEPTH,
+    GrammarCompiler,
+    GrammarHandle,
+    GrammarMatcher,
+    StructuredOutput,
+)
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 130}},
@@ -73,6 +79,31 @@ def test_sampling_params_refuse_combinations_that_break_the_constraint():
 
 
 # ---------------------------------------------------------------------------- the compiler
+def _nested(depth: int) -> dict:
+    schema: dict = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(choice=5), dict(choice={"a": 1}), dict(choice=iter(["a"])), dict(choice="ab"),
+    dict(json_object="no"), dict(json_object=1),
+    dict(json_schema=_nested(MAX_SCHEMA_DEPTH)),  # 65 levels: the items chain plus the innermost schema
+    dict(json_schema=_nested(5000)),  # past Python's recursion limit for json.dumps
+    dict(json_schema='{"items":' * 5000 + "{}" + "}" * 5000),  # past it for json.loads
+    dict(json_schema={"enum": {1, 2}}),  # not JSON
+])
+def test_hostile_values_are_invalid_request_errors(kwargs):
+    with pytest.raises(InvalidRequestError) as e:
+        StructuredOutput(**kwargs)
+    assert e.value.param == "structured_output"
+
+
+def test_schema_depth_limit_allows_the_limit():
+    assert StructuredOutput(json_schema=_nested(MAX_SCHEMA_DEPTH - 1)).json_schema
+
+
 @pytest.fixture(scope="module")
 def tokenizer():
     from transformers import AutoTokenizer
@@ -123,6 +154,91 @@ def test_compile_past_the_time_limit_fails_with_a_code(tokenizer):
         assert e.value.code == "grammar_compile_timeout" and "5 s" in str(e.value)
     finally:
         release.set()
+        compiler.close()
+
+
+def _blocking_compiler(tokenizer, slow: StructuredOutput, **kw) -> tuple[GrammarCompiler, threading.Event, list]:
+    """A compiler whose compile of ``slow`` runs until released (like a pathological schema: a compile
+    cannot be interrupted); other constraints compile at once. Returns it, the release event, and the
+    constraints compiled so far. The compile of ``slow`` has started when this returns."""
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [], **kw)
+    release, started = threading.Event(), threading.Event()
+    compiled: list[StructuredOutput] = []
+
+    def compile_(spec):
+        if spec == slow:
+            started.set()
+            release.wait(60)
+        compiled.append(spec)
+        return f"compiled {spec.kind}"
+
+    compiler._compile = compile_
+    compiler.submit(slow)
+    assert started.wait(60)
+    return compiler, release, compiled
+
+
+def test_a_slow_compile_does_not_hold_up_the_others(tokenizer):
+    slow = StructuredOutput(regex="slow")
+    compiler, release, _ = _blocking_compiler(tokenizer, slow)
+    try:
+        stuck = compiler.submit(slow)  # the same compile, from the cache
+        later = [compiler.submit(StructuredOutput(choice=[f"c{i}"])) for i in range(3)]
+        # Before the fix (one compile thread) these queued behind the stuck compile until they timed out.
+        assert [h.future.result(timeout=60) for h in later] == ["compiled choice"] * 3
+        assert not stuck.future.done()
+    finally:
+        release.set()
+        compiler.close()
+
+
+def test_a_compile_nobody_waits_for_any_more_is_skipped(tokenizer):
+    clock = FakeClock()
+    slow = StructuredOutput(regex="slow")
+    compiler, release, compiled = _blocking_compiler(tokenizer, slow, timeout_s=5.0, clock=clock, max_workers=1)
+    try:
+        queued = compiler.submit(StructuredOutput(regex="queued"))  # waits for the only worker
+        clock.now = 5.0  # its request has timed out
+        release.set()
+        with pytest.raises(InvalidRequestError) as e:
+            queued.future.result(timeout=60)
+        assert e.value.code == "grammar_compile_timeout" and e.value.param == "structured_output"
+        assert compiled == [slow]  # the queued one never ran for nobody
+        assert compiler.compile(StructuredOutput(regex="queued")) == "compiled regex"  # and is not cached
+    finally:
+        release.set()
+        compiler.close()
+
+
+def test_a_request_joining_a_queued_compile_extends_its_deadline(tokenizer):
+    clock = FakeClock()
+    slow = StructuredOutput(regex="slow")
+    compiler, release, compiled = _blocking_compiler(tokenizer, slow, timeout_s=5.0, clock=clock, max_workers=1)
+    try:
+        spec = StructuredOutput(regex="queued")
+        compiler.submit(spec)
+        clock.now = 4.0
+        joined = compiler.submit(spec)  # same compile, deadline 9
+        clock.now = 6.0
+        release.set()
+        assert joined.future.result(timeout=60) == "compiled regex"
+    finally:
+        release.set()
+        compiler.close()
+
+
+def test_bounded_strings_admit_no_raw_control_characters(tokenizer):
+    """xgrammar lets a raw tab (or NUL) into a string with maxLength: not JSON (found by attack: a streamed
+    tool call's arguments failed json.loads)."""
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    try:
+        compiled = compiler.compile(StructuredOutput(json_schema={"type": "string", "maxLength": 5}))
+        for text, ok in (('"a\tb"', False), ('"a\x00b"', False), ('"a b"', True), ('"ab\u00e9"', True)):
+            matcher = GrammarMatcher(compiled)
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            accepted = all(matcher.accept(t) for t in ids) and matcher.accept(tokenizer.eos_token_id)
+            assert accepted is ok, text
+    finally:
         compiler.close()
 
 

@@ -205,7 +205,7 @@ def _structured_outputs(value: dict[str, Any]) -> StructuredOutput:
                                   f"got {sorted(given) or 'none'}")
     ((key, v),) = given.items()
     if key == "json_object":
-        return StructuredOutput(json_object=bool(v))
+        return StructuredOutput(json_object=v)  # a non-boolean is refused there, not taken as true
     return StructuredOutput(**{_STRUCTURED_OUTPUTS_KEYS[key]: v})
 
 

@@ -44,6 +44,27 @@ PARAM = "structured_output"
 COMPACT = (",", ":")  # JSON item and key separators: no whitespace anywhere, so none can run away
 
 
+MAX_SCHEMA_DEPTH = 64
+"""Deepest nesting of objects and arrays a JSON Schema may have. xgrammar's compile time grows steeply
+with depth (an ``items`` chain 300 deep takes seconds, 900 deep over a minute, and a compile cannot be
+interrupted), and Python's ``json`` module overflows its recursion limit near 1,000; real schemas stay far
+below this (OpenAI's strict mode allows 10 levels of nesting)."""
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth of dicts and lists in ``value``, iteratively (a deep value must not recurse); stops
+    counting just past :data:`MAX_SCHEMA_DEPTH`."""
+    deepest = 0
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            if depth <= MAX_SCHEMA_DEPTH:
+                stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
 def _schema_text(value: Any) -> str | None:
     """A JSON Schema as compact JSON text (key order kept: it is the order properties are generated in)."""
     if value is None:
@@ -53,18 +74,28 @@ def _schema_text(value: Any) -> str | None:
     if isinstance(value, str):
         try:
             value = json.loads(value)
+        except RecursionError:  # nested past Python's recursion limit, so past the depth limit too
+            raise InvalidRequestError(f"json_schema nests objects and arrays deeper than {MAX_SCHEMA_DEPTH} "
+                                      "levels", param=PARAM) from None
         except ValueError as exc:
             raise InvalidRequestError(f"json_schema is not valid JSON: {exc}", param=PARAM) from None
     if not isinstance(value, (dict, bool)):
         raise InvalidRequestError("json_schema must be a JSON Schema object (a dict, JSON text or a pydantic "
                                   f"model class), got {type(value).__name__}", param=PARAM)
-    return json.dumps(value, separators=(",", ":"))
+    if _depth(value) > MAX_SCHEMA_DEPTH:
+        raise InvalidRequestError(f"json_schema nests objects and arrays deeper than {MAX_SCHEMA_DEPTH} levels",
+                                  param=PARAM)
+    try:
+        return json.dumps(value, separators=(",", ":"))
+    except (TypeError, ValueError) as exc:  # a value JSON cannot hold (a set, an object), or a cycle
+        raise InvalidRequestError(f"json_schema is not JSON: {exc}", param=PARAM) from None
 
 
 def _choices(value: Any) -> tuple[str, ...] | None:
     if value is None:
         return None
-    if isinstance(value, str) or not all(isinstance(c, str) for c in value):
+    # A list or tuple only: a string, a number, a dict (its keys) or a one-shot iterator is a client mistake.
+    if not isinstance(value, (list, tuple)) or not all(isinstance(c, str) for c in value):
         raise InvalidRequestError("choice must be a list of strings", param=PARAM)
     return tuple(value)
 
@@ -98,6 +129,8 @@ class StructuredOutput:
         if len(given) != 1:
             raise InvalidRequestError("structured output takes exactly one of json_schema, json_object, regex, "
                                       f"grammar or choice; got {given or 'none'}", param=PARAM)
+        if not isinstance(self.json_object, bool):  # "no" would otherwise count as true
+            raise InvalidRequestError("json_object must be true or false", param=PARAM)
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
@@ -169,7 +202,12 @@ class GrammarCompiler:
     """Compiles :class:`StructuredOutput` constraints for one tokenizer, off the step, with a cache.
 
     The xgrammar tokenizer info (a pass over the vocabulary, ~1 s for 150k tokens) is built on first use
-    in the worker thread, so engines that never see a constrained request never pay for it.
+    in a worker thread, so engines that never see a constrained request never pay for it.
+
+    A compile cannot be interrupted, and a hostile constraint can run for minutes after its request has
+    timed out. So there are several worker threads (one such compile does not hold up the others), and a
+    compile that reaches a worker after every request waiting for it has passed its deadline is skipped
+    rather than run for nobody (a backlog behind a slow compile then drains at once).
 
     Args:
         tokenizer: a Hugging Face tokenizer (``PreTrainedTokenizerBase``).
@@ -177,12 +215,12 @@ class GrammarCompiler:
         stop_token_ids: the ids that end a request (EOS); the mask allows them only where the grammar accepts.
         timeout_s: a compile still running after this many seconds fails its request.
         cache_size: compiled grammars kept (least recently used dropped first).
-        max_workers: compile threads.
+        max_workers: compile threads (compiles run in parallel: xgrammar releases the GIL).
         clock: seconds, monotonic (injected in tests).
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int], *, timeout_s: float = 10.0,
-                 cache_size: int = 256, max_workers: int = 1, clock: Callable[[], float] = time.monotonic) -> None:
+                 cache_size: int = 256, max_workers: int = 4, clock: Callable[[], float] = time.monotonic) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
@@ -190,7 +228,7 @@ class GrammarCompiler:
         self.cache_size = cache_size
         self.clock = clock
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers, thread_name_prefix="llminfer-grammar")
-        self._cache: OrderedDict[StructuredOutput, concurrent.futures.Future] = OrderedDict()
+        self._cache: OrderedDict[StructuredOutput, _Compile] = OrderedDict()
         self._lock = threading.Lock()
         self._build_lock = threading.Lock()
         self._compiler: Any = None
@@ -198,17 +236,20 @@ class GrammarCompiler:
 
     def submit(self, spec: StructuredOutput) -> GrammarHandle:
         """Start compiling ``spec`` (or reuse the cached compile) and return its handle at once."""
+        deadline = self.clock() + self.timeout_s
         with self._lock:
-            future = self._cache.get(spec)
-            if future is not None and future.done() and future.exception() is not None:
-                future = None  # a failed compile is not cached: the error is re-raised by a new compile
-            if future is None:
-                future = self._pool.submit(self._compile, spec)
-                self._cache[spec] = future
+            entry = self._cache.get(spec)
+            if entry is not None and entry.future.done() and entry.future.exception() is not None:
+                entry = None  # a failed compile is not cached: the error is re-raised by a new compile
+            if entry is None:
+                entry = _Compile(deadline)
+                entry.future = self._pool.submit(self._compile_if_wanted, spec, entry)
+                self._cache[spec] = entry
                 while len(self._cache) > self.cache_size:
                     self._cache.popitem(last=False)
+            entry.deadline = max(entry.deadline, deadline)
             self._cache.move_to_end(spec)
-        return GrammarHandle(future, self.clock() + self.timeout_s, self.clock, self.timeout_s)
+        return GrammarHandle(entry.future, deadline, self.clock, self.timeout_s)
 
     def prepare(self) -> concurrent.futures.Future:
         """Build the tokenizer info now, in the compile thread (a server calls this at start, so its first
@@ -249,13 +290,24 @@ class GrammarCompiler:
             self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         return self._compiler
 
+    def _compile_if_wanted(self, spec: StructuredOutput, entry: _Compile) -> Any:
+        with self._lock:  # ordered against submit(): a request that joins this compile moves its deadline
+            if self.clock() >= entry.deadline:
+                if self._cache.get(spec) is entry:
+                    del self._cache[spec]  # the next request for this constraint compiles it afresh
+                raise InvalidRequestError(
+                    f"the structured-output constraint did not compile within {self.timeout_s:g} s (it waited "
+                    "behind other compiles); retry, or simplify the schema or grammar", param=PARAM,
+                    code="grammar_compile_timeout")
+        return self._compile(spec)
+
     def _compile(self, spec: StructuredOutput) -> Any:
         compiler = self._xgrammar()
         start = time.perf_counter()
         try:
             kind = spec.kind
             if kind == "json_schema":
-                compiled = compiler.compile_grammar(json_schema_grammar(spec.json_schema))
+                compiled = _compile_schema(compiler, spec.json_schema)
             elif kind == "json_object":
                 compiled = compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, separators=COMPACT)
             elif kind == "regex":
@@ -300,28 +352,35 @@ def text_only_tokenizer_info(xgrammar: Any, tokenizer: Any, vocab_size: int, sto
                                   stop_token_ids=info.stop_token_ids, add_prefix_space=info.add_prefix_space)
 
 
-# xgrammar 0.2.9 writes a length-bounded JSON string (minLength / maxLength) as ``"\"" chars{m,n} "\""`` with
-# ``chars ::= [^\"\\\r\n]``, which lets raw control characters (tab, U+0000-U+001F other than CR and LF) into
-# the string: invalid JSON (RFC 8259 section 7 requires them escaped), so ``json.loads`` rejects the output.
-# Its unbounded strings exclude ``\0-\x1f`` already; the bounded class is narrowed to the same set.
-_BOUNDED_STRING_CHAR = r'[^\"\\\r\n]'
-_JSON_STRING_CHAR = r'[^\0-\x1f\"\\]'
+# xgrammar 0.2.9 writes the characters of a string with minLength / maxLength as this class, which lets
+# raw control characters (a tab, NUL) into the string: not JSON (RFC 8259 section 7), and ``json.loads``
+# refuses it. Its unbounded strings use the right class, the same minus U+0000-U+001F.
+_LOOSE_STRING_CHAR = r'[^\"\\\r\n]'
+_JSON_STRING_CHAR = r'[^\0-\x1f\"\\\r\n]'
 
 
-def json_schema_grammar(schema: str) -> Any:
-    """The xgrammar grammar for ``schema`` (JSON text): compact separators, no whitespace, strict (no extra
-    properties or items), with length-bounded strings kept to characters JSON allows unescaped.
-
-    Returns:
-        an ``xgrammar.Grammar``, or its EBNF text when the string class had to be narrowed.
-    """
+def _compile_schema(compiler: Any, schema: str) -> Any:
+    """Compile a JSON Schema so that every output is valid JSON (see ``_LOOSE_STRING_CHAR``)."""
     import xgrammar
 
-    grammar = xgrammar.Grammar.from_json_schema(schema, any_whitespace=False, separators=COMPACT, strict_mode=True)
-    text = str(grammar)
-    if _BOUNDED_STRING_CHAR not in text:
-        return grammar
-    return text.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR)
+    kw = dict(any_whitespace=False, separators=COMPACT, strict_mode=True)
+    ebnf = str(xgrammar.Grammar.from_json_schema(schema, **kw))
+    if _LOOSE_STRING_CHAR in ebnf:
+        try:
+            return compiler.compile_grammar(ebnf.replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR))
+        except Exception:  # noqa: BLE001 - a grammar that does not round-trip: keep xgrammar's own
+            pass
+    return compiler.compile_json_schema(schema, **kw)
+
+
+class _Compile:
+    """A cache entry: the compile's future, and the latest deadline of the requests waiting for it."""
+
+    __slots__ = ("future", "deadline")
+
+    def __init__(self, deadline: float) -> None:
+        self.future: concurrent.futures.Future = concurrent.futures.Future()
+        self.deadline = deadline
 
 
 def _clean(exc: Exception) -> str:
