@@ -320,6 +320,8 @@ ERROR_CASES = [
     (dict(guided_choice=[]), "guided_choice"),
     (dict(structured_outputs={"regex": "a+", "choice": ["a"]}), "structured_outputs"),
     (dict(structured_outputs={"json": BAD_PATTERN}), "structured_outputs"),
+    (dict(structured_outputs={"structural_tag": "{}"}), "structured_outputs"),
+    (dict(guided_json={"$ref": "http://example.com/x.json"}), "guided_json"),
     (dict(response_format={"type": "json_object"}, guided_regex="a+"), "guided_regex"),
     (dict(guided_json=WEATHER, structured_outputs={"regex": "a"}), "structured_outputs"),
     (dict(tools=TOOLS, response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER}}),

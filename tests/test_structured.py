@@ -54,6 +54,9 @@ def test_exactly_one_constraint():
         StructuredOutput(choice="yes")
     with pytest.raises(InvalidRequestError, match="non-empty"):
         StructuredOutput(choice=[])
+    with pytest.raises(InvalidRequestError, match="only references inside"):  # xgrammar would ignore it
+        StructuredOutput(json_schema={"type": "object", "properties": {"a": {"$ref": "other.json#/x"}}})
+    StructuredOutput(json_schema={"$defs": {"x": {"type": "integer"}}, "$ref": "#/$defs/x"})
 
 
 def test_schema_forms_are_one_cache_key_and_keep_property_order():

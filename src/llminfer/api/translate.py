@@ -198,7 +198,16 @@ def _response_format(value: dict[str, Any]) -> StructuredOutput | None:
     raise InvalidRequestError(f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
 
 
+# vLLM's options of ``structured_outputs`` that change nothing here (JSON is always compact and strict).
+_STRUCTURED_OUTPUTS_FLAGS = frozenset({"disable_any_whitespace", "disable_additional_properties", "disable_fallback"})
+
+
 def _structured_outputs(value: dict[str, Any]) -> StructuredOutput:
+    unknown = sorted(k for k, v in value.items() if k not in _STRUCTURED_OUTPUTS_KEYS
+                     and k not in _STRUCTURED_OUTPUTS_FLAGS and v not in (None, False))
+    if unknown:
+        raise InvalidRequestError(f"structured_outputs.{unknown[0]} is not supported by this server (it takes "
+                                  f"{', '.join(sorted(_STRUCTURED_OUTPUTS_KEYS))})")
     given = {k: v for k, v in value.items() if k in _STRUCTURED_OUTPUTS_KEYS and v not in (None, False)}
     if len(given) != 1:
         raise InvalidRequestError(f"structured_outputs takes exactly one of {sorted(_STRUCTURED_OUTPUTS_KEYS)}, "

@@ -64,13 +64,14 @@ from llminfer.cli.options import (
 from llminfer.config import Backend, QuantMode
 
 
-def _stats_line(stats) -> str:
+def _stats_line(stats, finish_reason: str | None = None) -> str:
     spec = ""
     if stats.spec_acceptance_rate is not None:
         spec = f" | draft acceptance {stats.spec_acceptance_rate:.0%}"
     return (f"[latency {stats.total_latency_ms:.1f} ms | TTFT {stats.ttft_ms:.1f} ms | "
             f"{stats.throughput_tokens_per_sec:.1f} tok/s | prompt {stats.prompt_tokens} tok | "
-            f"completion {stats.completion_tokens} tok | cached {stats.cached_tokens} tok{spec}]")
+            f"completion {stats.completion_tokens} tok | cached {stats.cached_tokens} tok{spec}"
+            f"{f' | finish {finish_reason}' if finish_reason else ''}]")
 
 
 def run(
@@ -122,7 +123,7 @@ def run(
             for lp in result.logprobs:
                 alts = "  ".join(f"{tokenizer.decode([t])!r}:{v:.3f}" for t, v in lp.top)
                 typer.echo(f"  {tokenizer.decode([lp.token_id])!r:>20} {lp.logprob:8.3f}   {alts}")
-        typer.echo(_stats_line(result.stats))
+        typer.echo(_stats_line(result.stats, result.finish_reason))
 
 
 def stream(
@@ -162,7 +163,7 @@ def stream(
                 final = chunk
     typer.echo("")
     if final is not None and final.stats is not None:
-        typer.echo(_stats_line(final.stats))
+        typer.echo(_stats_line(final.stats, final.finish_reason))
 
 
 def info(

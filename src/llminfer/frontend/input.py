@@ -52,7 +52,11 @@ def build_request(prompt: str | Sequence[int], *, max_new_tokens: int | None = 6
         raise InvalidRequestError("n > 1 makes several requests: use make_requests(..., n=) or run_n()", param="n")
     unknown = sorted(set(sampling) - SAMPLING_FIELDS)
     if unknown:
-        raise InvalidRequestError(f"unknown sampling argument {unknown[0]!r}", param=unknown[0],
+        hint = ""
+        if unknown[0] in ("response_format", "json_schema", "guided_json", "guided_regex", "guided_choice",
+                          "guided_grammar", "regex", "choice", "grammar"):
+            hint = " (constrain the output with structured_output=StructuredOutput(...))"
+        raise InvalidRequestError(f"unknown sampling argument {unknown[0]!r}{hint}", param=unknown[0],
                                   code="unsupported_parameter")
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                             seed=seed, stop_sequences=stop_sequences or (), ignore_eos=ignore_eos, **sampling)

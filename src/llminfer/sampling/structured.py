@@ -65,6 +65,21 @@ def _depth(value: Any) -> int:
     return deepest
 
 
+def _external_ref(value: Any) -> str | None:
+    """The first ``$ref`` in ``value`` that does not point inside the schema (``#...``), or None."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            ref = item.get("$ref")
+            if ref is not None and not (isinstance(ref, str) and ref.startswith("#")):
+                return str(ref)
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return None
+
+
 def _schema_text(value: Any) -> str | None:
     """A JSON Schema as compact JSON text (key order kept: it is the order properties are generated in)."""
     if value is None:
@@ -85,6 +100,10 @@ def _schema_text(value: Any) -> str | None:
     if _depth(value) > MAX_SCHEMA_DEPTH:
         raise InvalidRequestError(f"json_schema nests objects and arrays deeper than {MAX_SCHEMA_DEPTH} levels",
                                   param=PARAM)
+    external = _external_ref(value)
+    if external is not None:  # xgrammar only warns and leaves that part unconstrained
+        raise InvalidRequestError(f"json_schema: $ref {external!r} is not supported; only references inside the "
+                                  "schema ('#/...') are", param=PARAM)
     try:
         return json.dumps(value, separators=(",", ":"))
     except (TypeError, ValueError) as exc:  # a value JSON cannot hold (a set, an object), or a cycle
