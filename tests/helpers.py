@@ -11,6 +11,17 @@ from transformers import AutoModelForCausalLM
 
 from llminfer import CacheConfig, EngineConfig, InferenceEngine, SchedulerConfig
 
+# Two tools with bounded parameters (a random-weight model fills unbounded strings and numbers until
+# max_tokens), shared by the tool-calling tests.
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["city", "days"]}
+ADD = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                        "b": {"type": "integer", "minimum": 0, "maximum": 99}},
+       "required": ["a", "b"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Forecast", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "add", "description": "Sum two numbers", "parameters": ADD}}]
+
 
 def make_engine(model_dir, *, max_batch_size: int = 8, block_size: int = 4, prefix_cache: bool = True,
                 max_num_batched_tokens: int = 2048, num_blocks: int | None = None, dtype: str = "float32",

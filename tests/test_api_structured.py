@@ -22,6 +22,7 @@ import pytest
 from pydantic import BaseModel, Field
 from test_tools import TOOL_TEMPLATE
 
+from helpers import TOOLS, WEATHER
 from llminfer import EngineConfig, InferenceEngine
 from llminfer.api import create_app, serve_in_thread
 from llminfer.chat import ChatRenderer
@@ -30,14 +31,6 @@ from llminfer.tools import parse_tools
 MODEL = "llminfer/tiny-qwen2"
 CHAT = "/v1/chat/completions"
 MESSAGES = [{"role": "user", "content": "Describe a pet."}]
-WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
-                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-           "required": ["city", "days"]}
-ADD = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
-                                        "b": {"type": "integer", "minimum": 0, "maximum": 99}},
-       "required": ["a", "b"]}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Forecast", "parameters": WEATHER}},
-         {"type": "function", "function": {"name": "add", "description": "Sum two numbers", "parameters": ADD}}]
 PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 

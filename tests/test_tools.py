@@ -10,20 +10,12 @@ import jsonschema
 import pytest
 from transformers import AutoTokenizer
 
+from helpers import ADD, TOOLS
 from llminfer import ChatResult, EngineConfig, InferenceEngine, InvalidRequestError
 from llminfer.chat import TOOLS_PREAMBLE, ChatRenderer, template_supports_tools
 from llminfer.models.builtin import extract_builtin_tokenizer
 from llminfer.sampling.structured import StructuredOutput
 from llminfer.tools import fold_events, parse_tool_calls, plan_tools, required_schema
-
-WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
-                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-           "required": ["city", "days"]}
-ADD = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
-                                        "b": {"type": "integer", "minimum": 0, "maximum": 99}},
-       "required": ["a", "b"]}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Forecast", "parameters": WEATHER}},
-         {"type": "function", "function": {"name": "add", "description": "Sum", "parameters": ADD}}]
 
 # A Qwen2.5-like template with tool support, written for these tests: tools in the system turn, calls as
 # <tool_call> blocks with ``arguments`` through tojson (so a dict renders as an object), results as
