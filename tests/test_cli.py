@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -21,6 +22,7 @@ def test_run_default_model():
     assert p.returncode == 0, p.stderr
     lines = p.stdout.strip().splitlines()
     assert "TTFT" in lines[-1] and "completion 8 tok" in lines[-1]
+    assert re.search(r"\| finish (length|stop)\]$", lines[-1]), lines[-1]
 
 
 def test_run_json_and_stream_agree():

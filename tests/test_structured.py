@@ -323,6 +323,12 @@ def test_a_bad_constraint_fails_its_request_alone_and_leaks_nothing(engine):
     del bad
 
 
+def test_a_constraint_under_an_openai_name_points_to_structured_output(engine):
+    with pytest.raises(InvalidRequestError, match=r"structured_output=StructuredOutput") as e:
+        engine.run("x", response_format={"type": "json_object"})
+    assert e.value.param == "response_format" and e.value.code == "unsupported_parameter"
+
+
 def test_stream_equals_run_under_a_constraint(engine):
     so = StructuredOutput(json_schema=PERSON)
     kw = dict(structured_output=so, max_new_tokens=120, temperature=1.0, seed=11)

@@ -314,6 +314,7 @@ class ToolCallParser:
         self._gap = ""  # that whitespace: it separates the content before the call from what follows
         self._before = ""  # whitespace stripped in front of an open block (given back if it is malformed)
         self._content_seen = False
+        self._maybe_bare: bool | None = None  # the output starts with "{" (None: no text yet)
         self._named_id: str | None = None
 
     def feed(self, text: str) -> list[Event]:
@@ -417,7 +418,9 @@ class ToolCallParser:
                 if self._content_seen and not stripped.startswith(TOOL_CALL_OPEN):
                     self._buffer = self._gap + stripped
                 self._gap = ""
-            if not self._content_seen and not self.calls and self._buffer.lstrip().startswith("{"):
+            if self._maybe_bare is None and self._buffer.strip():
+                self._maybe_bare = self._buffer.lstrip().startswith("{")  # decided once: no copy per token
+            if self._maybe_bare and not self._content_seen and not self.calls:
                 # Perhaps Llama 3.x's bare JSON call(s): an output that is only ``{"name": ..., "parameters":
                 # ...}`` objects (separated by ";" or whitespace). Only the whole output can tell.
                 if not final:
