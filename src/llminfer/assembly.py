@@ -51,13 +51,15 @@ def build_backend(rt: Runtime, cfg: EngineConfig) -> Any:
     return HFBackend(rt.model, rt.kv_cache, rt.eos_token_ids)
 
 
-def build_core(rt: Runtime, cfg: EngineConfig, backend: Any, tracer: Tracer) -> EngineCoreProtocol:
+def build_core(rt: Runtime, cfg: EngineConfig, backend: Any, tracer: Tracer,
+               stat_loggers: list[Any] | None = None) -> EngineCoreProtocol:
     """A fresh engine core over ``backend``: llminfer's :class:`EngineCore` (with a new scheduler on the
-    runtime's KV pool), or :class:`~llminfer.backends.vllm.VLLMEngineCore` for vLLM's handle."""
+    runtime's KV pool), or :class:`~llminfer.backends.vllm.VLLMEngineCore` for vLLM's handle; both feed
+    ``stat_loggers`` (:mod:`llminfer.stats`)."""
     if rt.kv_manager is None:
         from llminfer.backends.vllm import VLLMEngineCore
 
-        return VLLMEngineCore(backend, tracer)
+        return VLLMEngineCore(backend, tracer, stat_loggers)
     limits = SchedulerLimits(
         max_batch_size=cfg.max_batch_size,
         max_num_batched_tokens=max(cfg.scheduler.max_num_batched_tokens, 1),
@@ -67,7 +69,8 @@ def build_core(rt: Runtime, cfg: EngineConfig, backend: Any, tracer: Tracer) -> 
         policy=cfg.scheduler.policy,
         num_lookahead_tokens=cfg.speculative_num_assistant_tokens if rt.draft_model is not None else 0,
     )
-    return EngineCore(Scheduler(limits, rt.kv_manager, rt.eos_token_ids), backend, cfg.batch_timeout_ms, tracer)
+    return EngineCore(Scheduler(limits, rt.kv_manager, rt.eos_token_ids), backend, cfg.batch_timeout_ms, tracer,
+                      stat_loggers)
 
 
 def default_stages(rt: Runtime, core: EngineCoreProtocol, tracer: Tracer) -> dict[str, Stage]:

@@ -35,6 +35,7 @@ from llminfer.protocols import EngineCore, Stage
 from llminfer.protocols.messages import Control, GenerationRequest
 from llminfer.results import GenerationResult, StreamChunk
 from llminfer.runtime import Runtime, describe_runtime, load_runtime
+from llminfer.stats import StatLogger
 from llminfer.trace import Tracer
 
 # Engines whose background event loop is running. At interpreter exit the loop's daemon thread stops
@@ -66,7 +67,8 @@ class InferenceEngine:
     After :meth:`load`, the loaded pieces are attributes: ``tokenizer``, ``model``, ``model_config``,
     ``model_path``, ``device``, ``dtype``, ``max_model_len``, ``eos_token_ids``, ``kv_cache``,
     ``kv_manager``, ``draft_model``, ``load_time_s`` (see :class:`~llminfer.runtime.Runtime`), plus
-    ``backend`` and ``core`` (the running :class:`~llminfer.protocols.EngineCore`).
+    ``backend`` and ``core`` (the running :class:`~llminfer.protocols.EngineCore`). ``stat_loggers``: append a
+    :class:`~llminfer.stats.StatLogger` to get every engine step's statistics (the server's ``/metrics`` does).
 
     Raises:
         ConfigError: inconsistent configuration; ModelLoadError: the model or tokenizer cannot be loaded;
@@ -76,6 +78,7 @@ class InferenceEngine:
     def __init__(self, cfg: EngineConfig | None = None) -> None:
         self.cfg = (cfg or EngineConfig()).validate()
         self.tracer = Tracer(enabled=self.cfg.enable_tracing)
+        self.stat_loggers: list[StatLogger] = []  # fed by the core every step (see llminfer.stats)
         self.runtime: Runtime | None = None
         self.backend: Any = None
         self.core: EngineCore | None = None
@@ -98,7 +101,7 @@ class InferenceEngine:
         if self.runtime is None:
             runtime = load_runtime(self.cfg)
             self.backend = assembly.build_backend(runtime, self.cfg)
-            self.core = assembly.build_core(runtime, self.cfg, self.backend, self.tracer)
+            self.core = assembly.build_core(runtime, self.cfg, self.backend, self.tracer, self.stat_loggers)
             self.runtime = runtime
         return self
 
@@ -108,7 +111,8 @@ class InferenceEngine:
         if self.runtime is None or self.is_running:
             raise EngineError("call load() first" if self.runtime is None else "the engine's own pipeline runs "
                               "on this KV cache: close() the engine before building another pipeline")
-        core = assembly.build_core(self.runtime, self.cfg, self.backend, self.tracer)
+        core = assembly.build_core(self.runtime, self.cfg, self.backend, self.tracer,
+                                    self.stat_loggers)
         return assembly.default_stages(self.runtime, core, self.tracer)
 
     def build_pipeline(self, after_detokenize: Sequence[Stage] = (), sink: Stage | None = None) -> Pipeline:

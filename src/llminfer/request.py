@@ -39,7 +39,7 @@ class Request:
         bad_words_ids, force_words_ids: tokenized banned and forced words.
         grammar: the structured-output constraint being compiled; the request waits until it is ready.
         arrival_ns: submitted to the engine; queued_ns: admitted by the scheduler; first_scheduled_ns,
-            prefill_done_ns, first_token_ns: as named (0: not yet).
+            prefill_done_ns, first_token_ns, last_token_ns: as named (0: not yet).
         sent_to_backend: the backend has been told about it (its sampling state must be dropped at finish).
     """
 
@@ -65,6 +65,7 @@ class Request:
     first_scheduled_ns: int = 0
     prefill_done_ns: int = 0
     first_token_ns: int = 0
+    last_token_ns: int = 0
     sent_to_backend: bool = False
 
     @property

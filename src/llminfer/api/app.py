@@ -191,7 +191,7 @@ def create_app(engine_or_config: InferenceEngine | EngineConfig | None = None, *
     if max_queue_size is not None and max_queue_size < 0:
         raise ValueError("max_queue_size must be >= 0 or None")
     state = ServerState(engine=engine, served_model_name=name, accepted_model_names=frozenset({name, model_id}),
-                        api_key=api_key or None, max_queue_size=max_queue_size, metrics=ServerMetrics(name))
+                        api_key=api_key or None, max_queue_size=max_queue_size, metrics=ServerMetrics(name, engine))
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Litestar) -> AsyncIterator[None]:

@@ -2,7 +2,7 @@
 
 A :class:`Job` holds a call's engine requests (one per choice, built by :func:`new_job`);
 :func:`generate_choices` runs them and merges their chunks (the one place that knows choices are separate
-engine requests); :func:`run_job` adds the accounting (metrics, the :class:`JobOutcome`, the admission
+engine requests); :func:`run_job` adds the accounting (the :class:`JobOutcome`, the admission
 :class:`Ticket` released at the end); :func:`execute` runs a job for an HTTP request, cancelling it when
 the client goes away, and renders it as JSON or as SSE frames (:func:`sse_frames`, shared by chat and
 completions).
@@ -177,10 +177,11 @@ class JobOutcome:
     failed: bool = False
 
 
-async def run_job(job: Job, engine: Any, task_group: TaskGroup | None, ticket: Ticket, metrics: Any,
+async def run_job(job: Job, engine: Any, task_group: TaskGroup | None, ticket: Ticket,
                   outcome: JobOutcome) -> AsyncIterator[Item]:
-    """:func:`generate_choices` plus accounting: metrics for each finished choice, the aborted count when
-    the reader stops early (client disconnect), and the ticket released at the end, however it ends.
+    """:func:`generate_choices` plus accounting: the outcome of each finished choice, the aborted count when
+    the reader stops early (client disconnect), and the ticket released at the end, however it ends (the
+    Prometheus metrics come from the engine's own statistics, see :mod:`llminfer.api.metrics`).
 
     Raises:
         LLMInferError: as :func:`generate_choices` (counted as failed, not aborted).
@@ -196,17 +197,14 @@ async def run_job(job: Job, engine: Any, task_group: TaskGroup | None, ticket: T
                     if chunk.stats is not None:
                         outcome.completion_tokens += chunk.stats.completion_tokens
                         outcome.cached_tokens[index] = chunk.stats.cached_tokens
-                    metrics.observe_finished(chunk.stats, chunk.finish_reason)
                 yield index, chunk
         done = True
     except Exception:  # LLMInferError from the engine, or a bug: the requests failed, they were not aborted
         outcome.failed = True
-        metrics.failed(len(job.requests) - len(finished))
         raise
     finally:
         if not done and not outcome.failed and len(finished) < len(job.requests):
             outcome.aborted = len(job.requests) - len(finished)
-            metrics.aborted(outcome.aborted)
         ticket.release()
 
 
@@ -332,7 +330,7 @@ async def execute(request: Request, state: ServerState, job: Job, *, stream: boo
     info.prompt_tokens = sum(len(p) for p in job.prompt_ids)
     info.choices = len(job.requests)
     info.outcome = outcome
-    chunks = run_job(job, state.engine, state.task_group, ticket, state.metrics, outcome)
+    chunks = run_job(job, state.engine, state.task_group, ticket, outcome)
 
     async def collect_all() -> list[Item]:
         return [item async for item in chunks]

@@ -50,6 +50,7 @@ from llminfer.protocols.messages import (
 )
 from llminfer.results import GenerationStats, TokenLogprob
 from llminfer.sampling.params import SamplingParams
+from llminfer.stats import FinishedRequest, IterationStats, StatLogger
 from llminfer.trace import Tracer
 
 log = structlog.get_logger("llminfer.vllm")
@@ -358,15 +359,23 @@ class VLLMEngineCore:
     :meth:`VLLMBackend.generate` in its own task; an :class:`Abort` cancels that task, which aborts the
     request in vLLM. The final delta gets the request's stats, measured here from the request's arrival.
 
+    Statistics (:mod:`llminfer.stats`) are measured here, from the outputs as they arrive: tokens, time to
+    first token, inter-token gaps, prompt tokens vLLM found in its prefix cache, finish reasons and
+    end-to-end latency (vLLM's own queue, prefill and preemption figures are not in its public output).
+
     Args:
         backend: the vLLM handle.
+        tracer: records the core's trace events.
+        stat_loggers: get an :class:`~llminfer.stats.IterationStats` per output and per finish.
     """
 
     name = "vllm"
 
-    def __init__(self, backend: VLLMBackend, tracer: Tracer | None = None) -> None:
+    def __init__(self, backend: VLLMBackend, tracer: Tracer | None = None,
+                 stat_loggers: list[StatLogger] | None = None) -> None:
         self.backend = backend
         self.tracer = tracer or Tracer(enabled=False)
+        self.stat_loggers = stat_loggers if stat_loggers is not None else []
         self._scopes: dict[str, anyio.CancelScope] = {}
         self._drains: list[Any] = []
         self._steps = 0
@@ -418,7 +427,7 @@ class VLLMEngineCore:
     async def _serve(self, req: TokenizedRequest, outbox: ObjectSendStream[Any]) -> None:
         rid = req.request_id
         scope = self._scopes[rid]
-        first_ns = 0
+        first_ns = last_ns = 0
         num_tokens = 0
         final: RequestDelta | None = None
         try:
@@ -426,8 +435,11 @@ class VLLMEngineCore:
                 self.tracer.record(rid, self.name, "queued", len(req.prompt_token_ids))
                 async for delta in self.backend.generate(req):
                     num_tokens += len(delta.token_ids)
-                    if delta.token_ids and not first_ns:
-                        first_ns = delta.time_ns
+                    if self.stat_loggers:
+                        self._record_output(req, delta, num_tokens == len(delta.token_ids), last_ns)
+                    if delta.token_ids:
+                        first_ns = first_ns or delta.time_ns
+                        last_ns = delta.time_ns
                     if delta.finished:
                         final = delta
                         break
@@ -446,9 +458,31 @@ class VLLMEngineCore:
                     await self.backend.abort(rid)
                 final = RequestDelta(rid, "", (), "abort", RequestAbortedError("request cancelled"))
             end_ns = final.time_ns or time.perf_counter_ns()
-            await self._send(outbox, attrs.evolve(final, time_ns=end_ns,
-                                                  stats=_stats(req, final.stats, first_ns, end_ns, num_tokens)))
+            stats = _stats(req, final.stats, first_ns, end_ns, num_tokens)
+            if self.stat_loggers:
+                self._record(IterationStats(finished=[FinishedRequest.from_stats(final.finish_reason or "stop", stats,
+                                                                                 scheduled=False)]))
+            await self._send(outbox, attrs.evolve(final, time_ns=end_ns, stats=stats))
         self._resolve_drains()
+
+    def _record_output(self, req: TokenizedRequest, delta: RequestDelta, first: bool, last_ns: int) -> None:
+        """Stats of one output of ``req``: its tokens; on the first output the prompt tokens, the prefix-cache
+        lookup and the time to first token; after that the gap since the previous token (``last_ns``)."""
+        n = len(delta.token_ids)
+        it = IterationStats(num_generation_tokens=n)
+        if first and n:
+            prompt = len(req.prompt_token_ids)
+            it.first_token(prompt, max(delta.time_ns - req.arrival_ns, 0))
+            it.prefix_cache_queries = prompt
+            it.prefix_cache_hits = delta.stats.cached_tokens if delta.stats is not None else 0
+        elif n and last_ns:
+            it.next_token(delta.time_ns - last_ns)
+        if it:
+            self._record(it)
+
+    def _record(self, it: IterationStats) -> None:
+        for logger in self.stat_loggers:
+            logger.record(it)
 
     def cache_stats(self) -> dict[str, Any]:
         """vLLM's prefix-cache figures (see :meth:`VLLMBackend.cache_stats`)."""

@@ -40,6 +40,7 @@ from llminfer.protocols.messages import (
     TokenizedRequest,
 )
 from llminfer.request import RequestStatus
+from llminfer.stats import FinishedRequest, StatLogger
 from llminfer.trace import STEP, Tracer
 
 log = structlog.get_logger("llminfer.core")
@@ -57,6 +58,8 @@ class EngineCore:
         backend: runs one step (:class:`~llminfer.protocols.Backend`), called in a worker thread.
         batch_timeout_ms: when idle, wait this long (ms) after the first arrival for more before stepping.
         tracer: records the core's trace events, from the requests' own timestamps.
+        stat_loggers: get each emitted step's :class:`~llminfer.stats.IterationStats` (the list is read at
+            every step, so loggers added later are served too).
 
     Raises:
         TypeError: ``backend`` does not implement :class:`~llminfer.protocols.Backend`.
@@ -65,13 +68,14 @@ class EngineCore:
     name = "core"
 
     def __init__(self, scheduler: Scheduler, backend: Backend, batch_timeout_ms: float = 0.0,
-                 tracer: Tracer | None = None) -> None:
+                 tracer: Tracer | None = None, stat_loggers: list[StatLogger] | None = None) -> None:
         if not isinstance(backend, Backend):
             raise TypeError(f"{backend!r} is not a Backend (needs name, execute(plan), release(ids) and describe())")
         self.scheduler = scheduler
         self.backend = backend
         self.batch_timeout_s = batch_timeout_ms / 1000.0
         self.tracer = tracer or Tracer(enabled=False)
+        self.stat_loggers = stat_loggers if stat_loggers is not None else []
         self._limiter = anyio.CapacityLimiter(1)
         self._inbox_open = True
         self._closing = False  # Control("close") seen: finish the admitted requests, then return
@@ -220,6 +224,7 @@ class EngineCore:
         drains that are complete."""
         if self.tracer.enabled:
             self._trace_updates()
+        self._record_stats()
         for msg in self._passed_on:
             await outbox.send(msg)
         self._passed_on.clear()
@@ -232,6 +237,22 @@ class EngineCore:
             for done in self._drains:
                 done.set()
             self._drains.clear()
+
+    def _record_stats(self) -> None:
+        """Hand the stats of the steps since the last emit to the stat loggers, with the requests that
+        ended (every final update, and every request failed before admission)."""
+        it = self.scheduler.take_iteration_stats()
+        if not self.stat_loggers:
+            return
+        for update in self._updates:
+            if update.finish_reason is not None and update.stats is not None:
+                it.finished.append(FinishedRequest.from_stats(update.finish_reason, update.stats))
+        for msg in self._passed_on:
+            if isinstance(msg, RequestFailed):
+                it.finished.append(FinishedRequest("error", 0, 0, 0.0))
+        if it:
+            for logger in self.stat_loggers:
+                logger.record(it)
 
     def _trace_updates(self) -> None:
         requests, end_ns = self._last_step

@@ -39,6 +39,7 @@ from llminfer.protocols.messages import (
     TokenizedRequest,
 )
 from llminfer.request import Request, RequestStatus
+from llminfer.stats import IterationStats
 
 
 @attrs.frozen
@@ -74,6 +75,7 @@ class Scheduler:
         self._finished_since_last_step: list[str] = []
         self.watermark_blocks = int(limits.watermark * kv.num_blocks)
         self.num_preemptions = 0
+        self.iteration = IterationStats()  # what the steps since the last take_iteration_stats() produced
         # Prompt blocks being computed right now, by hash → owning request. A waiting request whose next
         # uncached block is in flight waits for it (then reuses it through the prefix cache) instead of
         # computing the same KV twice: this is how n > 1 samples and concurrent identical system prompts
@@ -222,6 +224,8 @@ class Scheduler:
                 # Every admission is a prefix-cache query, a resumption after preemption too (its blocks
                 # usually survive in the cache), so the hit rate shows what preemption costs.
                 self.kv.record_query(req.num_tokens, num_cached)
+                self.iteration.prefix_cache_queries += req.num_tokens
+                self.iteration.prefix_cache_hits += num_cached
                 req.num_computed_tokens = num_cached
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
@@ -265,6 +269,7 @@ class Scheduler:
         """
         updates: list[SequenceUpdate] = []
         end_ns = result.end_ns or time.perf_counter_ns()
+        it = self.iteration
         for seq in plan.sequences:
             req = self.requests.get(seq.request_id)
             if req is None or req.status is not RequestStatus.RUNNING:
@@ -295,6 +300,11 @@ class Scheduler:
                     break  # tokens after a finish (EOS inside an accepted draft run) are dropped
             if not req.first_token_ns:
                 req.first_token_ns = end_ns
+                it.first_token(req.num_prompt_tokens, end_ns - req.arrival_ns)
+            else:
+                it.next_token(end_ns - req.last_token_ns)
+            req.last_token_ns = end_ns
+            it.num_generation_tokens += kept
             req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
             self.kv.cache_full_blocks(req, req.num_computed_tokens)
             spec = result.spec.get(req.request_id)
@@ -309,6 +319,11 @@ class Scheduler:
                                           logprobs=(lp,) if lp is not None else (),
                                           stats=req.stats(end_ns) if reason is not None else None))
         return updates
+
+    def take_iteration_stats(self) -> IterationStats:
+        """What the steps since the last call produced (see :mod:`llminfer.stats`); starts a fresh record."""
+        it, self.iteration = self.iteration, IterationStats()
+        return it
 
     def _lookahead(self, req: Request, num_new: int, budget: int) -> int:
         """Draft tokens to verify for ``req`` this step: only plain decodes (one new token) of requests
@@ -349,6 +364,7 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
+        self.iteration.num_preemptions += 1
         self.waiting.push_front(req)
 
     def _fail_capacity(self, req: Request) -> SequenceUpdate:
