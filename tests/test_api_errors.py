@@ -23,6 +23,7 @@ MAX_MODEL_LEN = 256
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+ABORTED = "llminfer_request_success_total"  # with finished_reason="abort"
 
 
 @pytest.fixture(scope="module")
@@ -39,10 +40,11 @@ def client(server):
         yield c
 
 
-def metric(client: httpx.Client, name: str) -> float:
-    """Sum of all samples called ``name`` on /metrics."""
+def metric(client: httpx.Client, name: str, **labels: str) -> float:
+    """Sum of all samples called ``name`` on /metrics whose labels include ``labels``."""
     text = client.get("/metrics").text
-    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples if s.name == name)
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == name and labels.items() <= s.labels.items())
 
 
 def assert_serves(client: httpx.Client) -> None:
@@ -320,22 +322,20 @@ def test_engine_failure_mid_stream_sends_error_event_then_done(server, client, m
 # ---------------------------------------------------------------------------- disconnects
 def test_disconnect_non_streaming_cancels_the_request(server, client):
     url, app, engine = server
-    aborted_before = metric(client, "llminfer_requests_aborted_total")
-    generated_before = metric(client, "llminfer_generation_tokens_total")
+    aborted_before = metric(client, ABORTED, finished_reason="abort")
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(url + COMPLETIONS, headers=AUTH, timeout=httpx.Timeout(60, read=0.4),
                    json={"model": "tiny", "prompt": "Hi", "max_tokens": 250, "ignore_eos": True})
     engine.wait_drained()
     assert engine.cache_stats()["blocks_used"] == 0 and engine.scheduler_stats()["running"] == 0
     assert wait_until(lambda: app.state["llminfer"].in_flight == 0, timeout_s=5)
-    assert metric(client, "llminfer_requests_aborted_total") == aborted_before + 1
-    assert metric(client, "llminfer_generation_tokens_total") == generated_before  # it never finished
+    assert metric(client, ABORTED, finished_reason="abort") == aborted_before + 1
     assert_serves(client)
 
 
 def test_disconnect_streaming_cancels_the_request(server, client):
     _, app, engine = server
-    aborted_before = metric(client, "llminfer_requests_aborted_total")
+    aborted_before = metric(client, ABORTED, finished_reason="abort")
     with client.stream("POST", CHAT, json=chat_body(max_tokens=200, ignore_eos=True, stream=True, n=2)) as r:
         assert r.status_code == 200
         lines = r.iter_lines()
@@ -345,7 +345,7 @@ def test_disconnect_streaming_cancels_the_request(server, client):
     engine.wait_drained()
     assert engine.cache_stats()["blocks_used"] == 0 and engine.scheduler_stats()["running"] == 0
     assert wait_until(lambda: app.state["llminfer"].in_flight == 0, timeout_s=5)
-    assert metric(client, "llminfer_requests_aborted_total") == aborted_before + 2
+    assert metric(client, ABORTED, finished_reason="abort") == aborted_before + 2
     assert_serves(client)
 
 
@@ -375,7 +375,8 @@ def test_health_models_metrics_and_openapi(client):
                  "llminfer_prefix_cache_hit_rate", "llminfer_time_to_first_token_seconds_bucket",
                  "llminfer_time_per_output_token_seconds_bucket", "llminfer_e2e_request_latency_seconds_bucket",
                  "llminfer_prompt_tokens_total", "llminfer_generation_tokens_total",
-                 "llminfer_requests_aborted_total", "llminfer_requests_rejected_total"):
+                 "llminfer_request_success_total", "llminfer_requests_rejected_total",
+                 "llminfer_kv_cache_usage_perc"):
         assert name in text, name
     doc = client.get("/schema/openapi.json").json()
     assert {"/v1/chat/completions", "/v1/completions", "/v1/models"} <= set(doc["paths"])

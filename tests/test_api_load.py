@@ -85,9 +85,10 @@ async def _run_all(url: str) -> list[dict]:
     return [dict(r, job=j) for r, j in zip(results, jobs)]
 
 
-def _metric(url: str, name: str) -> float:
+def _metric(url: str, name: str, **labels: str) -> float:
     text = httpx.get(url + "/metrics").text
-    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples if s.name == name)
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == name and labels.items() <= s.labels.items())
 
 
 def test_load_with_disconnects(served):
@@ -120,8 +121,9 @@ def test_load_with_disconnects(served):
     assert _metric(url, "llminfer_num_requests_running") == 0
     assert _metric(url, "llminfer_num_requests_waiting") == 0
     assert _metric(url, "llminfer_kv_blocks_used") == 0
-    aborted = _metric(url, "llminfer_requests_aborted_total")
-    finished = _metric(url, "llminfer_requests_finished_total")
+    assert _metric(url, "llminfer_kv_cache_usage_perc") == 0
+    aborted = _metric(url, "llminfer_request_success_total", finished_reason="abort")
+    finished = _metric(url, "llminfer_request_success_total", finished_reason="length")
     assert aborted == NUM_REQUESTS // 5
     assert finished == NUM_REQUESTS - NUM_REQUESTS // 5
     assert httpx.get(url + "/healthz").status_code == 200
