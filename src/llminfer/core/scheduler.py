@@ -270,6 +270,7 @@ class Scheduler:
         updates: list[SequenceUpdate] = []
         end_ns = result.end_ns or time.perf_counter_ns()
         it = self.iteration
+        itl = it.inter_token_ns
         for seq in plan.sequences:
             req = self.requests.get(seq.request_id)
             if req is None or req.status is not RequestStatus.RUNNING:
@@ -301,8 +302,9 @@ class Scheduler:
             if not req.first_token_ns:
                 req.first_token_ns = end_ns
                 it.first_token(req.num_prompt_tokens, end_ns - req.arrival_ns)
-            else:
-                it.next_token(end_ns - req.last_token_ns)
+            else:  # IterationStats.next_token, inlined: this runs once per token
+                gap = end_ns - req.last_token_ns
+                itl[gap] = itl.get(gap, 0) + 1
             req.last_token_ns = end_ns
             it.num_generation_tokens += kept
             req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
