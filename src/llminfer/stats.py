@@ -73,8 +73,9 @@ class IterationStats:
             token → number of requests that got a token after that gap. Requests decoding in consecutive
             steps share one gap, so a step adds one entry per distinct gap, not one per token.
         num_preemptions: requests preempted (their KV freed, to be recomputed) in this step.
-        prefix_cache_queries, prefix_cache_hits: prompt tokens looked up in the prefix cache at admission,
-            and how many of them were found (tokens, as vLLM counts them).
+        prefix_cache_queries, prefix_cache_hits: tokens looked up in the prefix cache at admission (the
+            prompt; for a preempted request resuming, its generated tokens too), and how many of them were
+            found (in tokens, as vLLM counts them).
         finished: the requests that ended in this step.
     """
 
