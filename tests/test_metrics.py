@@ -198,8 +198,18 @@ def test_dashboard_queries_only_metrics_the_server_exposes(server):
     assert key <= families, sorted(key - families)
 
 
+class BrokenLogger:
+    calls = 0
+
+    def record(self, stats) -> None:
+        self.calls += 1
+        raise RuntimeError("simulated stat logger bug")
+
+
 def test_vllm_backend_feeds_the_same_metrics(fake_vllm):
     engine = InferenceEngine(EngineConfig(backend=Backend.VLLM, batch_timeout_ms=0))
+    broken = BrokenLogger()
+    engine.stat_loggers.append(broken)  # before the server's own: a failing logger must not stop the others
     with serve_in_thread(create_app(engine, served_model_name="tiny")) as url:
         prompt = [21, 22, 23, 24, 25, 26]
         r = httpx.post(url + COMPLETIONS, json={"model": "tiny", "prompt": prompt, "max_tokens": 4}, timeout=60)
@@ -223,6 +233,7 @@ def test_vllm_backend_feeds_the_same_metrics(fake_vllm):
         assert after("llminfer_generation_tokens_total") >= 4 + seen
         assert after("llminfer_num_requests_running") == 0
         assert "llminfer_kv_cache_usage_perc" not in after.sample_names  # vLLM's pool is its own
+    assert broken.calls == 1 and broken not in engine.stat_loggers  # logged once, then dropped
 
 
 def test_step_histogram_counts_and_inclusive_bounds():

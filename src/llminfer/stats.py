@@ -14,8 +14,11 @@ from __future__ import annotations
 from typing import Protocol, runtime_checkable
 
 import attrs
+import structlog
 
 from llminfer.results import GenerationStats
+
+log = structlog.get_logger("llminfer.stats")
 
 COMPLETED = frozenset({"stop", "length"})
 """Finish reasons of requests that ran to their end (their per-request latencies are recorded)."""
@@ -108,3 +111,17 @@ class StatLogger(Protocol):
     update counters and histograms, never block)."""
 
     def record(self, stats: IterationStats) -> None: ...
+
+
+def record_all(loggers: list[StatLogger], stats: IterationStats) -> None:
+    """Hand ``stats`` to every logger. A logger that raises is logged once (with its traceback) and removed
+    from ``loggers``, so a broken metrics sink neither stops the engine nor floods the log at every step."""
+    broken = []
+    for logger in loggers:
+        try:
+            logger.record(stats)
+        except Exception:  # noqa: BLE001 - serving goes on without this logger's numbers
+            log.exception("stat logger failed; it gets no more statistics", logger=repr(logger))
+            broken.append(logger)
+    for logger in broken:
+        loggers.remove(logger)

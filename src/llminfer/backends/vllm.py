@@ -50,7 +50,7 @@ from llminfer.protocols.messages import (
 )
 from llminfer.results import GenerationStats, TokenLogprob
 from llminfer.sampling.params import SamplingParams
-from llminfer.stats import FinishedRequest, IterationStats, StatLogger
+from llminfer.stats import FinishedRequest, IterationStats, StatLogger, record_all
 from llminfer.trace import Tracer
 
 log = structlog.get_logger("llminfer.vllm")
@@ -460,8 +460,8 @@ class VLLMEngineCore:
             end_ns = final.time_ns or time.perf_counter_ns()
             stats = _stats(req, final.stats, first_ns, end_ns, num_tokens)
             if self.stat_loggers:
-                self._record(IterationStats(finished=[FinishedRequest.from_stats(final.finish_reason or "stop", stats,
-                                                                                 scheduled=False)]))
+                done = FinishedRequest.from_stats(final.finish_reason or "stop", stats, scheduled=False)
+                record_all(self.stat_loggers, IterationStats(finished=[done]))
             await self._send(outbox, attrs.evolve(final, time_ns=end_ns, stats=stats))
         self._resolve_drains()
 
@@ -478,11 +478,7 @@ class VLLMEngineCore:
         elif n and last_ns:
             it.next_token(delta.time_ns - last_ns)
         if it:
-            self._record(it)
-
-    def _record(self, it: IterationStats) -> None:
-        for logger in self.stat_loggers:
-            logger.record(it)
+            record_all(self.stat_loggers, it)
 
     def cache_stats(self) -> dict[str, Any]:
         """vLLM's prefix-cache figures (see :meth:`VLLMBackend.cache_stats`)."""

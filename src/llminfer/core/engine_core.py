@@ -40,7 +40,7 @@ from llminfer.protocols.messages import (
     TokenizedRequest,
 )
 from llminfer.request import RequestStatus
-from llminfer.stats import FinishedRequest, StatLogger
+from llminfer.stats import FinishedRequest, StatLogger, record_all
 from llminfer.trace import STEP, Tracer
 
 log = structlog.get_logger("llminfer.core")
@@ -251,8 +251,7 @@ class EngineCore:
             if isinstance(msg, RequestFailed):
                 it.finished.append(FinishedRequest("error", 0, 0, 0.0))
         if it:
-            for logger in self.stat_loggers:
-                logger.record(it)
+            record_all(self.stat_loggers, it)
 
     def _trace_updates(self) -> None:
         requests, end_ns = self._last_step
