@@ -55,6 +55,9 @@ class ServerMetrics:
         self.aborted_total = Counter("llminfer_requests_aborted",
                                      "Engine requests cancelled because the client went away.", labels,
                                      registry=r)
+        self.client_disconnects_total = Counter(
+            "llminfer_http_client_disconnects", "HTTP requests whose client left before a response (while "
+            "the body was read, or while queued or tokenized).", labels, registry=r)
         self.failed_total = Counter("llminfer_requests_failed", "Engine requests that failed in the engine.",
                                     labels, registry=r)
         self.rejected_total = Counter("llminfer_requests_rejected",
@@ -79,6 +82,10 @@ class ServerMetrics:
     def aborted(self, count: int = 1) -> None:
         """Record engine requests cancelled by a client disconnect."""
         self.aborted_total.labels(self.model_name).inc(count)
+
+    def client_disconnected(self) -> None:
+        """Record an HTTP request whose client left before it was answered."""
+        self.client_disconnects_total.labels(self.model_name).inc()
 
     def failed(self, count: int = 1) -> None:
         """Record engine requests that failed inside the engine."""
