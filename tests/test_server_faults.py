@@ -352,7 +352,8 @@ def test_idle_sockets_beyond_the_descriptor_limit_do_not_lock_clients_out(subpro
             sock.close()
     assert httpx.get(url + "/v1/models", timeout=30).status_code == 401  # the key from the file is required
     _assert_subprocess_healthy(url, headers, reference)
-    assert "Traceback" not in log_path.read_text()
+    out = log_path.read_text()
+    assert "Traceback" not in out and out.count("cannot accept connections") <= 1
 
 
 def _stream(url: str, headers: dict, i: int, started: threading.Event, results: list) -> None:
@@ -392,7 +393,8 @@ def test_sigterm_with_streams_in_flight_ends_every_stream_with_done(subprocess_s
         waited = time.monotonic() - t0
         for t in threads:
             t.join(60)
-    assert proc.returncode == 0, log_path.read_text()[-3000:]
+    # uvicorn re-raises the signal once it has shut down gracefully: the exit status is SIGTERM's.
+    assert proc.returncode in (0, -signal.SIGTERM), log_path.read_text()[-3000:]
     assert waited <= GRACE_S + 2  # a bound (grace period + 2 s), not a speed measurement
     finished = ended = 0
     for frames in results:

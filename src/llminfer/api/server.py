@@ -193,10 +193,16 @@ def _loop_exception(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) ->
     line instead (the read and keep-alive timeouts free descriptors; the clients wait in the backlog)."""
     exc = context.get("exception")
     if isinstance(exc, OSError) and "accept" in str(context.get("message", "")):
-        log.warning("cannot accept connections", error=str(exc), hint="raise the open-files limit (ulimit -n) "
-                    "or lower --limit-concurrency; idle connections close after --read-timeout-s")
+        now = time.monotonic()
+        if now - _accept_warned[0] >= 10.0:  # asyncio reports it once per pending connection: say it rarely
+            _accept_warned[0] = now
+            log.warning("cannot accept connections", error=str(exc), hint="raise the open-files limit "
+                        "(ulimit -n); idle connections close after --read-timeout-s / --keep-alive-timeout-s")
         return
     loop.default_exception_handler(context)
+
+
+_accept_warned = [-1e9]  #: when the last "cannot accept" warning was logged (time.monotonic(), s)
 
 
 def _shutdown_hooks(app: Any) -> Any:

@@ -269,7 +269,7 @@ def _api_key(api_key: str | None, api_key_file: str | None) -> str | None:
 
     if api_key is not None and api_key_file is not None:
         raise typer.BadParameter("give --api-key (or LLMINFER_API_KEY) or --api-key-file, not both")
-    source = "--api-key"
+    source = "LLMINFER_API_KEY" if api_key is not None and os.environ.get("LLMINFER_API_KEY") == api_key else "--api-key"
     if api_key_file is not None:
         source = f"--api-key-file {api_key_file}"
         try:
