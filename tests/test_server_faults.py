@@ -353,7 +353,7 @@ def test_idle_sockets_beyond_the_descriptor_limit_do_not_lock_clients_out(subpro
     assert httpx.get(url + "/v1/models", timeout=30).status_code == 401  # the key from the file is required
     _assert_subprocess_healthy(url, headers, reference)
     out = log_path.read_text()
-    assert "Traceback" not in out and out.count("cannot accept connections") <= 1
+    assert "Traceback" not in out and out.count("cannot accept connections") < 10
 
 
 def _stream(url: str, headers: dict, i: int, started: threading.Event, results: list) -> None:
