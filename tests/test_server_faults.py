@@ -70,8 +70,23 @@ def served():
     engine = InferenceEngine(EngineConfig(max_batch_size=2)).load()
     app = create_app(engine, max_queue_size=0)
     limits = ServerLimits(read_timeout_s=1.0, keep_alive_timeout_s=1.0, shutdown_grace_s=1.0)
-    with serve_in_thread(app, limits=limits) as url:
+    server = serve_in_thread(app, limits=limits)
+    with pytest.MonkeyPatch.context() as mp:
+        # Small kernel send buffers on the listening socket (its connections inherit them; loopback would
+        # otherwise buffer 4 MiB), so the writes to a client that stops reading block soon.
+        mp.setattr(socket, "socket", _SmallSendBuffer)
+        url = server.__enter__()
+    try:
         yield url, engine, app.state["llminfer"], _greedy(url)
+    finally:
+        server.__exit__(None, None, None)
+
+
+class _SmallSendBuffer(socket.socket):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if self.family in (socket.AF_INET, socket.AF_INET6):
+            self.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
 
 
 def _assert_healthy(served) -> None:
@@ -192,9 +207,10 @@ def _stuck_stream(url: str, prompt: str) -> socket.socket:
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
     sock.connect(_addr(url))
-    body = json.dumps({"prompt": prompt, "max_tokens": 300, "ignore_eos": True, "stream": True,
-                       "temperature": 0, "logprobs": 5}).encode()
-    sock.sendall(_request_bytes("/v1/completions", body))
+    # About 1.5 kB a token (20 alternatives each): 150 tokens are more than the server's buffers hold.
+    body = json.dumps({"messages": [{"role": "user", "content": prompt}], "max_tokens": 150, "ignore_eos": True,
+                       "stream": True, "temperature": 0, "logprobs": True, "top_logprobs": 20}).encode()
+    sock.sendall(_request_bytes("/v1/chat/completions", body))
     return sock
 
 
