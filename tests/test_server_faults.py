@@ -214,6 +214,7 @@ def _stuck_stream(url: str, prompt: str) -> socket.socket:
     return sock
 
 
+@pytest.mark.slow
 def test_reader_that_stops_reading_releases_its_admission(served):
     url, engine, state, _ = served
     finished = _metric(url, "llminfer_requests_finished")
