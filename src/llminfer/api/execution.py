@@ -313,7 +313,7 @@ async def _guarded(events: AsyncIterator[bytes], chunks: ChunkBuffer, info: Requ
     finally:
         if not finished:
             info.disconnected = True
-        await chunks.aclose()  # type: ignore[attr-defined]
+        await chunks.aclose()
 
 
 class ChunkBuffer:
@@ -432,6 +432,7 @@ async def execute(request: Request, state: ServerState, job: Job, *, stream: boo
         state.stoppers.discard(stop.cancel)
     if stop.cancelled_caught:
         await chunks.aclose()
+        ticket.release()
         raise APIError(503, "the server is shutting down", type=SERVER_ERROR, code="server_shutting_down")
     if disconnected:
         await chunks.aclose()
