@@ -5,6 +5,6 @@
 
 from llminfer.api.app import create_app
 from llminfer.api.errors import APIError
-from llminfer.api.server import run_server, serve_in_thread
+from llminfer.api.server import ServerLimits, run_server, serve_in_thread
 
-__all__ = ["APIError", "create_app", "run_server", "serve_in_thread"]
+__all__ = ["APIError", "ServerLimits", "create_app", "run_server", "serve_in_thread"]

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterable
+from typing import Any, TypeVar
 
 import anyio
 import attrs
@@ -26,7 +27,7 @@ from llminfer import __version__
 from llminfer.api import protocol as s
 from llminfer.api.chat import chat_completions
 from llminfer.api.completions import completions
-from llminfer.api.errors import EXCEPTION_HANDLERS, OPENAPI_ERRORS, APIError
+from llminfer.api.errors import EXCEPTION_HANDLERS, OPENAPI_ERRORS, SERVER_ERROR, APIError
 from llminfer.api.execution import Ticket
 from llminfer.api.logprobs import TokenText
 from llminfer.api.metrics import CONTENT_TYPE, ServerMetrics
@@ -45,6 +46,7 @@ log = structlog.get_logger("llminfer.api")
 
 BUILTIN_MODEL_ID = "llminfer/tiny-qwen2"
 DEFAULT_MAX_QUEUE_SIZE = 1024
+T = TypeVar("T")
 
 
 @attrs.define
@@ -56,6 +58,9 @@ class ServerState:
         accepted_model_names: ``model`` values requests may use (the served name and the model id).
         max_queue_size: engine requests allowed beyond the running batch (``max_batch_size``); more get 429.
         in_flight: engine requests submitted and not yet finished (one per choice).
+        max_prompt_chars: longest prompt text (characters, all messages together) tokenized; longer is a 400.
+        draining: the server is shutting down (new calls get 503, ``/healthz`` 503).
+        stoppers: one callback per running call, ending it (see :meth:`end_streams`).
     """
 
     engine: InferenceEngine
@@ -70,12 +75,21 @@ class ServerState:
     in_flight: int = 0
     prompts: PromptBuilder | None = None
     token_text: TokenText | None = None
+    max_prompt_chars: int | None = None
+    draining: bool = False
+    stoppers: set[Callable[[], None]] = attrs.field(factory=set)
+    tokenize_limiter: anyio.CapacityLimiter | None = None
 
     def engine_started(self) -> None:
         """Set up what needs the loaded tokenizer (called from the lifespan)."""
         engine = self.engine
         self.prompts = PromptBuilder(engine.tokenizer, inputs=engine.inputs)
         self.token_text = TokenText(engine.tokenizer)
+        self.tokenize_limiter = anyio.CapacityLimiter(1)
+        if self.max_prompt_chars is None:
+            longest = _longest_token_chars(engine.tokenizer)
+            if longest:
+                self.max_prompt_chars = engine.max_model_len * longest
         compiler = getattr(getattr(engine, "runtime", None), "grammar_compiler", None)
         if compiler is not None:
             compiler.prepare()  # in the background: the first constrained request need not build it
@@ -83,7 +97,47 @@ class ServerState:
     @property
     def serving(self) -> bool:
         """The lifespan has started and the engine pipeline is running."""
-        return self.ready and bool(getattr(self.engine, "is_running", False))
+        return self.ready and not self.draining and bool(getattr(self.engine, "is_running", False))
+
+    async def tokenize(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` (chat template rendering, tokenizing) in a worker thread, one call at a time, so a
+        long prompt does not stall every stream. Sharing the tokenizer with the engine's loop is safe: its
+        encode and decode only read it (truncation and padding settings, the calls that change it, are
+        never touched on this path)."""
+        return await anyio.to_thread.run_sync(fn, *args, limiter=self.tokenize_limiter)
+
+    def check_prompt_chars(self, texts: Iterable[tuple[str, str | None]]) -> None:
+        """Refuse, before tokenizing, text that cannot fit in the context whatever it tokenizes to:
+        ``texts`` are ``(param, text)`` pairs counted together; the error names the field where the
+        running total passed ``max_prompt_chars`` (default: the context length in tokens x the longest
+        token of the vocabulary in characters, so no prompt that fits is refused).
+
+        Raises:
+            APIError: 400 ``context_length_exceeded``.
+        """
+        limit = self.max_prompt_chars
+        if limit is None:
+            return
+        total = 0
+        for param, text in texts:
+            total += len(text or "")
+            if total > limit:
+                raise APIError(400, f"the prompt is longer than {limit} characters, more than the model's "
+                                    "context can hold; shorten it", param=param, code="context_length_exceeded")
+
+    def begin_shutdown(self, grace_s: float) -> None:
+        """Stop admitting (503) and report unready; called once by the server when SIGTERM/SIGINT arrives."""
+        if not self.draining:
+            self.draining = True
+            log.info("shutting down", in_flight=self.in_flight, grace_s=grace_s)
+
+    def end_streams(self) -> None:
+        """End every call still running (the grace period is over): streams get an error event and
+        ``[DONE]``, calls not yet answered a 503."""
+        if self.stoppers:
+            log.warning("grace period over: ending requests", requests=len(self.stoppers))
+        for stop in list(self.stoppers):
+            stop()
 
     def resolve_model(self, requested: str | None) -> str:
         """The served name for a request's ``model`` (absent means the served model).
@@ -100,8 +154,12 @@ class ServerState:
         """Reserve room for ``count`` engine requests.
 
         Raises:
-            APIError: 429 with ``Retry-After`` when the running batch and the queue are full.
+            APIError: 429 with ``Retry-After`` when the running batch and the queue are full; 503 while
+                the server shuts down.
         """
+        if self.draining:
+            raise APIError(503, "the server is shutting down; retry on another replica or later",
+                           type=SERVER_ERROR, code="server_shutting_down", headers={"Retry-After": "1"})
         if self.max_queue_size is not None and self.in_flight > 0:
             limit = self.engine.cfg.max_batch_size + self.max_queue_size
             if self.in_flight + count > limit:
@@ -118,6 +176,16 @@ class ServerState:
         """The served model's card."""
         max_len = self.engine.max_model_len if self.engine.loaded else None
         return s.ModelCard(self.served_model_name, self.created, max_model_len=max_len)
+
+
+def _longest_token_chars(tokenizer: Any) -> int | None:
+    """The longest vocabulary entry in characters: no token covers more characters of a text (byte-level
+    entries have one character per byte). ``None`` when the tokenizer has no vocabulary to read."""
+    try:
+        vocab = tokenizer.get_vocab()
+    except Exception:  # noqa: BLE001 - then the prompt is only bounded by the body size
+        return None
+    return max(map(len, vocab), default=0) or None
 
 
 # ---------------------------------------------------------------------------- small routes
@@ -164,23 +232,42 @@ def _openapi_config(with_auth: bool) -> OpenAPIConfig:
                          security=[{"bearer": []}])
 
 
+def check_api_key(api_key: str | None) -> None:
+    """Refuse an API key that cannot be what was meant.
+
+    Raises:
+        ValueError: an empty key (it would switch authentication off) or a blank one, or one with
+            whitespace at either end (clients send ``Bearer <key>``, so it could never match).
+    """
+    if api_key is None:
+        return
+    if not api_key.strip():
+        raise ValueError("the API key is empty or blank; give a real key, or none to serve without one")
+    if api_key != api_key.strip():
+        raise ValueError("the API key starts or ends with whitespace; no client could send it")
+
+
 def create_app(engine_or_config: InferenceEngine | EngineConfig | None = None, *,
                served_model_name: str | None = None, api_key: str | None = None,
-               max_queue_size: int | None = DEFAULT_MAX_QUEUE_SIZE, debug: bool = False) -> Litestar:
+               max_queue_size: int | None = DEFAULT_MAX_QUEUE_SIZE, max_prompt_chars: int | None = None,
+               debug: bool = False) -> Litestar:
     """Build the OpenAI-compatible Litestar app around an engine.
 
     Args:
         engine_or_config: an :class:`InferenceEngine` (loaded or not, not started) or an :class:`EngineConfig`
             (``None``: the built-in tiny model). The app's lifespan loads it if needed and runs its pipeline.
         served_model_name: the model id clients see; default ``cfg.served_model_name``, else the model id.
-        api_key: when set, ``/v1/*`` needs ``Authorization: Bearer <api_key>`` (401 otherwise).
+        api_key: when set, ``/v1/*`` needs ``Authorization: Bearer <api_key>`` (401 otherwise); an empty or
+            blank key is refused (it would switch authentication off, or reject every request).
         max_queue_size: engine requests (one per choice) accepted beyond ``max_batch_size``; more get 429
             with ``Retry-After``. ``None``: unbounded.
+        max_prompt_chars: prompt text longer than this (characters) is refused before tokenizing.
+            Default: the context length x the longest vocabulary entry (no prompt that fits is refused).
         debug: Litestar debug mode.
 
     Raises:
         ConfigError: a bad configuration (when a config is given).
-        ValueError: a negative ``max_queue_size``.
+        ValueError: a negative ``max_queue_size`` or ``max_prompt_chars``, or an empty or blank ``api_key``.
     """
     if isinstance(engine_or_config, InferenceEngine):
         engine = engine_or_config
@@ -190,8 +277,12 @@ def create_app(engine_or_config: InferenceEngine | EngineConfig | None = None, *
     name = served_model_name or engine.cfg.served_model_name or model_id
     if max_queue_size is not None and max_queue_size < 0:
         raise ValueError("max_queue_size must be >= 0 or None")
+    if max_prompt_chars is not None and max_prompt_chars < 1:
+        raise ValueError("max_prompt_chars must be >= 1 or None")
+    check_api_key(api_key)
     state = ServerState(engine=engine, served_model_name=name, accepted_model_names=frozenset({name, model_id}),
-                        api_key=api_key or None, max_queue_size=max_queue_size, metrics=ServerMetrics(name, engine))
+                        api_key=api_key, max_queue_size=max_queue_size, metrics=ServerMetrics(name, engine),
+                        max_prompt_chars=max_prompt_chars)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Litestar) -> AsyncIterator[None]:

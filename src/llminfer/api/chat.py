@@ -9,7 +9,7 @@ fragments (the first with ``id``, ``type`` and ``function.name``), so both agree
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 from litestar import Request, post
@@ -62,9 +62,8 @@ async def chat_completions(request: Request, data: SkipValidation[s.ChatCompleti
     plan = tool_plan(data)
     spec, spec_param = structured_output(data, plan)
     assert state.prompts is not None
-    # Tokenized in the event loop, as the engine's own tokenize stage does: the HF tokenizer is shared
-    # with the pipeline and a fast tokenizer must not be used from two threads at once.
-    ids = state.prompts.chat(data.messages, plan.tools if plan is not None else ())
+    state.check_prompt_chars(_message_texts(data.messages))
+    ids = await state.tokenize(state.prompts.chat, data.messages, plan.tools if plan is not None else ())
     max_new, _ = max_new_tokens(data, None)
     check_context(state.prompts.inputs, ids, max_new, param="messages")
     job = new_job("chat", model, [ids], data.n or 1, state.engine.make_request,
@@ -75,6 +74,19 @@ async def chat_completions(request: Request, data: SkipValidation[s.ChatCompleti
     await check_structured_output(state.engine, spec, spec_param)
     return await execute(request, state, job, stream=bool(data.stream),  # type: ignore[return-value]
                          prompt_param="messages", render_json=chat_response, render_events=chat_events)
+
+
+def _message_texts(messages: Sequence[s.ChatMessage]) -> Iterator[tuple[str, str | None]]:
+    """``(param, text)`` of every text the chat template will render, for the prompt-size bound."""
+    for i, message in enumerate(messages):
+        content = message.content
+        if content is None or isinstance(content, str):
+            yield f"messages[{i}].content", content
+        else:
+            for j, part in enumerate(content):
+                yield f"messages[{i}].content[{j}].text", getattr(part, "text", None)
+        for call in message.tool_calls or ():
+            yield f"messages[{i}].tool_calls", call.function.arguments
 
 
 def _tool_call_out(events: Sequence[Event]) -> tuple[str | None, list[s.ToolCallOut]]:

@@ -53,7 +53,13 @@ async def completions(request: Request, data: SkipValidation[s.CompletionRequest
     check_completion(data)
     spec, spec_param = structured_output(data)
     assert state.prompts is not None
-    prompt_ids = state.prompts.completion(data.prompt)
+    if isinstance(data.prompt, str):
+        state.check_prompt_chars([("prompt", data.prompt)])
+    else:
+        for i, p in enumerate(data.prompt):
+            if isinstance(p, str):
+                state.check_prompt_chars([(f"prompt[{i}]", p)])
+    prompt_ids = await state.tokenize(state.prompts.completion, data.prompt)
     max_new, _ = max_new_tokens(data, 16)
     for i, ids in enumerate(prompt_ids):
         check_context(state.prompts.inputs, ids, max_new,

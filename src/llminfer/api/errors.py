@@ -188,8 +188,22 @@ def handle_api_error(request: Request, exc: APIError) -> Response:
 
 
 def handle_http_exception(request: Request, exc: HTTPException) -> Response:
-    """Litestar exception handler for its own HTTP exceptions."""
+    """Litestar exception handler for its own HTTP exceptions. Litestar's 500 for a body cut short (the
+    client disconnected while it was being read) is logged and counted as a client disconnect (499)."""
+    info = request_info(request.scope)
+    if info.disconnected and exc.status_code >= 500:
+        info.status_override = 499
+        metrics = getattr(request.app.state, "llminfer_metrics", None)
+        if metrics is not None:
+            metrics.client_disconnected()
+        return Response(b"", status_code=499)
     return handle_api_error(request, http_exception_to_api_error(exc))
+
+
+def handle_recursion_error(request: Request, exc: RecursionError) -> Response:
+    """A body nested deeper than the JSON decoder (or the validator) can follow is the client's fault: a
+    400, and no traceback in the log."""
+    return handle_api_error(request, bad_request("The JSON body is nested too deeply.", None, "invalid_json"))
 
 
 def handle_llminfer_error(request: Request, exc: LLMInferError) -> Response:
@@ -211,5 +225,6 @@ EXCEPTION_HANDLERS: dict[Any, Any] = {
     APIError: handle_api_error,
     HTTPException: handle_http_exception,
     LLMInferError: handle_llminfer_error,
+    RecursionError: handle_recursion_error,
     Exception: handle_internal_error,
 }

@@ -4,8 +4,9 @@ A :class:`Job` holds a call's engine requests (one per choice, built by :func:`n
 :func:`generate_choices` runs them and merges their chunks (the one place that knows choices are separate
 engine requests); :func:`run_job` adds the accounting (the :class:`JobOutcome`, the admission
 :class:`Ticket` released at the end); :func:`execute` runs a job for an HTTP request, cancelling it when
-the client goes away, and renders it as JSON or as SSE frames (:func:`sse_frames`, shared by chat and
-completions).
+the client goes away or a shutdown's grace period ends, and renders it as JSON or as SSE frames
+(:func:`sse_frames`, shared by chat and completions; a :class:`ChunkBuffer` decouples generation from
+the client's reading speed).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from llminfer.api.errors import SERVER_ERROR, APIError, bad_request, from_engine
 from llminfer.api.logprobs import TokenText
 from llminfer.api.middleware import EventStream, watch_disconnect
 from llminfer.api.request_info import RequestInfo, request_info
-from llminfer.errors import InvalidRequestError, LLMInferError
+from llminfer.errors import InvalidRequestError, LLMInferError, RequestAbortedError
 from llminfer.protocols.messages import GenerationRequest
 from llminfer.results import StreamChunk
 from llminfer.sampling.structured import PARAM as STRUCTURED_PARAM
@@ -283,7 +284,7 @@ def _job_error(job: Job, exc: LLMInferError, prompt_param: str) -> APIError:
     return from_engine_error(exc, prompt_param=prompt_param)
 
 
-async def _guarded(events: AsyncIterator[bytes], chunks: AsyncIterator[Any], info: RequestInfo,
+async def _guarded(events: AsyncIterator[bytes], chunks: ChunkBuffer, info: RequestInfo,
                    job: Job) -> AsyncIterator[bytes]:
     """Frames of ``events``; a failure after the stream started becomes an error event, then ``[DONE]``."""
     finished = False
@@ -294,7 +295,8 @@ async def _guarded(events: AsyncIterator[bytes], chunks: AsyncIterator[Any], inf
         finished = True
     except LLMInferError as exc:
         error = _job_error(job, exc, "prompt")
-        log.error("stream failed", error=repr(exc))
+        if not isinstance(exc, RequestAbortedError):  # a shutdown's aborts are logged once, by the server
+            log.error("stream failed", error=repr(exc))
         info.error = error.message
         yield error_frame(error)
         yield DONE_FRAME
@@ -309,7 +311,70 @@ async def _guarded(events: AsyncIterator[bytes], chunks: AsyncIterator[Any], inf
     finally:
         if not finished:
             info.disconnected = True
-        await chunks.aclose()  # type: ignore[attr-defined]
+        await chunks.aclose()
+
+
+class ChunkBuffer:
+    """Pulls a streamed call's chunks (from :func:`run_job`) into memory as fast as the engine makes them,
+    in a task of the server's task group, whatever the client's reading speed. So a client that stops
+    reading does not hold the call's admission: it is released, and the requests are counted finished,
+    when generation ends; only the chunks wait (at most ``max_tokens`` per choice).
+
+    ``stoppers`` (the server's set) holds :meth:`stop` while generation runs: at the end of a shutdown's
+    grace period the requests are cancelled and :meth:`items` raises ``RequestAbortedError`` after the
+    chunks made so far. :meth:`aclose` cancels what still runs and waits until the requests are cancelled.
+    """
+
+    def __init__(self, chunks: AsyncIterator[Item], task_group: TaskGroup,
+                 stoppers: set[Callable[[], None]]) -> None:
+        self._send, self._receive = anyio.create_memory_object_stream[Any](math.inf)
+        self._scope = anyio.CancelScope()
+        self._done = anyio.Event()
+        self._stopped = False
+        self._stoppers = stoppers
+        stoppers.add(self.stop)
+        task_group.start_soon(self._pump, chunks)
+
+    def stop(self) -> None:
+        """End generation now (a shutdown): the reader gets the chunks so far, then an abort error."""
+        self._stopped = True
+        self._scope.cancel()
+
+    async def _pump(self, chunks: AsyncIterator[Item]) -> None:
+        try:
+            with self._scope:
+                async for item in chunks:
+                    self._send.send_nowait(item)
+        except Exception as exc:  # noqa: BLE001 - the reader raises it; it must not end the task group
+            with contextlib.suppress(anyio.BrokenResourceError):
+                self._send.send_nowait(exc)
+        finally:
+            self._stoppers.discard(self.stop)
+            with anyio.CancelScope(shield=True):
+                await chunks.aclose()  # type: ignore[attr-defined]
+            if self._stopped:
+                with contextlib.suppress(anyio.BrokenResourceError):
+                    self._send.send_nowait(RequestAbortedError("the server is shutting down"))
+            self._send.close()
+            self._done.set()
+
+    async def items(self) -> AsyncIterator[Item]:
+        """The chunks in order.
+
+        Raises:
+            LLMInferError: what generation raised, or ``RequestAbortedError`` after :meth:`stop`.
+        """
+        async for item in self._receive:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    async def aclose(self) -> None:
+        """Cancel generation if it still runs, and wait until it has stopped."""
+        self._scope.cancel()
+        with anyio.CancelScope(shield=True):
+            await self._done.wait()
+        self._receive.close()
 
 
 # ---------------------------------------------------------------------------- one HTTP call
@@ -349,8 +414,11 @@ async def execute(request: Request, state: ServerState, job: Job, *, stream: boo
             seen.add(item[0])
         return items
 
+    stop = anyio.CancelScope()  # the grace period of a shutdown ended (ServerState.end_streams)
+    state.stoppers.add(stop.cancel)
     try:
-        items, disconnected = await watch_disconnect(request.receive, preroll if stream else collect_all)
+        with stop:
+            items, disconnected = await watch_disconnect(request.receive, preroll if stream else collect_all)
     except LLMInferError as exc:
         await chunks.aclose()
         raise _job_error(job, exc, prompt_param) from None
@@ -358,25 +426,34 @@ async def execute(request: Request, state: ServerState, job: Job, *, stream: boo
         await chunks.aclose()
         ticket.release()
         raise
+    finally:
+        state.stoppers.discard(stop.cancel)
+    if stop.cancelled_caught:
+        await chunks.aclose()
+        ticket.release()
+        raise APIError(503, "the server is shutting down", type=SERVER_ERROR, code="server_shutting_down")
     if disconnected:
         await chunks.aclose()
         ticket.release()
         info.status_override = 499
         info.disconnected = True
+        state.metrics.client_disconnected()
         return Response(b"", status_code=499)
     token_text = state.token_text
     assert token_text is not None
     if not stream:
         await chunks.aclose()
         return Response(render_json(job, items, outcome, token_text), status_code=200)
-    frames = _guarded(render_events(job, items, chunks, outcome, token_text), chunks, info, job)
+    assert state.task_group is not None  # set for the whole lifespan
+    rest = ChunkBuffer(chunks, state.task_group, state.stoppers)
+    frames = _guarded(render_events(job, items, rest.items(), outcome, token_text), rest, info, job)
 
     async def cleanup() -> None:
         # Run by the request middleware once the response is over, however it ended: a stream cancelled
         # while parked at a ``yield`` (or never started) is closed here, so its requests are cancelled now
         # rather than whenever the generator is garbage-collected.
         await frames.aclose()
-        await chunks.aclose()
+        await rest.aclose()
 
     info.cleanup = cleanup
     return EventStream(frames, media_type="text/event-stream",

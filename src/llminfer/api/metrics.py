@@ -134,6 +134,8 @@ class ServerMetrics:
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache "
                                       "(tokens).").labels(m)
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache (tokens).").labels(m)
+        self.client_disconnects = counter("http_client_disconnects", "HTTP requests whose client left before a "
+                                          "response (while the body was read, or while queued or tokenized).").labels(m)
         self.rejected_total = counter("requests_rejected", "HTTP requests refused with a 4xx before generation, "
                                       "by reason (the error code, e.g. rate_limit_exceeded).", ("reason",))
         # Histograms.
@@ -194,6 +196,10 @@ class ServerMetrics:
     def rejected(self, error: APIError) -> None:
         """Record an API request refused with a 4xx (reason: the error code, or the status)."""
         self.rejected_total.labels(self.model_name, error.code or str(error.status)).inc()
+
+    def client_disconnected(self) -> None:
+        """Record an HTTP request whose client left before it was answered."""
+        self.client_disconnects.inc()
 
     # ------------------------------------------------------------------ scrape
     def render(self, engine: Any, in_flight: int) -> bytes:

@@ -60,8 +60,14 @@ def request_log_middleware(app: ASGIApp) -> ASGIApp:
                 status = message["status"]
             await send(message)
 
+        async def receive_wrapper() -> Message:
+            message = await receive()
+            if message["type"] == "http.disconnect" and status == 0:
+                info.disconnected = True  # gone before any answer (during the body read, or while waiting)
+            return message
+
         try:
-            await app(scope, receive, send_wrapper)
+            await app(scope, receive_wrapper, send_wrapper)
         finally:
             cleanup, info.cleanup = info.cleanup, None
             if cleanup is not None:

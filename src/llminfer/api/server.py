@@ -1,32 +1,252 @@
 """Running the app with uvicorn: in the foreground (``llminfer serve``) or in a background thread (tests,
-notebooks, examples)."""
+notebooks, examples), with the connection limits a public server needs.
+
+:class:`ServerLimits` holds them: the request-read timeout (uvicorn has none: a connection that never
+sends a byte, or trickles its headers, stays open until the process runs out of file descriptors; see
+:func:`protocol_class`), the keep-alive idle timeout (uvicorn's ``timeout_keep_alive``), the concurrency
+limit (answered with an OpenAI error object, not uvicorn's plain-text 503), the largest request head
+(uvicorn's ``h11_max_incomplete_event_size``) and the shutdown grace period (see :class:`_Server`).
+"""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
+import resource
 import socket
 import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
+import attrs
+import h11
+import structlog
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+log = structlog.get_logger("llminfer.api")
 
 
-def uvicorn_config(app: Any, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning") -> uvicorn.Config:
-    """The uvicorn settings llminfer uses: lifespan on, no access log (the app logs one line per request)."""
+@attrs.frozen
+class ServerLimits:
+    """Connection limits and shutdown behaviour of the HTTP server.
+
+    Attributes:
+        read_timeout_s: seconds a client has to send a whole request (head and body), counted from the
+            connection opening or from the first byte of a later request on a kept-alive connection; then
+            the connection is closed (with a 408 error object when part of a request had arrived).
+        keep_alive_timeout_s: seconds an idle kept-alive connection stays open between requests.
+        limit_concurrency: HTTP requests handled at once (streams included); more get an immediate 503
+            with ``Retry-After``. ``None``: no limit.
+        max_header_bytes: the largest request head (request line and headers) in bytes; more is a 400.
+        shutdown_grace_s: on SIGTERM/SIGINT, seconds in-flight requests get to finish; the streams still
+            running then end with an error event and ``[DONE]``.
+    """
+
+    read_timeout_s: float = 30.0
+    keep_alive_timeout_s: float = 5.0
+    limit_concurrency: int | None = None
+    max_header_bytes: int = 16 * 1024
+    shutdown_grace_s: float = 10.0
+
+    def __attrs_post_init__(self) -> None:
+        for name in ("read_timeout_s", "keep_alive_timeout_s", "max_header_bytes"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if self.shutdown_grace_s < 0:
+            raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s!r}")
+        if self.limit_concurrency is not None and self.limit_concurrency < 1:
+            raise ValueError(f"limit_concurrency must be >= 1 or None, got {self.limit_concurrency!r}")
+
+
+def _error_body(status: int, message: str, code: str) -> bytes:
+    """An OpenAI error object (written here, below the app, where Litestar's handlers do not run)."""
+    kind = "server_error" if status >= 500 else "invalid_request_error"
+    return json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
+
+
+_READ_TIMEOUT_BODY = _error_body(408, "the request was not received in time", "request_timeout")
+_READ_TIMEOUT_RESPONSE = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
+                          b"content-length: %d\r\n\r\n%s" % (len(_READ_TIMEOUT_BODY), _READ_TIMEOUT_BODY))
+_BUSY_BODY = _error_body(503, "the server is handling too many requests; retry shortly", "too_many_requests")
+
+
+def protocol_class(limits: ServerLimits) -> type[H11Protocol]:
+    """uvicorn's h11 protocol with ``limits.read_timeout_s`` and ``limits.limit_concurrency``.
+
+    uvicorn (0.54) arms its keep-alive timer only after a response and cancels it on any byte, so a
+    connection that sends nothing, or sends a few bytes and stalls, is never closed. This subclass runs one
+    deadline while a request is being read (from the connection opening, or from the first byte after an
+    idle keep-alive wait, until the body's last byte) and closes the connection when it passes.
+    """
+    timeout_s = limits.read_timeout_s
+    limit = limits.limit_concurrency
+
+    class Protocol(H11Protocol):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._read_timer: asyncio.TimerHandle | None = None
+            self._got_bytes = False
+            if limit is not None:
+                self.app = self._limited(self.app)
+
+        def _limited(self, app: Any) -> Any:
+            tasks = self.tasks
+
+            async def limited(scope: Any, receive: Any, send: Any) -> None:
+                # The request's own task is already in ``tasks`` when this runs.
+                if len(tasks) > limit:
+                    await send({"type": "http.response.start", "status": 503, "headers": [
+                        (b"content-type", b"application/json"), (b"retry-after", b"1"), (b"connection", b"close")]})
+                    await send({"type": "http.response.body", "body": _BUSY_BODY})
+                    return
+                await app(scope, receive, send)
+
+            return limited
+
+        def _reading(self) -> bool:
+            """A request is due or partly received (not: idle between requests, or being answered)."""
+            if self.transport is None or self.transport.is_closing():
+                return False
+            cycle = self.cycle
+            if cycle is None:
+                return True
+            if not cycle.response_complete:
+                return cycle.more_body
+            # uvicorn cancels its keep-alive timer on the first byte of the next request.
+            return self.timeout_keep_alive_task is None
+
+        def _update_read_timer(self) -> None:
+            if self._reading():
+                if self._read_timer is None:
+                    self._read_timer = self.loop.call_later(timeout_s, self._read_timed_out)
+            elif self._read_timer is not None:
+                self._read_timer.cancel()
+                self._read_timer = None
+
+        def _read_timed_out(self) -> None:
+            self._read_timer = None
+            if not self._reading():
+                return
+            if self._got_bytes and (self.cycle is None or self.cycle.response_complete):
+                # Part of a request head arrived and nothing was answered yet: say why before closing.
+                self.transport.write(_READ_TIMEOUT_RESPONSE)
+            if self.cycle is not None and not self.cycle.response_complete:
+                log.info("request read timeout", client=self.client, timeout_s=timeout_s)
+            with contextlib.suppress(h11.LocalProtocolError):
+                self.conn.send(h11.ConnectionClosed())
+            self.transport.close()  # the app, if it waits for the body, gets http.disconnect
+
+        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._update_read_timer()
+
+        def data_received(self, data: bytes) -> None:
+            self._got_bytes = True
+            super().data_received(data)
+            self._update_read_timer()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._got_bytes = False
+            self._update_read_timer()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._read_timer is not None:
+                self._read_timer.cancel()
+                self._read_timer = None
+            super().connection_lost(exc)
+
+    return Protocol
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server with llminfer's shutdown: stop admitting (the app answers 503 and ``/healthz`` turns
+    503), give in-flight requests ``shutdown_grace_s``, then end the remaining streams with an error event
+    and ``[DONE]`` (the app's ``ServerState.end_streams``); uvicorn's own timeout is the last resort."""
+
+    def __init__(self, config: uvicorn.Config, app: Any, grace_s: float) -> None:
+        super().__init__(config)
+        self._grace_s = grace_s
+        self._hooks = _shutdown_hooks(app)
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        asyncio.get_running_loop().set_exception_handler(_loop_exception)
+        await super().startup(sockets)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self._hooks is None:
+            await super().shutdown(sockets)
+            return
+        self._hooks.begin_shutdown(self._grace_s)
+        timer = asyncio.get_running_loop().call_later(self._grace_s, self._hooks.end_streams)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
+
+
+def _loop_exception(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    """Out of file descriptors, asyncio stops accepting for a second and logs a traceback each time: one
+    line instead (the read and keep-alive timeouts free descriptors; the clients wait in the backlog)."""
+    exc = context.get("exception")
+    if isinstance(exc, OSError) and "accept" in str(context.get("message", "")):
+        now = time.monotonic()
+        if now - _accept_warned[0] >= 10.0:  # asyncio reports it once per pending connection: say it rarely
+            _accept_warned[0] = now
+            log.warning("cannot accept connections", error=str(exc), hint="raise the open-files limit "
+                        "(ulimit -n); idle connections close after --read-timeout-s / --keep-alive-timeout-s")
+        return
+    loop.default_exception_handler(context)
+
+
+_accept_warned = [-1e9]  #: when the last "cannot accept" warning was logged (time.monotonic(), s)
+
+
+def _shutdown_hooks(app: Any) -> Any:
+    """The app's ``ServerState`` when it is an llminfer app (it has ``begin_shutdown`` and ``end_streams``)."""
+    from llminfer.api.middleware import STATE_KEY
+
+    state = getattr(getattr(app, "state", None), "get", lambda _k: None)(STATE_KEY)
+    return state if hasattr(state, "end_streams") else None
+
+
+def uvicorn_config(app: Any, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning",
+                   limits: ServerLimits | None = None) -> uvicorn.Config:
+    """The uvicorn settings llminfer uses: lifespan on, no access log (the app logs one line per request),
+    the h11 protocol with :func:`protocol_class`, and ``limits`` (default :class:`ServerLimits`)."""
+    limits = limits or ServerLimits()
+    # uvicorn's graceful-shutdown timeout is only the backstop: the streams end themselves at the grace
+    # period, and need a moment to send their last event.
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on", access_log=False,
-                          timeout_graceful_shutdown=10)
+                          http=protocol_class(limits), timeout_keep_alive=limits.keep_alive_timeout_s,
+                          h11_max_incomplete_event_size=limits.max_header_bytes,
+                          timeout_graceful_shutdown=limits.shutdown_grace_s + 1.5)  # type: ignore[arg-type]
 
 
-def run_server(app: Any, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
-    """Serve ``app`` until Ctrl-C or SIGTERM, then shut down gracefully and return.
+def raise_open_files_limit() -> None:
+    """Raise this process's soft limit of open files to its hard limit (at most 65,536): every connection
+    holds one."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = 65536 if hard == resource.RLIM_INFINITY else min(hard, 65536)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+
+
+def run_server(app: Any, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
+               limits: ServerLimits | None = None) -> None:
+    """Serve ``app`` until Ctrl-C or SIGTERM, then shut down gracefully (see :class:`ServerLimits`) and return.
 
     Raises:
         SystemExit: uvicorn could not start (for example the port is in use; the reason is logged).
     """
+    limits = limits or ServerLimits()
+    raise_open_files_limit()
     try:
-        uvicorn.Server(uvicorn_config(app, host, port, log_level)).run()
+        _Server(uvicorn_config(app, host, port, log_level, limits), app, limits.shutdown_grace_s).run()
     except KeyboardInterrupt:
         # uvicorn re-raises the Ctrl-C it handled; the server has already stopped cleanly.
         pass
@@ -34,20 +254,22 @@ def run_server(app: Any, host: str = "127.0.0.1", port: int = 8000, log_level: s
 
 @contextlib.contextmanager
 def serve_in_thread(app: Any, host: str = "127.0.0.1", port: int = 0, startup_timeout_s: float = 120.0,
-                    log_level: str = "warning") -> Iterator[str]:
+                    log_level: str = "warning", limits: ServerLimits | None = None) -> Iterator[str]:
     """Run ``app`` with uvicorn in a daemon thread; yield its base URL (``http://127.0.0.1:PORT``).
 
     ``port=0`` picks a free port (the socket is bound before the server starts, so there is no race).
+    Leaving the block shuts the server down as SIGTERM would (``limits.shutdown_grace_s``).
 
     Raises:
         RuntimeError: the server did not start within ``startup_timeout_s`` seconds (e.g. the engine failed
             to load; the lifespan error is in the log).
     """
+    limits = limits or ServerLimits()
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     bound_port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn_config(app, host, bound_port, log_level))
+    server = _Server(uvicorn_config(app, host, bound_port, log_level, limits), app, limits.shutdown_grace_s)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="llminfer-server", daemon=True)
     thread.start()
     deadline = time.monotonic() + startup_timeout_s
@@ -62,5 +284,5 @@ def serve_in_thread(app: Any, host: str = "127.0.0.1", port: int = 0, startup_ti
         yield f"http://{url_host}:{bound_port}"
     finally:
         server.should_exit = True
-        thread.join(timeout=30)
+        thread.join(timeout=30 + limits.shutdown_grace_s)
         sock.close()

@@ -8,6 +8,7 @@ typer.BadParameter or ConfigError; ``serve`` raises BackendUnavailableError with
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Annotated
 
@@ -208,6 +209,21 @@ def serve(
                                                 "running batch; more get HTTP 429 with Retry-After.")] = 1024,
     api_key: Annotated[str | None, typer.Option("--api-key", envvar="LLMINFER_API_KEY", help="Require "
                                                 "`Authorization: Bearer KEY` on /v1 (env LLMINFER_API_KEY).")] = None,
+    api_key_file: Annotated[str | None, typer.Option("--api-key-file", help="Read the API key from this file "
+                                                     "(kept out of the process list).")] = None,
+    read_timeout_s: Annotated[float, typer.Option("--read-timeout-s", min=0.001, help="Seconds a client has "
+                                                  "to send a whole request; then its connection is closed.")] = 30.0,
+    keep_alive_timeout_s: Annotated[float, typer.Option("--keep-alive-timeout-s", min=0.001, help="Seconds an "
+                                                        "idle kept-alive connection stays open.")] = 5.0,
+    limit_concurrency: Annotated[int | None, typer.Option("--limit-concurrency", min=1, help="HTTP requests "
+                                                          "handled at once; more get HTTP 503 (default: "
+                                                          "max-batch-size + max-queue-size + 64).")] = None,
+    shutdown_grace_s: Annotated[float, typer.Option("--shutdown-grace-s", min=0, help="On SIGTERM/Ctrl-C, "
+                                                    "seconds in-flight requests get to finish; remaining streams "
+                                                    "then end with an error event.")] = 10.0,
+    max_prompt_chars: Annotated[int | None, typer.Option("--max-prompt-chars", min=1, help="Refuse longer "
+                                                         "prompt text before tokenizing (default: context "
+                                                         "length x the longest token).")] = None,
     served_model_name: Annotated[str | None, typer.Option("--served-model-name", help="Model id clients see "
                                                           "(default: the model id).")] = None,
     dtype: Dtype = "auto", device: Device = "auto", page_size: PageSize = 16, no_prefix_cache: NoPrefix = False,
@@ -221,10 +237,12 @@ def serve(
     /metrics) with uvicorn until Ctrl-C."""
     try:
         from llminfer.api import create_app, run_server
+        from llminfer.api.server import ServerLimits
     except ImportError as exc:  # pragma: no cover - the serve extra is missing
         from llminfer.errors import BackendUnavailableError
 
         raise BackendUnavailableError(f"the server needs: pip install 'llminfer[serve]' ({exc})") from None
+    key = _api_key(api_key, api_key_file)
     cfg = build_config(model=model, backend=backend, dtype=dtype, device=device, max_batch_size=max_batch_size,
                        page_size=page_size, no_prefix_cache=no_prefix_cache, kv_cache_bytes=kv_cache_bytes,
                        max_model_len=max_model_len, revision=revision, hf_token=hf_token,
@@ -232,5 +250,38 @@ def serve(
                        tp_size=tp_size, pp_size=pp_size, quant=quant, compile_mode=compile_mode,
                        batch_timeout_ms=batch_timeout_ms, served_model_name=served_model_name)
     engine = load_engine(cfg, log_level, adapter, adapter_name)
-    asgi_app = create_app(engine, api_key=api_key, max_queue_size=max_queue_size)
-    run_server(asgi_app, host=host, port=port, log_level=log_level)
+    asgi_app = create_app(engine, api_key=key, max_queue_size=max_queue_size, max_prompt_chars=max_prompt_chars)
+    limits = ServerLimits(read_timeout_s=read_timeout_s, keep_alive_timeout_s=keep_alive_timeout_s,
+                          limit_concurrency=limit_concurrency or max_batch_size + max_queue_size + 64,
+                          shutdown_grace_s=shutdown_grace_s)
+    run_server(asgi_app, host=host, port=port, log_level=log_level, limits=limits)
+
+
+def _api_key(api_key: str | None, api_key_file: str | None) -> str | None:
+    """The key from ``--api-key``, ``LLMINFER_API_KEY`` or ``--api-key-file`` (its text, without the
+    surrounding whitespace), checked before the model loads.
+
+    Raises:
+        typer.BadParameter: both flags given, an unreadable file, or an empty or blank key (an empty one
+            would silently switch authentication off).
+    """
+    from llminfer.api.app import check_api_key
+
+    if api_key is not None and api_key_file is not None:
+        raise typer.BadParameter("give --api-key (or LLMINFER_API_KEY) or --api-key-file, not both")
+    source = "LLMINFER_API_KEY" if api_key is not None and os.environ.get("LLMINFER_API_KEY") == api_key else "--api-key"
+    if api_key_file is not None:
+        source = f"--api-key-file {api_key_file}"
+        try:
+            with open(api_key_file, encoding="utf-8") as f:
+                api_key = f.read().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise typer.BadParameter(f"--api-key-file: cannot read {api_key_file!r}: {exc}") from None
+    elif api_key is None and "LLMINFER_API_KEY" in os.environ:
+        # The CLI library treats an empty variable as unset; here that would mean no authentication.
+        api_key, source = os.environ["LLMINFER_API_KEY"], "LLMINFER_API_KEY"
+    try:
+        check_api_key(api_key)
+    except ValueError as exc:
+        raise typer.BadParameter(f"{source}: {exc}") from None
+    return api_key
