@@ -67,7 +67,10 @@ the built-in model):
 Flags (first code cell): `RUN_HEAVY` also runs each script end to end as `python examples/<script>.py`
 (minutes on CPU) and the speculative and LoRA parts of section 2; `RUN_QUANT` loads the model quantized
 (bitsandbytes, a CUDA GPU); `RUN_VLLM` runs the vLLM comparison (vLLM and a GPU)."""),
-    ("code", """import importlib.util, subprocess, sys, tempfile
+    ("code", """import importlib.util
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -162,6 +165,7 @@ print(sum(1 for _ in record.open()), "deltas recorded")
 sections.append("custom_pipeline")"""),
     ("md", "## 4. `run_server.py` and `openai_api_client.py`: the OpenAI-compatible server"),
     ("code", """import openai
+
 from llminfer.api import create_app, serve_in_thread
 
 with serve_in_thread(create_app(engine)) as url:
@@ -249,7 +253,10 @@ topics have their own notebooks: `llminfer_serving.ipynb` and `llminfer_advanced
 """ + INSTALL + """
 
 `RUN_HEAVY` (first code cell) runs the larger benchmark and the README's command lines."""),
-    ("code", """import subprocess, sys, tempfile, time
+    ("code", """import subprocess
+import sys
+import tempfile
+import time
 from pathlib import Path
 
 from llminfer import EngineConfig, InferenceEngine
@@ -276,12 +283,15 @@ every step. Outputs of different lengths show the difference (wall-clock figures
     ("code", """prompts = [f"Request {i}: " + "word " * (4 * i + 2) for i in range(8)]
 lengths = [2, 16, 3, 14, 4, 12, 5, 10]
 
-def timed(fn):
-    t = time.perf_counter(); out = fn(); return time.perf_counter() - t, out
+def reqs():
+    return [engine.make_request(p, max_new_tokens=n, ignore_eos=True) for p, n in zip(prompts, lengths)]
 
-reqs = lambda: [engine.make_request(p, max_new_tokens=n, ignore_eos=True) for p, n in zip(prompts, lengths)]
-t_cont, cont = timed(lambda: engine.run_requests(reqs()))
-t_static, static = timed(lambda: [r for i in (0, 4) for r in engine.run_requests(reqs()[i:i + 4])])
+t0 = time.perf_counter()
+cont = engine.run_requests(reqs())
+t_cont = time.perf_counter() - t0
+t0 = time.perf_counter()
+static = [r for i in (0, 4) for r in engine.run_requests(reqs()[i:i + 4])]
+t_static = time.perf_counter() - t0
 print(f"continuous: {t_cont:.2f} s   static (groups of 4): {t_static:.2f} s")
 assert [x.generated_text for x in cont] == [x.generated_text for x in static]  # greedy: same text either way"""),
     ("md", "### The prefix cache"),
@@ -313,6 +323,7 @@ else:
     print("command lines: skipped (RUN_HEAVY = False)")"""),
     ("md", "## Benchmarks (artifacts saved, the dashboard shown from its file)"),
     ("code", """from IPython.display import Image, display
+
 from llminfer.benchmark import Benchmarker
 
 sizes = [1, 2, 4, 8] if RUN_HEAVY else [1, 4]
@@ -345,7 +356,10 @@ The knobs that change how llminfer runs, each shown with what it does here:
 Flags (first code cell): `RUN_COMPILE` compiles the model step (tens of seconds on CPU, more with
 `max-autotune`); `RUN_VLLM` compares with vLLM (a CUDA GPU and `pip install 'llminfer[vllm]'`);
 `RUN_HEAVY` uses larger benchmark sizes."""),
-    ("code", """import importlib.util, json, tempfile, time
+    ("code", """import importlib.util
+import json
+import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -406,8 +420,12 @@ assert [x.token_ids for x in squeezed] == [x.token_ids for x in roomy]"""),
 `run_batch` runs groups of `max_batch_size` to the end of their longest request. Same text, different
 occupancy."""),
     ("code", """jobs = [(f"Job {i}", n) for i, n in enumerate([2, 24, 3, 20, 4, 16])]
-make = lambda group: [engine.make_request(p, max_new_tokens=n, ignore_eos=True) for p, n in group]
-t = time.perf_counter(); cont = engine.run_requests(make(jobs)); t_cont = time.perf_counter() - t
+def make(group):
+    return [engine.make_request(p, max_new_tokens=n, ignore_eos=True) for p, n in group]
+
+t = time.perf_counter()
+cont = engine.run_requests(make(jobs))
+t_cont = time.perf_counter() - t
 t = time.perf_counter()
 static = [r for i in range(0, len(jobs), 2) for r in engine.run_requests(make(jobs[i:i + 2]))]
 t_static = time.perf_counter() - t
@@ -484,7 +502,13 @@ HTTP, streaming as SSE frames, a concurrency smoke test, and the Prometheus metr
 Flags (first code cell): `RUN_SUBPROCESS` starts `llminfer serve` as its own process, as in production
 (the default runs the same app with uvicorn in a thread of this kernel, which skips a second model load);
 `RUN_HEAVY` also runs `llminfer bench-serve` (a load test) against the server."""),
-    ("code", """import contextlib, json, socket, subprocess, sys, tempfile, time
+    ("code", """import contextlib
+import json
+import socket
+import subprocess
+import sys
+import tempfile
+import time
 from pathlib import Path
 
 import httpx
@@ -497,7 +521,9 @@ STARTUP_TIMEOUT_S = 300
 server = None
 stack = contextlib.ExitStack()
 if RUN_SUBPROCESS:
-    sock = socket.socket(); sock.bind(("127.0.0.1", 0)); PORT = sock.getsockname()[1]; sock.close()
+    with socket.socket() as sock:  # a free port
+        sock.bind(("127.0.0.1", 0))
+        PORT = sock.getsockname()[1]
     BASE = f"http://127.0.0.1:{PORT}"
     log_path = Path(tempfile.mkdtemp(prefix="llminfer-serving-")) / "server.log"
     cmd = [sys.executable, "-m", "llminfer.cli", "serve", "--host", "127.0.0.1", "--port", str(PORT)]
@@ -577,7 +603,9 @@ assert "".join(streamed) == reply.choices[0].message.content"""),
 batch: every copy of a prompt gets the text it gets alone. The generation-token counter moves by what was
 generated."""),
     ("code", """from concurrent.futures import ThreadPoolExecutor
+
 from prometheus_client.parser import text_string_to_metric_families
+
 
 def counter(name_part):
     families = text_string_to_metric_families(httpx.get(BASE + "/metrics").text)
