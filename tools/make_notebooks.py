@@ -104,7 +104,7 @@ print(f"prefix cache: hit {hit.stats.cache_hit}, {hit.stats.cached_tokens} cache
 assert hit.stats.cache_hit"""),
     ("code", """from llminfer.benchmark import BackendComparison
 
-bench = Benchmarker(engine, prompt_len=16).run(batch_sizes=[1, 2], num_runs=1, max_new_tokens=2, warmup=0)
+bench = Benchmarker(engine, prompt_len=8).run(batch_sizes=[1, 2], num_runs=1, max_new_tokens=2, warmup=0)
 bench.print_summary()
 # The comparison table and plot take a BackendComparison's result, or {backend: BenchmarkResult}.
 BackendComparison.print_table({"eager": bench})
@@ -326,9 +326,9 @@ else:
 
 from llminfer.benchmark import Benchmarker
 
-sizes = [1, 2, 4, 8] if RUN_HEAVY else [1, 4]
+sizes = [1, 2, 4, 8] if RUN_HEAVY else [1, 2]
 result = Benchmarker(engine, prompt_len=16).run(batch_sizes=sizes, num_runs=2 if RUN_HEAVY else 1,
-                                                max_new_tokens=32 if RUN_HEAVY else 4, warmup=1 if RUN_HEAVY else 0)
+                                                max_new_tokens=32 if RUN_HEAVY else 2, warmup=1 if RUN_HEAVY else 0)
 result.print_summary()
 paths = result.save_artifacts(OUT)
 plot = result.plot(OUT / "dashboard.png")
@@ -470,7 +470,7 @@ JSON Schemas in `schemas/`; `plot` writes the 2x2 dashboard, `plot_suite` one PN
 
 sizes = [1, 2, 4, 8] if RUN_HEAVY else [1, 2]
 result = Benchmarker(engine, prompt_len=16).run(batch_sizes=sizes, num_runs=2 if RUN_HEAVY else 1,
-                                                max_new_tokens=16 if RUN_HEAVY else 4, warmup=0)
+                                                max_new_tokens=16 if RUN_HEAVY else 2, warmup=0)
 result.print_summary()
 paths = result.save_artifacts(OUT)
 validate(json.loads(paths["json"].read_text()), "benchmark")
