@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 
 from llminfer import EngineConfig
-from llminfer.benchmark import BackendComparison, print_table
+from llminfer.benchmark import BackendComparison
 
 
 def main(argv: list[str] | None = None):
@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None):
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     comparison = BackendComparison(args.model, ["eager", "vllm"], EngineConfig(max_batch_size=max(sizes)))
     results = comparison.run(batch_sizes=sizes, num_runs=1, max_new_tokens=args.max_new_tokens)
-    print_table(results)
+    BackendComparison.print_table(results)
     if args.artifacts_dir:
         print(results.save_artifacts(args.artifacts_dir))
     return results

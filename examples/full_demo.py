@@ -43,8 +43,13 @@ def main(argv: list[str] | None = None) -> dict:
     summary["run_tokens"] = result.stats.completion_tokens
 
     section("streaming")
-    pieces = [chunk.token for chunk in engine.stream("Streaming works like this:", max_new_tokens=n)]
-    print(f"{len(pieces)} chunks: {''.join(pieces)!r}")
+    pieces = []
+    for chunk in engine.stream("Streaming works like this:", max_new_tokens=n):
+        if not chunk.is_final:  # all text is on the non-final chunks
+            print(chunk.token, end="", flush=True)
+            pieces.append(chunk.token)
+        else:  # the final chunk: no text, the finish reason and the stats
+            print(f"\n{len(pieces)} chunks [{chunk.finish_reason}, {chunk.stats.completion_tokens} tokens]")
     summary["stream_chunks"] = len(pieces)
 
     section("batch (continuous batching)")

@@ -129,7 +129,9 @@ def test_run_stream_and_cache_stats(fake_vllm):
         assert r.stats.cached_tokens == 4 and r.stats.prompt_tokens > 4
         assert fake_vllm.seen[-1]["top_k"] == 7 and fake_vllm.seen[-1]["temperature"] == 0.5
         chunks = list(engine.stream("hello world, how are you", max_new_tokens=6))
-        assert len(chunks) == 6 and chunks[-1].is_final  # one chunk per vLLM output: true streaming
+        # One chunk per vLLM output (true streaming), then the final chunk with no text of its own.
+        assert len(chunks) == 7 and chunks[-1].is_final and not chunks[-1].token_ids
+        assert not any(c.is_final for c in chunks[:-1])
         results = engine.run_batch_continuous(["a", "b", "c"], max_new_tokens=3)
         assert all(len(x.token_ids) == 3 and x.stats.cached_tokens == 0 for x in results)
         stats = engine.cache_stats()

@@ -79,14 +79,65 @@ def test_server_examples():
         server.wait(30)
 
 
+# The notebooks, each with the line its last cell prints when every cell (and every assert in them) ran.
+NOTEBOOKS = {
+    "llminfer_smoke.ipynb": "smoke test passed",
+    "llminfer_tour.ipynb": "tour complete: full_demo, advanced_features, custom_pipeline, server, benchmark_vs_vllm",
+    "llminfer_quickstart.ipynb": "quickstart done",
+    "llminfer_advanced.ipynb": "advanced done",
+    "llminfer_serving.ipynb": "server stopped",
+}
+
+
+def test_notebooks_are_clean_and_generated():
+    """Every notebook is what tools/make_notebooks.py writes: no stored outputs, and its flags (``RUN_*``,
+    first code cell) default to False, so a plain run stays on the built-in model and the CPU."""
+    import importlib.util
+    import re
+
+    import nbformat
+
+    spec = importlib.util.spec_from_file_location("make_notebooks", EXAMPLES.parent / "tools" / "make_notebooks.py")
+    make = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make)
+    assert set(make.NOTEBOOKS) == set(NOTEBOOKS) == {p.name for p in EXAMPLES.glob("*.ipynb")}
+    for name, cells in make.NOTEBOOKS.items():
+        nb = nbformat.read(EXAMPLES / name, as_version=4)
+        assert [(c.cell_type, c.source) for c in nb.cells] == \
+            [("markdown" if kind == "md" else "code", src) for kind, src in cells], f"{name}: run tools/make_notebooks.py"
+        code = [c for c in nb.cells if c.cell_type == "code"]
+        assert all(not c.get("outputs") and c.get("execution_count") is None for c in code), name
+        flags = re.findall(r"^(RUN_\w+) = (\S+)", code[0].source, re.M)
+        assert all(value == "False" for _, value in flags), (name, flags)
+        assert all(f"if {flag}" in "".join(c.source for c in code) for flag, _ in flags), (name, flags)
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    """One kernel for every notebook: each starts with ``%reset -f`` (a clean namespace), so what the
+    kernel keeps is the imported modules, which is what a second run of a notebook would find anyway."""
+    from jupyter_client.manager import KernelManager
+
+    km = KernelManager(kernel_name="python3")
+    km.start_kernel(cwd=str(EXAMPLES), env=ENV)
+    try:
+        yield km
+    finally:
+        km.shutdown_kernel(now=True)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["llminfer_quickstart.ipynb", "llminfer_serving.ipynb"])
-def test_notebook_executes(name):
+@pytest.mark.parametrize("name", list(NOTEBOOKS))
+def test_notebook_executes(name, kernel):
     import nbformat
     from nbclient import NotebookClient
+    from nbformat.v4 import new_code_cell
 
     nb = nbformat.read(EXAMPLES / name, as_version=4)
-    assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), "stored outputs in the notebook"
-    NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(EXAMPLES)}}).execute()
-    printed = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
-    assert "done" in printed or "server stopped" in printed
+    nb.cells.insert(0, new_code_cell(f"%reset -f\nimport os\nos.chdir({str(EXAMPLES)!r})"))
+    NotebookClient(nb, km=kernel, timeout=600, resources={"metadata": {"path": str(EXAMPLES)}}).execute()
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    errors = [o for c in code for o in c.outputs if o.output_type == "error"]
+    assert not errors, errors
+    last = "".join(o.get("text", "") for o in code[-1].outputs if o.output_type == "stream")
+    assert NOTEBOOKS[name] in last, last[-2000:]

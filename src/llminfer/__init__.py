@@ -22,9 +22,23 @@ from llminfer.tools import Tool, ToolCall
 
 __version__ = "0.1.0"
 
+# Loaded on first use: the benchmark package imports polars, which a plain ``import llminfer`` should not pay.
+_LAZY = {"Benchmarker": "llminfer.benchmark", "BackendComparison": "llminfer.benchmark"}
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'llminfer' has no attribute {name!r}")
+
+
 __all__ = [
     "Backend",
+    "BackendComparison",
     "BackendUnavailableError",
+    "Benchmarker",
     "CacheConfig",
     "CapacityError",
     "ChatResult",

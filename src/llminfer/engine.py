@@ -274,8 +274,10 @@ class InferenceEngine:
         return results
 
     def stream(self, prompt: str | Sequence[int], **kwargs: Any) -> Iterator[StreamChunk]:
-        """Yield :class:`StreamChunk` as tokens arrive; joined ``token`` text equals ``generated_text``.
-        Closing the iterator early cancels the request and frees its KV blocks."""
+        """Yield :class:`StreamChunk` as tokens arrive. All text is on the non-final chunks (their joined
+        ``token`` equals ``run()``'s ``generated_text``); the last chunk has ``is_final=True``, empty text,
+        ``finish_reason`` and ``stats``. Closing the iterator early cancels the request and frees its KV
+        blocks."""
         portal = self._require_portal()
         request = self.make_request(prompt, **kwargs)
         chunks = RequestHandle(self._running_pipeline(), request).chunks()
@@ -340,7 +342,8 @@ class InferenceEngine:
         return ChatResult.from_result(result, plan if plan is not None and plan.mode != "none" else None)
 
     async def generate(self, prompt: str | Sequence[int], **kwargs: Any) -> AsyncIterator[StreamChunk]:
-        """Async iterator of :class:`StreamChunk` inside ``async with engine.running():`` (else EngineError)."""
+        """Async iterator of :class:`StreamChunk` inside ``async with engine.running():`` (else EngineError);
+        the chunks are those of :meth:`stream` (text on non-final chunks, an empty final one with the stats)."""
         if self._pipeline is None or self._portal is not None:
             raise EngineError("use `async with engine.running():` before generate()")
         async for chunk in self.generate_request(self.make_request(prompt, **kwargs)):

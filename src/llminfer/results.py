@@ -65,10 +65,22 @@ class GenerationResult:
 class StreamChunk:
     """One streamed piece of a request.
 
+    Every stream ends with exactly one final chunk, which carries no output: empty ``token``, no
+    ``token_ids``, no ``logprobs``; just ``finish_reason`` and ``stats``. All text is on the chunks
+    before it, so this loop prints exactly ``run()``'s ``generated_text``::
+
+        for chunk in engine.stream(prompt, max_new_tokens=32):
+            if not chunk.is_final:
+                print(chunk.token, end="", flush=True)
+            else:
+                print(f"\\n[{chunk.finish_reason}] {chunk.stats.completion_tokens} tokens")
+
     Attributes:
-        token: the text delta (never splits a UTF-8 character, never holds part of a stop string).
+        token: the text delta (never splits a UTF-8 character, never holds part of a stop string); may be
+            empty (a token whose text is held back, or that has none, such as EOS).
         token_ids: the token ids generated since the previous chunk.
-        is_final: the last chunk; ``finish_reason`` and ``stats`` are set on it.
+        is_final: the last chunk; ``finish_reason`` and ``stats`` are set on it, and only on it.
+        logprobs: entries for ``token_ids`` when logprobs were requested.
     """
 
     token: str

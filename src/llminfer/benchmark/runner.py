@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -288,8 +288,22 @@ class ComparisonResult:
         return artifacts.write(self.to_json_dict(), self.table(), directory, "comparison", json_out, csv_out)
 
 
-def print_table(results: ComparisonResult) -> str:
-    """Print (and return) the comparison table, then one line per skipped backend with its reason."""
+def _as_comparison(results: ComparisonResult | Mapping[str, BenchmarkResult]) -> ComparisonResult:
+    if isinstance(results, ComparisonResult):
+        return results
+    if isinstance(results, Mapping) and all(isinstance(r, BenchmarkResult) for r in results.values()):
+        return ComparisonResult(dict(results), {}, environment())
+    raise TypeError(f"expected a ComparisonResult or a mapping of backend name to BenchmarkResult, "
+                    f"got {type(results).__name__}")
+
+
+def print_table(results: ComparisonResult | Mapping[str, BenchmarkResult]) -> str:
+    """Print (and return) the comparison table, then one line per skipped backend with its reason.
+
+    Raises:
+        TypeError: ``results`` is neither a :class:`ComparisonResult` nor ``{backend: BenchmarkResult}``.
+    """
+    results = _as_comparison(results)
     text = format_table(results.table(), "llminfer backend comparison")
     for name, reason in results.skipped.items():
         text += f"\n{name}: skipped — {reason}"
@@ -297,10 +311,16 @@ def print_table(results: ComparisonResult) -> str:
     return text
 
 
-def plot(results: ComparisonResult, path: str | Path) -> Path:
-    """A 2x2 dashboard PNG with one line per backend."""
+def plot(results: ComparisonResult | Mapping[str, BenchmarkResult], path: str | Path) -> Path:
+    """A 2x2 dashboard PNG with one line per backend (throughput, latency, TTFT, memory against batch size);
+    returns its path.
+
+    Raises:
+        TypeError: as :func:`print_table`.
+    """
     from llminfer.benchmark.plots import dashboard
 
+    results = _as_comparison(results)
     return dashboard({name: r.summary() for name, r in results.results.items()}, path)
 
 
@@ -318,6 +338,11 @@ class BackendComparison:
         self.model_name = model_name
         self.backends = [Backend(b) if not isinstance(b, Backend) else b for b in backends]
         self.config = config or EngineConfig()
+
+    # The description's spelling: ``BackendComparison.print_table(results)``, ``BackendComparison.plot(results,
+    # path)``; the same functions as :func:`print_table`, :func:`plot` and the methods of ComparisonResult.
+    print_table = staticmethod(print_table)
+    plot = staticmethod(plot)
 
     def run(self, batch_sizes: Sequence[int] = (1, 4), num_runs: int = 2, max_new_tokens: int = 32,
             warmup: int = 1, prompt_len: int = 32,

@@ -158,9 +158,10 @@ def stream(
     with load_engine(cfg, log_level, adapter, adapter_name) as engine:
         final = None
         for chunk in engine.stream(prompt, **kw):
-            sys.stdout.write(chunk.token)
-            sys.stdout.flush()
-            if chunk.is_final:
+            if not chunk.is_final:  # the final chunk has no text, only the finish reason and stats
+                sys.stdout.write(chunk.token)
+                sys.stdout.flush()
+            else:
                 final = chunk
     typer.echo("")
     if final is not None and final.stats is not None:

@@ -32,8 +32,9 @@ def build_request(prompt: str | Sequence[int], *, max_new_tokens: int | None = 6
     """Validate the arguments of one request and build its :class:`GenerationRequest` (a fresh id, the
     arrival time now). ``sampling`` takes the other :class:`SamplingParams` fields by name.
 
-    ``prefix_key`` is accepted for compatibility and has no effect: automatic prefix caching finds shared
-    prefixes by their content (chained block hashes), with no key to give.
+    ``prefix_key`` (e.g. ``KVCacheManager.hash_prefix(system_prompt)``) is accepted for compatibility and
+    has no effect: automatic prefix caching finds shared prefixes by their content (chained block hashes),
+    with no key to give.
 
     Raises:
         InvalidRequestError: an empty prompt (``param="prompt"``), a bad sampling value (``param`` names

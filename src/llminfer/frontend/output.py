@@ -73,6 +73,20 @@ class ResultBuilder:
         )
 
 
+def split_final(chunk: StreamChunk) -> tuple[StreamChunk, ...]:
+    """The chunks to hand out for one folded delta: a final delta that still carries text, token ids or
+    logprobs becomes a non-final chunk with them, then a final chunk with empty text and only
+    ``finish_reason`` and ``stats``.
+
+    So every piece of output is on a non-final chunk, and a consumer that prints ``chunk.token`` only while
+    ``not chunk.is_final`` (the documented loop) prints all of it; joining every chunk gives the same text.
+    """
+    if not chunk.is_final or not (chunk.token or chunk.token_ids or chunk.logprobs):
+        return (chunk,)
+    return (attrs.evolve(chunk, is_final=False, finish_reason=None, stats=None),
+            StreamChunk("", (), True, chunk.finish_reason, chunk.stats))
+
+
 class RequestHandle:
     """One request submitted to a running pipeline.
 
@@ -102,7 +116,8 @@ class RequestHandle:
             stream = await self.pipeline.submit(self.request)
             async with stream:
                 async for delta in stream:
-                    yield self.builder.add(delta)
+                    for chunk in split_final(self.builder.add(delta)):
+                        yield chunk
                     if self.builder.finished:
                         return
             raise EngineError("the engine stopped before the request finished")

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from llminfer.kv.block_pool import BlockPool, KVBlock
-from llminfer.kv.hashing import BlockHash, hash_full_blocks
+from llminfer.kv.hashing import BlockHash, encode_extra_keys, hash_full_blocks
 
 
 class CacheableSequence(Protocol):
@@ -52,12 +52,37 @@ class KVCacheManager:
         self.hit_tokens = 0
 
     @staticmethod
-    def hash_prefix(text: str) -> str:
-        """A stable key for a prompt prefix (hex sha256 of its UTF-8 text), for ``run(..., prefix_key=)``.
+    def hash_prefix(prefix: str | Sequence[int], block_size: int | None = None, *,
+                    adapter_name: str | None = None, cache_salt: str | None = None) -> str:
+        """A stable key for a prompt prefix: 64 hex digits of a sha256 digest (the block hashes' family).
 
-        Automatic prefix caching does not need it: it is a grouping hint that shows up in stats.
+        * Text (``KVCacheManager.hash_prefix(system_prompt)``): sha256 of its UTF-8 bytes. A label to
+          group requests by the prefix they share (logs, ``run(..., prefix_key=)``). It is *not* a block
+          hash: the prefix cache keys on token ids, so it needs no key to find a shared prefix.
+        * Token ids with ``block_size``: the prefix cache's own key for that prefix, i.e. the chained hash
+          (:func:`llminfer.kv.hashing.hash_full_blocks`) of its last full block, under which the cache
+          holds the KV of all ``len(prefix) // block_size * block_size`` leading tokens. A trailing partial
+          block is not part of the key (partial blocks are never shared). ``adapter_name`` and
+          ``cache_salt`` partition the cache as they do for a request.
+
+        Args:
+            prefix: text, or the prompt's leading token ids (as the engine tokenized them).
+            block_size: tokens per KV block (``cfg.cache.page_size_tokens``); only with token ids.
+
+        Raises:
+            ValueError: token ids without ``block_size`` or shorter than one block; ``block_size``,
+                ``adapter_name`` or ``cache_salt`` with text.
         """
-        return hashlib.sha256(text.encode("utf-8")).hexdigest()
+        if isinstance(prefix, str):
+            if block_size is not None or adapter_name or cache_salt:
+                raise ValueError("block_size, adapter_name and cache_salt apply to token ids, not text")
+            return hashlib.sha256(prefix.encode("utf-8")).hexdigest()
+        ids = [int(t) for t in prefix]
+        if block_size is None or block_size < 1:
+            raise ValueError("token ids need block_size >= 1 (the cache's page_size_tokens)")
+        if len(ids) < block_size:
+            raise ValueError(f"{len(ids)} tokens do not fill one block of {block_size}: nothing is cached")
+        return hash_full_blocks(ids, block_size, encode_extra_keys(adapter_name, cache_salt))[-1].hex()
 
     @property
     def num_blocks(self) -> int:
