@@ -70,6 +70,7 @@ class ServerState:
     in_flight: int = 0
     prompts: PromptBuilder | None = None
     token_text: TokenText | None = None
+    reject_unknown_fields: bool = False  #: unknown top-level request fields: 400 instead of a warning
 
     def engine_started(self) -> None:
         """Set up what needs the loaded tokenizer (called from the lifespan)."""
@@ -166,7 +167,8 @@ def _openapi_config(with_auth: bool) -> OpenAPIConfig:
 
 def create_app(engine_or_config: InferenceEngine | EngineConfig | None = None, *,
                served_model_name: str | None = None, api_key: str | None = None,
-               max_queue_size: int | None = DEFAULT_MAX_QUEUE_SIZE, debug: bool = False) -> Litestar:
+               max_queue_size: int | None = DEFAULT_MAX_QUEUE_SIZE, debug: bool = False,
+               reject_unknown_fields: bool = False) -> Litestar:
     """Build the OpenAI-compatible Litestar app around an engine.
 
     Args:
@@ -177,6 +179,9 @@ def create_app(engine_or_config: InferenceEngine | EngineConfig | None = None, *
         max_queue_size: engine requests (one per choice) accepted beyond ``max_batch_size``; more get 429
             with ``Retry-After``. ``None``: unbounded.
         debug: Litestar debug mode.
+        reject_unknown_fields: answer a request body with a top-level field the endpoint does not define
+            with a 400 naming it. Default: accept it, ignore the field and log a warning naming it (vLLM's
+            behaviour, so clients that send newer fields keep working).
 
     Raises:
         ConfigError: a bad configuration (when a config is given).
@@ -191,7 +196,8 @@ def create_app(engine_or_config: InferenceEngine | EngineConfig | None = None, *
     if max_queue_size is not None and max_queue_size < 0:
         raise ValueError("max_queue_size must be >= 0 or None")
     state = ServerState(engine=engine, served_model_name=name, accepted_model_names=frozenset({name, model_id}),
-                        api_key=api_key or None, max_queue_size=max_queue_size, metrics=ServerMetrics(name))
+                        api_key=api_key or None, max_queue_size=max_queue_size, metrics=ServerMetrics(name),
+                        reject_unknown_fields=reject_unknown_fields)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Litestar) -> AsyncIterator[None]:

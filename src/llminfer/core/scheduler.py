@@ -205,9 +205,13 @@ class Scheduler:
                         self._finish(req)
                         failures.append(SequenceUpdate(req.request_id, (), "error", exc, stats=req.stats(now)))
                         continue
-                cached_blocks, num_cached = self.kv.find_cached_prefix(req)
-                if self._waits_for_inflight(req, len(cached_blocks)):
-                    continue
+                if req.needs_prompt_logprobs:
+                    # Prompt logprobs come out of the prefill's logits: cached tokens would skip them.
+                    cached_blocks, num_cached = [], 0
+                else:
+                    cached_blocks, num_cached = self.kv.find_cached_prefix(req)
+                    if self._waits_for_inflight(req, len(cached_blocks)):
+                        continue
                 num_new = req.num_tokens - num_cached
                 if threshold:
                     num_new = min(num_new, threshold)
@@ -282,6 +286,9 @@ class Scheduler:
                 if not req.prefill_done_ns:
                     req.prefill_done_ns = end_ns
                 self._clear_inflight(req)
+            prompt_lp = result.prompt_logprobs.get(req.request_id)
+            if prompt_lp is not None:
+                _collect_prompt_logprobs(req, *prompt_lp)
             if not tokens:
                 self.kv.cache_full_blocks(req, req.num_computed_tokens)
                 continue  # a prefill chunk that does not reach the end of the known tokens
@@ -305,9 +312,14 @@ class Scheduler:
                 self.running.remove(req)
                 self._finish(req)
             lp = result.logprobs.get(req.request_id)
+            prompt_entries: tuple = ()
+            if req.params.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+                req.prompt_logprobs_sent = True
+                prompt_entries = tuple(req.prompt_logprobs)
             updates.append(SequenceUpdate(req.request_id, tuple(req.token_ids[-kept:]), reason,
                                           logprobs=(lp,) if lp is not None else (),
-                                          stats=req.stats(end_ns) if reason is not None else None))
+                                          stats=req.stats(end_ns) if reason is not None else None,
+                                          prompt_logprobs=prompt_entries, ends_with_stop_token=reason == "stop"))
         return updates
 
     def _lookahead(self, req: Request, num_new: int, budget: int) -> int:
@@ -383,6 +395,14 @@ class Scheduler:
         for rid in self.kv.block_tables:
             assert rid in self.requests, f"block table of finished request {rid}"
         self.kv.check_integrity()
+
+
+def _collect_prompt_logprobs(req: Request, first_position: int, entries: tuple) -> None:
+    """Keep the entries of positions not collected yet (a request recomputed after a preemption gets the
+    same rows again; ``req.prompt_logprobs[i]`` is position ``i + 1``)."""
+    for i, entry in enumerate(entries):
+        if first_position + i == len(req.prompt_logprobs) + 1:
+            req.prompt_logprobs.append(entry)
 
 
 def check_stop(req: Request, token: int, eos_token_ids: frozenset[int]) -> str | None:

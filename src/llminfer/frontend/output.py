@@ -29,6 +29,7 @@ class ResultBuilder:
         self.text: list[str] = []
         self.token_ids: list[int] = []
         self.logprobs: list[Any] = []
+        self.prompt_logprobs: tuple[Any, ...] = ()
         self.finish_reason: str | None = None
         self.stats: GenerationStats | None = None
 
@@ -49,11 +50,13 @@ class ResultBuilder:
         self.text.append(delta.text)
         self.token_ids.extend(delta.token_ids)
         self.logprobs.extend(delta.logprobs)
+        if delta.prompt_logprobs:
+            self.prompt_logprobs = delta.prompt_logprobs
         if delta.finished:
             self.finish_reason = delta.finish_reason
             self.stats = delta.stats
         return StreamChunk(delta.text, delta.token_ids, delta.finished, self.finish_reason, self.stats,
-                           delta.logprobs)
+                           delta.logprobs, delta.prompt_logprobs)
 
     def result(self) -> GenerationResult:
         """The whole result.
@@ -70,6 +73,7 @@ class ResultBuilder:
             finish_reason=self.finish_reason,
             stats=self.stats,
             logprobs=tuple(self.logprobs),
+            prompt_logprobs=self.prompt_logprobs,
         )
 
 
