@@ -119,10 +119,12 @@ def sampling_kwargs(params: SamplingParams) -> dict[str, Any]:
         "presence_penalty": float(params.presence_penalty),
         "frequency_penalty": float(params.frequency_penalty),
         "logprobs": params.logprobs,
-        "prompt_logprobs": params.prompt_logprobs,
         "skip_special_tokens": params.skip_special_tokens,
-        "spaces_between_special_tokens": params.spaces_between_special_tokens,
     }
+    if params.prompt_logprobs is not None:
+        kw["prompt_logprobs"] = params.prompt_logprobs
+    if not params.spaces_between_special_tokens:
+        kw["spaces_between_special_tokens"] = False
     if params.logit_bias:
         kw["logit_bias"] = dict(params.logit_bias)
     if params.bad_words:
