@@ -76,7 +76,8 @@ class _Common(Struct, kw_only=True):
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
-    truncate_prompt_tokens: Annotated[int, Meta(ge=-1, le=2**31 - 1)] | None = None
+    truncate_prompt_tokens: Annotated[int, Meta(ge=-1, le=2**31 - 1, description=(
+        "Keep the last k prompt tokens; -1: as many as fit with the output length. 0 is refused."))] | None = None
     # Structured output: OpenAI's ``response_format``, vLLM's older ``guided_*`` fields and its newer
     # ``structured_outputs`` object (checked in :func:`llminfer.api.translate.structured_output`).
     response_format: dict[str, Any] | None = None
@@ -139,11 +140,15 @@ class CompletionRequest(_Common, kw_only=True):
     prompt: str | Annotated[list[str | TokenId | list[TokenId]], Meta(min_length=1)]
     echo: bool | None = None
     logprobs: Logprobs | None = None
-    best_of: NumChoices | None = None
+    best_of: Annotated[int, Meta(ge=1, le=16, description=(
+        "Samples per prompt; the n with the highest cumulative logprob are returned. Must be >= n; above n it "
+        "cannot be streamed."))] | None = None
     # vLLM's extra: the prompt tokens' logprobs in vLLM's own shape (``choices[i].prompt_logprobs``)
     prompt_logprobs: Logprobs | None = None
     # ``max_tokens`` may be 0 here: with ``echo`` and ``logprobs`` that scores the prompt (lm-eval).
-    max_tokens: Annotated[int, Meta(ge=0, le=2**31 - 1)] | None | UnsetType = UNSET
+    max_tokens: Annotated[int, Meta(ge=0, le=2**31 - 1, description=(
+        "Tokens to generate (default 16). 0 only with echo or prompt_logprobs: the prompt is scored, nothing "
+        "is generated."))] | None | UnsetType = UNSET
 
 
 # ---------------------------------------------------------------------------- responses

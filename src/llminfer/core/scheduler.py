@@ -8,6 +8,10 @@ recently admitted running request is preempted by recompute: its blocks are free
 head of the waiting queue (its full blocks usually survive in the prefix cache). Admission keeps a
 free-block watermark so running requests can grow.
 
+A request that asks for prompt logprobs takes no prefix-cache hit until they are complete: the backend reads
+them from the prefill's logits, which cached tokens would skip. They are collected per position (a request
+recomputed after a preemption yields the same rows again, kept once) and ride on its first token's update.
+
 A request with a structured-output constraint waits until its grammar has compiled (in a worker thread,
 see :mod:`llminfer.sampling.structured`); the requests behind it are scheduled meanwhile, and a compile
 that fails or times out fails that request alone.
