@@ -66,6 +66,24 @@ def test_prompt_logprobs_match_hf_forward_and_skip_the_prefix_cache(qwen2_dir):
     assert plain.stats.cached_tokens > 0 and plain.prompt_logprobs == ()
 
 
+def test_prompt_logprobs_with_speculative_decoding(qwen2_dir):
+    """With drafts in the same packed step (a decoding request next to the prefill), the speculative
+    backend finds the prompt rows too: the numbers equal a plain forward's."""
+    engine = make_engine(qwen2_dir, block_size=4, max_num_batched_tokens=16, assistant_model_name=str(qwen2_dir),
+                         speculative_num_assistant_tokens=3, speculative_confidence_threshold=0.0)
+    model = AutoModelForCausalLM.from_pretrained(str(qwen2_dir), dtype=torch.float32, attn_implementation="sdpa")
+    decoding, prompt = random_prompts([5, 30], model.config.vocab_size, seed=8)
+    with torch.inference_mode():
+        ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    with engine:
+        _, scored = engine.run_requests([
+            engine.make_request(decoding, max_new_tokens=12, ignore_eos=True),
+            engine.make_request(prompt, max_new_tokens=2, prompt_logprobs=1)])
+    assert [e.token_id for e in scored.prompt_logprobs] == prompt[1:]
+    assert [e.logprob for e in scored.prompt_logprobs] == pytest.approx(
+        [float(ref[p - 1, prompt[p]]) for p in range(1, len(prompt))], abs=TOL)
+
+
 def test_prompt_logprobs_kept_once_per_position():
     """A request recomputed after a preemption gets its prompt rows again: each position is kept once."""
 
