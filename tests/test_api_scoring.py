@@ -316,7 +316,8 @@ def test_unknown_fields_rejected_when_asked(qwen2_dir):
         err = _error(c.post("/completions", json={"prompt": [1, 2], "max_tokens": 1, "not_a_field": 1}), "not_a_field")
         assert err["code"] == "unknown_parameter"
         _error(c.post("/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "bogus": 0}), "bogus")
-        assert c.post("/completions", json={"prompt": [1, 2], "max_tokens": 1, "min_tokens": 1}).status_code == 200
+        ok = {"prompt": [1, 2], "max_tokens": 1, "min_tokens": 1, "suffix": None}
+        assert c.post("/completions", json=ok).status_code == 200
 
 
 # ---------------------------------------------------------------------------- logprob maps keyed by text

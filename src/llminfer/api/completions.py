@@ -84,7 +84,9 @@ async def completions(request: Request, data: SkipValidation[s.CompletionRequest
     check_suffix(raw)
     data = s.parse_body(raw, s.CompletionRequest)
     state = server_state(request)
-    unknown_fields(raw, s.CompletionRequest, reject=state.reject_unknown_fields)
+    # An empty ``suffix`` (some clients always send it) is harmless: not counted as an unknown field.
+    unknown_fields({k: v for k, v in raw.items() if k != "suffix"} if isinstance(raw, dict) else raw,
+                   s.CompletionRequest, reject=state.reject_unknown_fields)
     model = state.resolve_model(data.model)
     check_completion(data)
     spec, spec_param = structured_output(data)
