@@ -19,8 +19,11 @@ from llminfer import EngineConfig, InferenceEngine
 from llminfer.api import create_app, serve_in_thread
 from llminfer.api import protocol as s
 from llminfer.api.logprobs import TokenText, completion_logprobs, top_map
-from llminfer.core.scheduler import _collect_prompt_logprobs
+from llminfer.core.scheduler import Scheduler, SchedulerLimits, _collect_prompt_logprobs
+from llminfer.kv.manager import KVCacheManager
+from llminfer.protocols.messages import StepOutput, TokenizedRequest
 from llminfer.results import TokenLogprob
+from llminfer.sampling.params import SamplingParams
 
 MODEL = "llminfer/tiny-qwen2"
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
@@ -345,3 +348,22 @@ def test_top_logprobs_keys_never_collide():
     assert lp.tokens == ["b", "bytes:\\xc3"] and lp.token_logprobs == [None, -1.5]
     assert lp.top_logprobs == [None, {"a": -0.5, "token_id:2": -1.0}]
     assert isinstance(s.json_encoder.encode(lp), bytes)
+
+
+def test_scheduler_bounds_prompt_logprob_rows_and_skips_the_cache():
+    """A request asking for prompt logprobs gets at most ``max_prompt_logprob_rows`` prompt tokens per step
+    (shared by all such requests) and no prefix-cache hit; a plain request beside it is not held back."""
+    kv = KVCacheManager(num_blocks=64, block_size=4)
+    sched = Scheduler(SchedulerLimits(max_batch_size=4, max_num_batched_tokens=64, max_model_len=1000,
+                                      max_prompt_logprob_rows=5), kv)
+    prompt = tuple(range(1, 13))
+    sched.add_request(TokenizedRequest("warm", prompt, SamplingParams(max_new_tokens=1), 0))
+    plan, _ = sched.schedule()
+    sched.update_from_output(plan, StepOutput(plan.step_id, {"warm": 3}, 0, 0))  # the prompt's blocks are cached
+    for rid in ("s1", "s2"):
+        sched.add_request(TokenizedRequest(rid, prompt, SamplingParams(max_new_tokens=1, prompt_logprobs=0), 0))
+    sched.add_request(TokenizedRequest("plain", prompt, SamplingParams(max_new_tokens=1), 0))
+    plan, _ = sched.schedule()
+    sizes = {s.request_id: (s.start_position, len(s.token_ids)) for s in plan.sequences}
+    assert sizes["s1"] == (0, 5) and "s2" not in sizes  # the 5 rows are spent on s1, from position 0
+    assert sizes["plain"] == (8, 4)  # two cached blocks, the last block computed

@@ -56,6 +56,9 @@ class SchedulerLimits:
     watermark: float = 0.01
     policy: str = "fcfs"
     num_lookahead_tokens: int = 0  #: speculative decoding: draft tokens verified per decode step (0 = off)
+    #: prompt tokens per step whose logprobs are computed (each is a ``[V]`` float32 logits row: 512 rows of
+    #: a 152k vocabulary are 311 MB); longer prompts asking for them are prefilled in chunks
+    max_prompt_logprob_rows: int = 512
 
 
 class Scheduler:
@@ -164,6 +167,7 @@ class Scheduler:
         """
         budget = self.limits.max_num_batched_tokens
         threshold = self.limits.long_prefill_token_threshold
+        logprob_rows = max(1, self.limits.max_prompt_logprob_rows)
         plan: list[tuple[Request, int, int]] = []  # (request, new tokens, speculative lookahead)
         failures: list[SequenceUpdate] = []
         preempted = False
@@ -176,6 +180,12 @@ class Scheduler:
             if threshold:
                 num_new = min(num_new, threshold)
             num_new = min(num_new, budget)
+            scoring = req.needs_prompt_logprobs
+            if scoring:
+                num_new = min(num_new, logprob_rows)
+                if num_new <= 0:
+                    i += 1
+                    continue  # this step's prompt-logprob rows are spent; it goes on next step
             lookahead = self._lookahead(req, num_new, budget)
             scheduled = True
             while not self.kv.allocate_slots(req, req.num_computed_tokens + num_new + lookahead):
@@ -193,6 +203,8 @@ class Scheduler:
                 continue  # req left ``running``; index i now points at the next one
             plan.append((req, num_new, lookahead))
             budget -= num_new + lookahead
+            if scoring:
+                logprob_rows -= num_new
             i += 1
 
         if not preempted:
@@ -209,7 +221,10 @@ class Scheduler:
                         self._finish(req)
                         failures.append(SequenceUpdate(req.request_id, (), "error", exc, stats=req.stats(now)))
                         continue
-                if req.needs_prompt_logprobs:
+                scoring = req.needs_prompt_logprobs
+                if scoring:
+                    if logprob_rows <= 0:
+                        continue
                     # Prompt logprobs come out of the prefill's logits: cached tokens would skip them.
                     cached_blocks, num_cached = [], 0
                 else:
@@ -219,7 +234,7 @@ class Scheduler:
                 num_new = req.num_tokens - num_cached
                 if threshold:
                     num_new = min(num_new, threshold)
-                num_new = min(num_new, budget)
+                num_new = min(num_new, budget, logprob_rows) if scoring else min(num_new, budget)
                 reserve = self.watermark_blocks if self.running else 0
                 if not self.kv.allocate_slots(req, num_cached + num_new, cached_blocks, reserve):
                     break  # head-of-line waits for blocks; running requests will free some
@@ -236,6 +251,8 @@ class Scheduler:
                 self._mark_inflight(req, len(cached_blocks))
                 plan.append((req, num_new, 0))
                 budget -= num_new
+                if scoring:
+                    logprob_rows -= num_new
 
         sequences = []
         new_requests = []
