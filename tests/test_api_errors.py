@@ -165,9 +165,9 @@ def test_bad_prompts(client, prompt, param):
 
 @pytest.mark.parametrize(("body", "param"), [
     ({"suffix": "tail"}, "suffix"),
-    ({"best_of": 3}, "best_of"),
-    ({"logit_bias": {"42": 5}}, "logit_bias"),
-    ({"echo": True, "logprobs": 2}, "echo"),
+    ({"best_of": 1, "n": 2}, "best_of"),
+    ({"logit_bias": {"x42": 5}}, "logit_bias"),
+    ({"max_tokens": 0}, "max_tokens"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
 ])
 def test_unsupported_completion_options(client, body, param):

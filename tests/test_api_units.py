@@ -142,8 +142,8 @@ def test_engine_errors_map_to_openai_errors():
         e = from_engine_error(InvalidRequestError(text))
         assert (e.status, e.param, e.code) == (400, None, "invalid_value")
     # Engine field names become the OpenAI ones.
-    for engine_name, api_name in (("max_new_tokens", "max_tokens"), ("min_new_tokens", "max_tokens"),
-                                  ("stop_sequences", "stop"), ("stop_token_ids", "stop"), ("top_k", "top_k"),
+    for engine_name, api_name in (("max_new_tokens", "max_tokens"), ("min_new_tokens", "min_tokens"),
+                                  ("stop_sequences", "stop"), ("stop_token_ids", "stop_token_ids"), ("top_k", "top_k"),
                                   ("prompt[1]", "prompt[1]")):
         assert from_engine_error(InvalidRequestError("x", param=engine_name)).param == api_name
     e = from_engine_error(InvalidRequestError("unknown sampling argument 'typical_p'", param="typical_p",

@@ -13,7 +13,7 @@ import enum
 
 import attrs
 
-from llminfer.results import GenerationStats
+from llminfer.results import GenerationStats, TokenLogprob
 from llminfer.sampling.params import SamplingParams
 from llminfer.sampling.structured import GrammarHandle
 
@@ -67,6 +67,13 @@ class Request:
     first_token_ns: int = 0
     last_token_ns: int = 0
     sent_to_backend: bool = False
+    prompt_logprobs: list[TokenLogprob] = attrs.field(factory=list)  #: collected in the prefill, positions 1..
+    prompt_logprobs_sent: bool = False
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """It asked for prompt logprobs and some are still to compute (so it takes no prefix-cache hit)."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
     @property
     def num_tokens(self) -> int:

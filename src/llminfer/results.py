@@ -59,6 +59,7 @@ class GenerationResult:
     finish_reason: str
     stats: GenerationStats
     logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  #: prompt tokens 1..P-1 (``prompt_logprobs`` asked)
 
 
 @attrs.frozen
@@ -81,6 +82,8 @@ class StreamChunk:
         token_ids: the token ids generated since the previous chunk.
         is_final: the last chunk; ``finish_reason`` and ``stats`` are set on it, and only on it.
         logprobs: entries for ``token_ids`` when logprobs were requested.
+        prompt_logprobs: on the first chunk of a request that asked ``prompt_logprobs``: one entry per
+            prompt token after the first (the first token has no logprob: nothing precedes it).
     """
 
     token: str
@@ -89,6 +92,7 @@ class StreamChunk:
     finish_reason: str | None = None
     stats: GenerationStats | None = None
     logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @attrs.frozen
@@ -97,9 +101,14 @@ class TokenLogprob:
 
     Read after the history processors (repetition / presence / frequency penalties, no-repeat n-gram,
     bad words, EOS masking) and before temperature, top-k, top-p and min-p, i.e. the distribution the
-    model proposes for this request; natural log.
+    model proposes for this request; natural log. ``logit_bias`` is added before them, so it shows here.
+    Prompt tokens (``prompt_logprobs``) are read from the raw model logits.
+
+    Attributes:
+        rank: 1 + the number of tokens more likely than ``token_id`` (set for prompt tokens; None otherwise).
     """
 
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None

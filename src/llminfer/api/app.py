@@ -79,6 +79,7 @@ class ServerState:
     draining: bool = False
     stoppers: set[Callable[[], None]] = attrs.field(factory=set)
     tokenize_limiter: anyio.CapacityLimiter | None = None
+    reject_unknown_fields: bool = False  #: unknown top-level request fields: 400 instead of a warning
 
     def engine_started(self) -> None:
         """Set up what needs the loaded tokenizer (called from the lifespan)."""
@@ -250,7 +251,7 @@ def check_api_key(api_key: str | None) -> None:
 def create_app(engine_or_config: InferenceEngine | EngineConfig | None = None, *,
                served_model_name: str | None = None, api_key: str | None = None,
                max_queue_size: int | None = DEFAULT_MAX_QUEUE_SIZE, max_prompt_chars: int | None = None,
-               debug: bool = False) -> Litestar:
+               debug: bool = False, reject_unknown_fields: bool = False) -> Litestar:
     """Build the OpenAI-compatible Litestar app around an engine.
 
     Args:
@@ -264,6 +265,9 @@ def create_app(engine_or_config: InferenceEngine | EngineConfig | None = None, *
         max_prompt_chars: prompt text longer than this (characters) is refused before tokenizing.
             Default: the context length x the longest vocabulary entry (no prompt that fits is refused).
         debug: Litestar debug mode.
+        reject_unknown_fields: answer a request body with a top-level field the endpoint does not define
+            with a 400 naming it. Default: accept it, ignore the field and log a warning naming it (vLLM's
+            behaviour, so clients that send newer fields keep working).
 
     Raises:
         ConfigError: a bad configuration (when a config is given).
@@ -282,7 +286,7 @@ def create_app(engine_or_config: InferenceEngine | EngineConfig | None = None, *
     check_api_key(api_key)
     state = ServerState(engine=engine, served_model_name=name, accepted_model_names=frozenset({name, model_id}),
                         api_key=api_key, max_queue_size=max_queue_size, metrics=ServerMetrics(name, engine),
-                        max_prompt_chars=max_prompt_chars)
+                        max_prompt_chars=max_prompt_chars, reject_unknown_fields=reject_unknown_fields)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Litestar) -> AsyncIterator[None]:

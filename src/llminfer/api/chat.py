@@ -40,6 +40,8 @@ from llminfer.api.translate import (
     sampling_kwargs,
     structured_output,
     tool_plan,
+    truncate_prompt,
+    unknown_fields,
 )
 from llminfer.results import StreamChunk
 from llminfer.tools import Event, ToolCallDelta, finish_reason, fold_events
@@ -55,8 +57,10 @@ async def chat_completions(request: Request, data: SkipValidation[s.ChatCompleti
         APIError: 400 bad input (incl. ``context_length_exceeded`` and constraints that do not compile),
             404 unknown model, 429 queue full.
     """
-    data = s.parse_body(data, s.ChatCompletionRequest)
+    raw = data
+    data = s.parse_body(raw, s.ChatCompletionRequest)
     state = server_state(request)
+    unknown_fields(raw, s.ChatCompletionRequest, reject=state.reject_unknown_fields)
     model = state.resolve_model(data.model)
     logprobs = check_chat(data)
     plan = tool_plan(data)
@@ -65,6 +69,7 @@ async def chat_completions(request: Request, data: SkipValidation[s.ChatCompleti
     state.check_prompt_chars(_message_texts(data.messages))
     ids = await state.tokenize(state.prompts.chat, data.messages, plan.tools if plan is not None else ())
     max_new, _ = max_new_tokens(data, None)
+    ids = truncate_prompt(ids, data, state.prompts.inputs.max_model_len, max_new)
     check_context(state.prompts.inputs, ids, max_new, param="messages")
     job = new_job("chat", model, [ids], data.n or 1, state.engine.make_request,
                   sampling_kwargs(data, max_new, logprobs, spec), logprobs=logprobs)

@@ -100,8 +100,7 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 _ENGINE_TO_API_PARAM = {
     "max_new_tokens": "max_tokens",
     "stop_sequences": "stop",
-    "min_new_tokens": "max_tokens",
-    "stop_token_ids": "stop",
+    "min_new_tokens": "min_tokens",
 }
 UNSUPPORTED_PARAMETER = "unsupported_parameter"
 

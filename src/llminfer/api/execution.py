@@ -60,6 +60,7 @@ class Job:
         tools: for chat with tools, how calls are parsed out of each choice's text.
         constraint_param: the request field the output constraint came from (``response_format``,
             ``guided_regex``, ``tools``, ...): engine errors about the constraint name it.
+        render_options: the endpoint's own rendering options (completions: echo logprobs, ``best_of``, ...).
     """
 
     kind: str
@@ -74,11 +75,13 @@ class Job:
     include_usage: bool = False
     tools: ToolPlan | None = None
     constraint_param: str | None = None
+    render_options: Any = None
 
 
 def new_job(kind: str, model: str, prompt_ids: list[list[int]], n: int, make: Callable[..., GenerationRequest],
-            kwargs: dict[str, Any], *, logprobs: int | None = None) -> Job:
-    """Build the engine requests of a call: ``n`` per prompt (seed + i for the i-th sample when seeded).
+            kwargs: dict[str, Any], *, logprobs: int | None = None, first_kwargs: dict[str, Any] | None = None) -> Job:
+    """Build the engine requests of a call: ``n`` per prompt (seed + i for the i-th sample when seeded);
+    ``first_kwargs`` are added to the first sample of each prompt only (prompt logprobs: one is enough).
 
     Raises:
         APIError: 400 when the engine rejects a sampling value (the param is named).
@@ -90,6 +93,8 @@ def new_job(kind: str, model: str, prompt_ids: list[list[int]], n: int, make: Ca
         for p, ids in enumerate(prompt_ids):
             for i in range(n):
                 kw = dict(kwargs)
+                if i == 0 and first_kwargs:
+                    kw.update(first_kwargs)
                 if seed is not None:
                     kw["seed"] = seed + i
                 requests.append(make(ids, **kw))

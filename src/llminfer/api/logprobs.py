@@ -72,15 +72,74 @@ def chat_logprobs(chunk_logprobs: Sequence[Any], k: int, token_text: TokenText) 
     return out
 
 
+def token_key(token_text: TokenText, token_id: int) -> str:
+    """How a token is named in the legacy completions format (``tokens`` and the ``top_logprobs`` keys):
+    its text, or, for a token that holds only part of a UTF-8 character (its text has U+FFFD where the
+    bytes have none), ``bytes:`` and its bytes as ``\\xNN`` escapes, as the OpenAI API writes them."""
+    text, raw = token_text.lookup(token_id)
+    if "\ufffd" in text and "\ufffd" not in bytes(raw).decode("utf-8", errors="ignore"):
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+    return text
+
+
+def top_map(token_text: TokenText, top: Sequence[tuple[int, float]]) -> dict[str, float]:
+    """``top_logprobs`` entry of one position, keyed by :func:`token_key`, best first.
+
+    Two candidates can share a key (distinct ids with the same text). Neither is lost: the better one
+    (the first: ``top`` is sorted best first) keeps the key, a later one is keyed ``token_id:<id>``; so a
+    value is never overwritten, least of all by a worse one.
+    """
+    out: dict[str, float] = {}
+    for tid, value in top:
+        key = token_key(token_text, tid)
+        if key in out:
+            key = f"token_id:{tid}"
+        if key not in out:
+            out[key] = _lp(value)
+    return out
+
+
 def completion_logprobs(chunk_logprobs: Sequence[Any], k: int, token_text: TokenText,
-                        offset: int) -> s.CompletionLogprobs:
-    """Engine ``TokenLogprob`` entries in the legacy completions format; ``offset``: text offset of the first."""
-    tokens, values, tops, offsets = [], [], [], []
-    for entry in chunk_logprobs:
-        text, _ = token_text.lookup(entry.token_id)
-        tokens.append(text)
-        values.append(_lp(entry.logprob))
-        tops.append({token_text.lookup(tid)[0]: _lp(v) for tid, v in tuple(entry.top)[:k]})
+                        offset: int, *, first_token: int | None = None) -> s.CompletionLogprobs:
+    """Engine ``TokenLogprob`` entries in the legacy completions format; ``offset``: text offset of the first.
+
+    ``first_token``: a prompt's first token, which comes first with ``null`` logprob and alternatives
+    (nothing precedes it; ``echo`` with ``logprobs``).
+    """
+    tokens: list[str] = []
+    values: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+    if first_token is not None:
+        tokens.append(token_key(token_text, first_token))
+        values.append(None)
+        tops.append(None)
         offsets.append(offset)
-        offset += len(text)
+        offset += len(token_text.lookup(first_token)[0])
+    for entry in chunk_logprobs:
+        tokens.append(token_key(token_text, entry.token_id))
+        values.append(_lp(entry.logprob))
+        tops.append(top_map(token_text, tuple(entry.top)[:k]))
+        offsets.append(offset)
+        offset += len(token_text.lookup(entry.token_id)[0])
     return s.CompletionLogprobs(tokens, values, tops, offsets)
+
+
+def join_logprobs(a: s.CompletionLogprobs, b: s.CompletionLogprobs) -> s.CompletionLogprobs:
+    """``a`` followed by ``b`` (the prompt's logprobs, then the generated tokens')."""
+    top = None if a.top_logprobs is None or b.top_logprobs is None else a.top_logprobs + b.top_logprobs
+    return s.CompletionLogprobs(a.tokens + b.tokens, a.token_logprobs + b.token_logprobs, top,
+                                a.text_offset + b.text_offset)
+
+
+def vllm_prompt_logprobs(entries: Sequence[Any], k: int, token_text: TokenText) -> list[dict[str, s.PromptLogprob] | None]:
+    """vLLM's ``prompt_logprobs`` of one prompt: ``None`` for the first token, then per token
+    ``{token id: PromptLogprob}`` holding the prompt token (with its rank) and the top ``k``."""
+    out: list[dict[str, s.PromptLogprob] | None] = [None]
+    for entry in entries:
+        position = {str(entry.token_id): s.PromptLogprob(_lp(entry.logprob), entry.rank,
+                                                         token_text.lookup(entry.token_id)[0])}
+        for rank, (tid, value) in enumerate(tuple(entry.top)[:k], start=1):
+            position.setdefault(str(tid), s.PromptLogprob(_lp(value), rank, token_text.lookup(tid)[0]))
+        out.append(position)
+    return out

@@ -1,8 +1,10 @@
 """The wire protocol: OpenAI request and response bodies as msgspec structs, and :func:`parse_body`.
 
 Litestar decodes request bodies into these structs (types and ranges are checked there, and a failure
-becomes a 400 naming the field), and they make up the OpenAPI document. Unknown request fields are
-ignored, as most OpenAI-compatible servers do, so clients that send newer fields keep working.
+becomes a 400 naming the field), and they make up the OpenAPI document. Unknown top-level request fields are
+accepted and ignored by default, as vLLM does, so clients that send newer fields keep working; the server
+logs one warning naming them, and ``reject_unknown_fields`` (``--reject-unknown-fields``) makes them a 400
+instead (see :func:`unknown_fields`).
 
 Ranges follow the OpenAI API reference; llminfer extras (``top_k``, ``min_p``, ...) follow the engine's
 :class:`~llminfer.sampling.params.SamplingParams`.
@@ -32,6 +34,9 @@ Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
 NumChoices = Annotated[int, Meta(ge=1, le=16)]
 StopList = Annotated[list[str], Meta(max_length=16)]
 WordList = Annotated[list[str], Meta(max_length=64)]
+TokenIdList = Annotated[list[TokenId], Meta(max_length=64)]
+LogitBias = dict[Annotated[str, Meta(pattern=r"^\d{1,10}$")], Annotated[float, Meta(ge=-100.0, le=100.0)]]
+Logprobs = Annotated[int, Meta(ge=0, le=20)]
 
 
 class StreamOptions(Struct):
@@ -56,7 +61,7 @@ class _Common(Struct, kw_only=True):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: LogitBias | None = None
     # llminfer extras (OpenAI clients send them through ``extra_body``)
     top_k: Annotated[int, Meta(ge=-1, le=2**31 - 1)] | None = None
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
@@ -65,6 +70,14 @@ class _Common(Struct, kw_only=True):
     bad_words: WordList | None = None
     force_words: WordList | None = None
     ignore_eos: bool | None = None
+    # vLLM's extras
+    stop_token_ids: TokenIdList | None = None
+    min_tokens: Annotated[int, Meta(ge=0, le=2**31 - 1)] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    truncate_prompt_tokens: Annotated[int, Meta(ge=-1, le=2**31 - 1, description=(
+        "Keep the last k prompt tokens; -1: as many as fit with the output length. 0 is refused."))] | None = None
     # Structured output: OpenAI's ``response_format``, vLLM's older ``guided_*`` fields and its newer
     # ``structured_outputs`` object (checked in :func:`llminfer.api.translate.structured_output`).
     response_format: dict[str, Any] | None = None
@@ -126,9 +139,16 @@ class CompletionRequest(_Common, kw_only=True):
 
     prompt: str | Annotated[list[str | TokenId | list[TokenId]], Meta(min_length=1)]
     echo: bool | None = None
-    logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
-    suffix: str | None = None
-    best_of: Annotated[int, Meta(ge=1, le=16)] | None = None
+    logprobs: Logprobs | None = None
+    best_of: Annotated[int, Meta(ge=1, le=16, description=(
+        "Samples per prompt; the n with the highest cumulative logprob are returned. Must be >= n; above n it "
+        "cannot be streamed."))] | None = None
+    # vLLM's extra: the prompt tokens' logprobs in vLLM's own shape (``choices[i].prompt_logprobs``)
+    prompt_logprobs: Logprobs | None = None
+    # ``max_tokens`` may be 0 here: with ``echo`` and ``logprobs`` that scores the prompt (lm-eval).
+    max_tokens: Annotated[int, Meta(ge=0, le=2**31 - 1, description=(
+        "Tokens to generate (default 16). 0 only with echo or prompt_logprobs: the prompt is scored, nothing "
+        "is generated."))] | None | UnsetType = UNSET
 
 
 # ---------------------------------------------------------------------------- responses
@@ -244,9 +264,17 @@ class ChatCompletionChunk(Struct):
 
 class CompletionLogprobs(Struct):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None] | None
     text_offset: list[int]
+
+
+class PromptLogprob(Struct):
+    """vLLM's ``Logprob``: one candidate at one prompt position (``rank`` 1 is the most likely)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
 
 
 class CompletionChoice(Struct):
@@ -254,6 +282,9 @@ class CompletionChoice(Struct):
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
+    #: with ``prompt_logprobs``: per prompt token ``{token id: PromptLogprob}`` (the prompt token and the
+    #: top alternatives), ``null`` for the first token
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | UnsetType = UNSET
 
 
 class Completion(Struct):
@@ -286,7 +317,7 @@ class Health(Struct):
 
 json_encoder = msgspec.json.Encoder()
 
-_AT_PATH = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
+_AT_PATH = re.compile(r" - at `(?:key` in `)?\$\.?(?P<path>[^`]*)`$")  # a value, or a key of the object there
 
 
 def parse_body(raw: Any, cls: type[T]) -> T:
@@ -304,6 +335,7 @@ def parse_body(raw: Any, cls: type[T]) -> T:
         message = str(exc)
         m = _AT_PATH.search(message)
         path = m.group("path") if m else ""
+        path = path.removesuffix("[...]")  # a value of a map (``logit_bias``): name the map
         detail = message[: m.start()] if m else message
         missing = re.fullmatch(r"Object missing required field `(\w+)`", detail)
         if missing:

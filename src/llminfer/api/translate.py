@@ -11,9 +11,10 @@ support. Prompts are judged by the engine's own :class:`~llminfer.frontend.input
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+import structlog
 from msgspec import UNSET
 
 from llminfer.api import protocol as s
@@ -25,6 +26,8 @@ from llminfer.sampling.structured import StructuredOutput
 from llminfer.tools import Tool, ToolPlan, plan_tools
 
 Body = s.ChatCompletionRequest | s.CompletionRequest
+
+log = structlog.get_logger("llminfer.api")
 
 
 # ---------------------------------------------------------------------------- prompts
@@ -66,6 +69,10 @@ class PromptBuilder:
         conversation = []
         for i, message in enumerate(messages):
             content = message.content
+            if content is None and not (message.role == "assistant" and message.tool_calls):
+                raise bad_request(f"messages[{i}] ({message.role}) needs 'content' (only an assistant message "
+                                  "with tool_calls may omit it)", f"messages[{i}].content",
+                                  "missing_required_parameter")
             if content is not None and not isinstance(content, str):
                 parts = []
                 for j, part in enumerate(content):
@@ -136,19 +143,52 @@ def check_context(inputs: InputProcessor, ids: Sequence[int], max_new: int | Non
         raise from_engine_error(exc, prompt_param=param) from None
 
 
+def truncate_prompt(ids: list[int], body: Body, max_model_len: int, max_new: int | None) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: keep the last ``k`` prompt tokens (``-1``: as many as fit in the
+    context with the requested output length, at least one generated token)."""
+    k = body.truncate_prompt_tokens
+    if k is None:
+        return ids
+    if k == -1:
+        k = max(1, max_model_len - (max_new or 1))
+    return ids[-k:]
+
+
 # ---------------------------------------------------------------------------- body checks
-def check_common(body: Body, num_prompts: int) -> None:
-    """Checks shared by chat and completions: ``stream_options``, ``logit_bias``, the number of choices.
+def unknown_fields(raw: Any, cls: type, *, reject: bool) -> list[str]:
+    """Top-level fields of the body ``raw`` that ``cls`` does not define: a warning naming them (they are
+    ignored), or with ``reject`` a 400 naming the first.
+
+    Raises:
+        APIError: 400 ``unknown_parameter`` (only with ``reject``).
+    """
+    if not isinstance(raw, Mapping):
+        return []
+    known = cls.__struct_fields__  # type: ignore[attr-defined]
+    unknown = sorted(k for k in raw if k not in known)
+    if unknown and reject:
+        raise bad_request(f"Unrecognized request argument supplied: {unknown[0]} (this server rejects unknown "
+                          "fields)", unknown[0], "unknown_parameter")
+    if unknown:
+        log.warning("ignoring unknown request fields", fields=unknown)
+    return unknown
+
+
+def check_common(body: Body, num_prompts: int, num_samples: int | None = None) -> None:
+    """Checks shared by chat and completions: ``stream_options``, ``truncate_prompt_tokens``, the number of
+    choices (``num_samples``: engine requests per prompt, default ``n``).
 
     Raises:
         APIError: 400 naming the field.
     """
     if body.stream_options is not None and not body.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
-    if body.logit_bias:
-        raise bad_request("logit_bias is not supported by this server", "logit_bias", "unsupported_parameter")
-    if num_prompts * (body.n or 1) > s.MAX_CHOICES:
-        raise bad_request(f"at most {s.MAX_CHOICES} choices per request (prompts x n)", "n", "invalid_value")
+    if body.truncate_prompt_tokens == 0:
+        raise bad_request("truncate_prompt_tokens must be >= 1 (or -1: as many as fit)", "truncate_prompt_tokens",
+                          "invalid_value")
+    if num_prompts * (num_samples or body.n or 1) > s.MAX_CHOICES:
+        raise bad_request(f"at most {s.MAX_CHOICES} choices per request (prompts x n, or prompts x best_of)",
+                          "best_of" if num_samples else "n", "invalid_value")
 
 
 def check_chat(body: s.ChatCompletionRequest) -> int | None:
@@ -276,22 +316,36 @@ async def check_structured_output(engine: Any, spec: StructuredOutput | None, pa
         raise bad_request(str(exc), param, exc.code) from None
 
 
-def check_completion(body: s.CompletionRequest) -> None:
-    """Refuse completion options this server does not support.
+def check_suffix(raw: Any) -> None:
+    """``suffix`` (fill-in-the-middle) is refused: the models served here have no FIM format. It is not
+    part of the schema, so it is checked on the raw body, before the unknown-field policy.
 
     Raises:
-        APIError: 400 naming the field (``suffix``, ``best_of``, ``echo``, or see :func:`check_common`).
+        APIError: 400 naming ``suffix``.
     """
-    if body.suffix:
-        raise bad_request("suffix is not supported by this server", "suffix", "unsupported_parameter")
-    if body.best_of is not None and body.best_of != (body.n or 1):
-        raise bad_request("best_of is not supported (it must equal n)", "best_of", "unsupported_parameter")
-    if body.echo and body.logprobs is not None:
-        raise bad_request("echo together with logprobs is not supported (no prompt logprobs)", "echo",
-                          "unsupported_parameter")
+    if isinstance(raw, Mapping) and raw.get("suffix") not in (None, ""):
+        raise bad_request("suffix (fill-in-the-middle) is not supported: the served model has no FIM format",
+                          "suffix", "unsupported_parameter")
+
+
+def check_completion(body: s.CompletionRequest) -> None:
+    """Refuse completion options this server does not support or that contradict each other.
+
+    Raises:
+        APIError: 400 naming the field (``best_of``, ``max_tokens``, or see :func:`check_common`).
+    """
+    n = body.n or 1
+    if body.best_of is not None and body.best_of < n:
+        raise bad_request(f"best_of ({body.best_of}) must be >= n ({n})", "best_of", "invalid_value")
+    if body.best_of is not None and body.best_of > n and body.stream:
+        raise bad_request("best_of > n cannot be streamed (the best choices are known only at the end)",
+                          "best_of", "invalid_value")
+    if body.max_tokens == 0 and not body.echo and body.prompt_logprobs is None:
+        raise bad_request("max_tokens 0 generates nothing: it needs echo (with logprobs: prompt scoring) or "
+                          "prompt_logprobs", "max_tokens", "invalid_value")
     prompt = body.prompt
     num_prompts = len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else 1
-    check_common(body, num_prompts)
+    check_common(body, num_prompts, body.best_of if body.best_of and body.best_of > n else None)
 
 
 def include_usage(body: Body) -> bool:
@@ -344,6 +398,16 @@ def sampling_kwargs(body: Body, max_new: int | None, logprobs: int | None,
         kw["bad_words"] = tuple(body.bad_words)
     if body.force_words:
         kw["force_words"] = tuple(body.force_words)
+    if body.logit_bias:
+        kw["logit_bias"] = {int(k): float(v) for k, v in body.logit_bias.items()}
+    if body.stop_token_ids:
+        kw["stop_token_ids"] = tuple(body.stop_token_ids)
+    if body.min_tokens:
+        kw["min_new_tokens"] = body.min_tokens
+    for name in ("include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens"):
+        value = getattr(body, name)
+        if value is not None:
+            kw[name] = value
     if logprobs is not None:
         kw["logprobs"] = logprobs
     if structured is not None:

@@ -300,7 +300,7 @@ class CompiledBackend(HFBackend):
         """Facts for ``engine.info()``: ``compile`` holds :meth:`stats`."""
         return {"steps": self.num_steps, "compile": self.stats()}
 
-    def forward(self, plan: SchedulerOutput) -> torch.Tensor:
+    def forward(self, plan: SchedulerOutput, extra_rows: Sequence[int] = ()) -> torch.Tensor:
         """Run the plan's packed tokens through the compiled graph (or the eager path after a fallback, or
         for a step larger than every bucket).
 
@@ -310,9 +310,9 @@ class CompiledBackend(HFBackend):
         Raises:
             Exception: the compiled step failed and ``fallback_to_eager`` is off.
         """
-        if not self.compiled_ok:
+        if not self.compiled_ok or extra_rows:  # prompt-logprob rows: their count fits no keep bucket
             self.num_eager_steps += 1
-            return super().forward(plan)
+            return super().forward(plan, extra_rows)
         seqs = plan.sequences
         total = sum(len(s.token_ids) for s in seqs)
         t_pad = bucket_for(total, self.buckets)

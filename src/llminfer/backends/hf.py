@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+import attrs
 import torch
 
 from llminfer.backends.attention import METADATA_KWARG, PagedKVCache, build_metadata
 from llminfer.protocols.messages import SchedulerOutput, StepOutput
+from llminfer.results import TokenLogprob
 from llminfer.sampling.sampler import SamplingState, sample
 
 
@@ -43,6 +45,79 @@ def run_packed(
     return logits if keep_rows else logits[:0]
 
 
+@attrs.frozen
+class PromptLogprobJob:
+    """The prompt positions of one sequence whose logprobs this step yields.
+
+    Attributes:
+        request_id: the request.
+        first_position: prompt position of the first target (>= 1).
+        targets: the prompt tokens at ``first_position, first_position + 1, ...``.
+        k: top alternatives to report.
+        rows: their rows in the packed step (the logits row before each target).
+    """
+
+    request_id: str
+    first_position: int
+    targets: tuple[int, ...]
+    k: int
+    rows: tuple[int, ...]
+
+
+def prompt_logprob_jobs(plan: SchedulerOutput, states: Mapping[str, SamplingState],
+                        lengths: Sequence[int] | None = None) -> list[PromptLogprobJob]:
+    """What the step's sequences with ``prompt_logprobs`` need: the row of each computed prompt position
+    whose next token is also a prompt token (its logits give that token's logprob).
+
+    Args:
+        lengths: per sequence, its tokens in the packed row (default: ``len(token_ids)``; speculative
+            decoding appends draft tokens).
+    """
+    jobs = []
+    offset = 0
+    for i, s in enumerate(plan.sequences):
+        n = len(s.token_ids)
+        state = states.get(s.request_id)
+        if state is not None and state.params.prompt_logprobs is not None:
+            start = s.start_position
+            end = min(start + n, state.num_prompt - 1)  # positions whose next token is in the prompt
+            if end > start:
+                jobs.append(PromptLogprobJob(s.request_id, start + 1, tuple(state.token_ids[start + 1 : end + 1]),
+                                             state.params.prompt_logprobs,
+                                             tuple(range(offset, offset + end - start))))
+        offset += lengths[i] if lengths is not None else n
+    return jobs
+
+
+def prompt_logprobs(logits: torch.Tensor, jobs: Sequence[PromptLogprobJob]) -> dict[str, tuple[int, tuple[TokenLogprob, ...]]]:
+    """Log-softmax of raw logits at the jobs' rows: each target's logprob and rank, and the top-k.
+
+    Args:
+        logits: ``[sum(len(job.rows)), V]`` float32, the jobs' rows in order (overwritten with logprobs).
+
+    Returns:
+        ``{request_id: (first_position, entries)}`` for :class:`~llminfer.protocols.messages.StepOutput`.
+    """
+    out: dict[str, tuple[int, tuple[TokenLogprob, ...]]] = {}
+    logits -= logits.logsumexp(dim=-1, keepdim=True)  # in place: the rows can be many
+    row = 0
+    for job in jobs:
+        lp = logits[row : row + len(job.rows)]
+        row += len(job.rows)
+        targets = torch.tensor(job.targets, dtype=torch.long, device=lp.device)
+        chosen = lp.gather(1, targets[:, None])
+        ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
+        top_ids: list[list[int]] = [[] for _ in job.targets]
+        top_values: list[list[float]] = [[] for _ in job.targets]
+        if job.k:
+            values, ids = torch.topk(lp, job.k, dim=-1)
+            top_ids, top_values = ids.tolist(), values.tolist()
+        entries = tuple(TokenLogprob(t, v, tuple(zip(ti, tv)), r) for t, v, ti, tv, r in
+                        zip(job.targets, chosen[:, 0].tolist(), top_ids, top_values, ranks))
+        out[job.request_id] = (job.first_position, entries)
+    return out
+
+
 class HFBackend:
     """Runs one packed step of a transformers model with paged attention, then samples.
 
@@ -62,11 +137,15 @@ class HFBackend:
         self.states: dict[str, SamplingState] = {}
         self.num_steps = 0
 
-    def forward(self, plan: SchedulerOutput) -> torch.Tensor:
+    def forward(self, plan: SchedulerOutput, extra_rows: Sequence[int] = ()) -> torch.Tensor:
         """Run the model on the plan's packed tokens.
 
+        Args:
+            extra_rows: further packed rows whose logits are wanted (prompt logprobs).
+
         Returns:
-            ``[S, V]`` float32 logits, one row per sequence with ``sample`` set, in plan order.
+            ``[S + len(extra_rows), V]`` float32 logits: one row per sequence with ``sample`` set, in plan
+            order, then the extra rows.
         """
         seqs = plan.sequences
         keep = []
@@ -75,6 +154,7 @@ class HFBackend:
             offset += len(s.token_ids)
             if s.sample:
                 keep.append(offset - 1)
+        keep.extend(extra_rows)
         return run_packed(self.model, self.cache, [s.token_ids for s in seqs], [s.start_position for s in seqs],
                           [s.block_table for s in seqs], keep, self.device)
 
@@ -100,14 +180,17 @@ class HFBackend:
             self.release(plan.finished_request_ids)
             self._register(plan)
             sampling = [s for s in plan.sequences if s.sample]
+            jobs = prompt_logprob_jobs(plan, self.states)
             with torch.inference_mode():
-                logits = self.forward(plan)
-                tokens, logprobs = sample(logits, [self.states[s.request_id] for s in sampling])
+                logits = self.forward(plan, [r for job in jobs for r in job.rows]) if jobs else self.forward(plan)
+                prompt_lps = prompt_logprobs(logits[len(sampling):], jobs) if jobs else {}
+                tokens, logprobs = sample(logits[: len(sampling)], [self.states[s.request_id] for s in sampling])
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             self.num_steps += 1
             sampled = {s.request_id: t for s, t in zip(sampling, tokens)}
             lps = {s.request_id: lp for s, lp in zip(sampling, logprobs) if lp is not None}
-            return StepOutput(plan.step_id, sampled, start, time.perf_counter_ns(), logprobs=lps)
+            return StepOutput(plan.step_id, sampled, start, time.perf_counter_ns(), logprobs=lps,
+                              prompt_logprobs=prompt_lps)
         except Exception as exc:  # noqa: BLE001 - the scheduler fails the step's requests with it
             return StepOutput(plan.step_id, {}, start, time.perf_counter_ns(), error=exc)

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import torch
 
 from llminfer.backends.attention import PagedKVCache
-from llminfer.backends.hf import HFBackend, run_packed
+from llminfer.backends.hf import HFBackend, prompt_logprob_jobs, prompt_logprobs, run_packed
 from llminfer.protocols.messages import ScheduledSequence, SchedulerOutput, StepOutput
 from llminfer.sampling.sampler import SamplingState, sample, warp
 
@@ -168,7 +168,12 @@ class SpeculativeBackend(HFBackend):
                         keep.extend(range(offset - len(seq_tokens) + len(s.token_ids) - 1, offset))
                     elif s.sample:
                         keep.append(offset - 1)
+                jobs = prompt_logprob_jobs(plan, self.states, [len(t) for t in tokens])
+                n_keep = len(keep)
+                keep.extend(r for job in jobs for r in job.rows)
                 logits = run_packed(self.model, self.cache, tokens, starts, tables, keep, self.device)
+                prompt_lps = prompt_logprobs(logits[n_keep:], jobs) if jobs else {}
+                logits = logits[:n_keep]
                 sampled: dict[str, int | tuple[int, ...]] = {}
                 spec: dict[str, tuple[int, int]] = {}
                 plain_rows, plain_states, plain_ids = [], [], []
@@ -201,7 +206,8 @@ class SpeculativeBackend(HFBackend):
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             self.num_steps += 1
-            return StepOutput(plan.step_id, sampled, start, time.perf_counter_ns(), logprobs=logprobs, spec=spec)
+            return StepOutput(plan.step_id, sampled, start, time.perf_counter_ns(), logprobs=logprobs, spec=spec,
+                              prompt_logprobs=prompt_lps)
         except Exception as exc:  # noqa: BLE001 - the scheduler fails the step's requests with it
             return StepOutput(plan.step_id, {}, start, time.perf_counter_ns(), error=exc)
 

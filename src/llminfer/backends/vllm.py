@@ -114,14 +114,20 @@ def sampling_kwargs(params: SamplingParams) -> dict[str, Any]:
         "seed": params.seed,
         "stop": list(params.stop_sequences),
         "stop_token_ids": list(params.stop_token_ids),
-        "include_stop_str_in_output": False,
+        "include_stop_str_in_output": params.include_stop_str_in_output,
         "ignore_eos": params.ignore_eos,
         "repetition_penalty": float(params.repetition_penalty),
         "presence_penalty": float(params.presence_penalty),
         "frequency_penalty": float(params.frequency_penalty),
         "logprobs": params.logprobs,
-        "skip_special_tokens": True,
+        "skip_special_tokens": params.skip_special_tokens,
     }
+    if params.prompt_logprobs is not None:
+        kw["prompt_logprobs"] = params.prompt_logprobs
+    if not params.spaces_between_special_tokens:
+        kw["spaces_between_special_tokens"] = False
+    if params.logit_bias:
+        kw["logit_bias"] = dict(params.logit_bias)
     if params.bad_words:
         kw["bad_words"] = list(params.bad_words)
     so = params.structured_output
@@ -272,6 +278,7 @@ class VLLMBackend:
         prompt = self.make_prompt(list(request.prompt_token_ids))
         k = request.params.logprobs or 0
         counted = False
+        prompt_sent = request.params.prompt_logprobs is None
         self.num_running += 1
         try:
             async for out in self.client.generate(prompt, params, request.request_id):
@@ -286,6 +293,11 @@ class VLLMBackend:
                 reason = finish_reason(comp.finish_reason) if out.finished else None
                 if out.finished and reason is None:
                     reason = "stop"
+                prompt_lps: tuple = ()
+                if not prompt_sent and getattr(out, "prompt_logprobs", None):
+                    prompt_sent = True  # vLLM's list has None for the first prompt token
+                    prompt_lps = convert_logprobs(list(request.prompt_token_ids[1:]), list(out.prompt_logprobs[1:]),
+                                                  request.params.prompt_logprobs or 0)
                 error = RequestAbortedError("request aborted by vLLM") if reason == "abort" else None
                 if reason == "error":
                     error = EngineError(f"vLLM finished the request with {comp.finish_reason!r}")
@@ -294,6 +306,7 @@ class VLLMBackend:
                     time_ns=time.perf_counter_ns(),
                     logprobs=convert_logprobs(list(ids), comp.logprobs, k) if request.params.logprobs is not None else (),
                     stats=GenerationStats(0.0, 0.0, 0.0, len(request.prompt_token_ids), 0, cached > 0, cached),
+                    prompt_logprobs=prompt_lps,
                 )
                 if out.finished:
                     return

@@ -233,6 +233,9 @@ def serve(
     trust_remote_code: TrustRemote = False, tp_size: TPSize = 1, pp_size: PPSize = 1,
     quant: QuantOpt = QuantMode.NONE, adapter: AdapterOpt = None, adapter_name: AdapterName = None,
     compile_mode: CompileMode = "default", log_level: LogLevel = "info",
+    reject_unknown_fields: Annotated[bool, typer.Option(
+        "--reject-unknown-fields", help="Answer request fields the API does not define with HTTP 400 naming "
+        "them (default: ignore them and log a warning, as vLLM does).")] = False,
 ) -> None:
     """Serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /healthz,
     /metrics) with uvicorn until Ctrl-C."""
@@ -251,7 +254,8 @@ def serve(
                        tp_size=tp_size, pp_size=pp_size, quant=quant, compile_mode=compile_mode,
                        batch_timeout_ms=batch_timeout_ms, served_model_name=served_model_name)
     engine = load_engine(cfg, log_level, adapter, adapter_name)
-    asgi_app = create_app(engine, api_key=key, max_queue_size=max_queue_size, max_prompt_chars=max_prompt_chars)
+    asgi_app = create_app(engine, api_key=key, max_queue_size=max_queue_size, max_prompt_chars=max_prompt_chars,
+                          reject_unknown_fields=reject_unknown_fields)
     limits = ServerLimits(read_timeout_s=read_timeout_s, keep_alive_timeout_s=keep_alive_timeout_s,
                           limit_concurrency=limit_concurrency or max_batch_size + max_queue_size + 64,
                           shutdown_grace_s=shutdown_grace_s)

@@ -8,6 +8,10 @@ recently admitted running request is preempted by recompute: its blocks are free
 head of the waiting queue (its full blocks usually survive in the prefix cache). Admission keeps a
 free-block watermark so running requests can grow.
 
+A request that asks for prompt logprobs takes no prefix-cache hit until they are complete: the backend reads
+them from the prefill's logits, which cached tokens would skip. They are collected per position (a request
+recomputed after a preemption yields the same rows again, kept once) and ride on its first token's update.
+
 A request with a structured-output constraint waits until its grammar has compiled (in a worker thread,
 see :mod:`llminfer.sampling.structured`); the requests behind it are scheduled meanwhile, and a compile
 that fails or times out fails that request alone.
@@ -53,6 +57,9 @@ class SchedulerLimits:
     watermark: float = 0.01
     policy: str = "fcfs"
     num_lookahead_tokens: int = 0  #: speculative decoding: draft tokens verified per decode step (0 = off)
+    #: prompt tokens per step whose logprobs are computed (each is a ``[V]`` float32 logits row: 512 rows of
+    #: a 152k vocabulary are 311 MB); longer prompts asking for them are prefilled in chunks
+    max_prompt_logprob_rows: int = 512
 
 
 class Scheduler:
@@ -162,6 +169,7 @@ class Scheduler:
         """
         budget = self.limits.max_num_batched_tokens
         threshold = self.limits.long_prefill_token_threshold
+        logprob_rows = max(1, self.limits.max_prompt_logprob_rows)
         plan: list[tuple[Request, int, int]] = []  # (request, new tokens, speculative lookahead)
         failures: list[SequenceUpdate] = []
         preempted = False
@@ -174,6 +182,12 @@ class Scheduler:
             if threshold:
                 num_new = min(num_new, threshold)
             num_new = min(num_new, budget)
+            scoring = req.needs_prompt_logprobs
+            if scoring:
+                num_new = min(num_new, logprob_rows)
+                if num_new <= 0:
+                    i += 1
+                    continue  # this step's prompt-logprob rows are spent; it goes on next step
             lookahead = self._lookahead(req, num_new, budget)
             scheduled = True
             while not self.kv.allocate_slots(req, req.num_computed_tokens + num_new + lookahead):
@@ -191,6 +205,8 @@ class Scheduler:
                 continue  # req left ``running``; index i now points at the next one
             plan.append((req, num_new, lookahead))
             budget -= num_new + lookahead
+            if scoring:
+                logprob_rows -= num_new
             i += 1
 
         if not preempted:
@@ -207,13 +223,20 @@ class Scheduler:
                         self._finish(req)
                         failures.append(SequenceUpdate(req.request_id, (), "error", exc, stats=req.stats(now)))
                         continue
-                cached_blocks, num_cached = self.kv.find_cached_prefix(req)
-                if self._waits_for_inflight(req, len(cached_blocks)):
-                    continue
+                scoring = req.needs_prompt_logprobs
+                if scoring:
+                    if logprob_rows <= 0:
+                        continue
+                    # Prompt logprobs come out of the prefill's logits: cached tokens would skip them.
+                    cached_blocks, num_cached = [], 0
+                else:
+                    cached_blocks, num_cached = self.kv.find_cached_prefix(req)
+                    if self._waits_for_inflight(req, len(cached_blocks)):
+                        continue
                 num_new = req.num_tokens - num_cached
                 if threshold:
                     num_new = min(num_new, threshold)
-                num_new = min(num_new, budget)
+                num_new = min(num_new, budget, logprob_rows) if scoring else min(num_new, budget)
                 reserve = self.watermark_blocks if self.running else 0
                 if not self.kv.allocate_slots(req, num_cached + num_new, cached_blocks, reserve):
                     break  # head-of-line waits for blocks; running requests will free some
@@ -232,6 +255,8 @@ class Scheduler:
                 self._mark_inflight(req, len(cached_blocks))
                 plan.append((req, num_new, 0))
                 budget -= num_new
+                if scoring:
+                    logprob_rows -= num_new
 
         sequences = []
         new_requests = []
@@ -288,6 +313,9 @@ class Scheduler:
                 if not req.prefill_done_ns:
                     req.prefill_done_ns = end_ns
                 self._clear_inflight(req)
+            prompt_lp = result.prompt_logprobs.get(req.request_id)
+            if prompt_lp is not None:
+                _collect_prompt_logprobs(req, *prompt_lp)
             if not tokens:
                 self.kv.cache_full_blocks(req, req.num_computed_tokens)
                 continue  # a prefill chunk that does not reach the end of the known tokens
@@ -317,9 +345,14 @@ class Scheduler:
                 self.running.remove(req)
                 self._finish(req)
             lp = result.logprobs.get(req.request_id)
+            prompt_entries: tuple = ()
+            if req.params.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+                req.prompt_logprobs_sent = True
+                prompt_entries = tuple(req.prompt_logprobs)
             updates.append(SequenceUpdate(req.request_id, tuple(req.token_ids[-kept:]), reason,
                                           logprobs=(lp,) if lp is not None else (),
-                                          stats=req.stats(end_ns) if reason is not None else None))
+                                          stats=req.stats(end_ns) if reason is not None else None,
+                                          prompt_logprobs=prompt_entries, ends_with_stop_token=reason == "stop"))
         return updates
 
     def take_iteration_stats(self) -> IterationStats:
@@ -401,6 +434,14 @@ class Scheduler:
         for rid in self.kv.block_tables:
             assert rid in self.requests, f"block table of finished request {rid}"
         self.kv.check_integrity()
+
+
+def _collect_prompt_logprobs(req: Request, first_position: int, entries: tuple) -> None:
+    """Keep the entries of positions not collected yet (a request recomputed after a preemption gets the
+    same rows again; ``req.prompt_logprobs[i]`` is position ``i + 1``)."""
+    for i, entry in enumerate(entries):
+        if first_position + i == len(req.prompt_logprobs) + 1:
+            req.prompt_logprobs.append(entry)
 
 
 def check_stop(req: Request, token: int, eos_token_ids: frozenset[int]) -> str | None:

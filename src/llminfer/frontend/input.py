@@ -130,6 +130,19 @@ class InputProcessor:
                 param=param, code=CONTEXT_LENGTH_EXCEEDED)
         return ids
 
+    def check_token_ids(self, ids: Sequence[int], param: str) -> None:
+        """Token ids a request names (``logit_bias`` keys, ``stop_token_ids``) must be in the vocabulary.
+
+        Raises:
+            InvalidRequestError: naming ``param`` and the first id outside ``[0, vocab_size)``.
+        """
+        if self.vocab_size is None:
+            return
+        for t in ids:
+            if not 0 <= t < self.vocab_size:
+                raise InvalidRequestError(f"{param}: token id {t} is outside the vocabulary [0, {self.vocab_size})",
+                                          param=param)
+
     def word_variants(self, word: str) -> tuple[tuple[int, ...], ...]:
         """Token sequences of ``word`` with a leading space (first) and without, duplicates removed.
 
@@ -157,6 +170,8 @@ class InputProcessor:
             ids = tuple(req.prompt)
         ids = self.check_prompt_ids(ids)
         params = req.params
+        self.check_token_ids([t for t, _ in params.logit_bias], "logit_bias")
+        self.check_token_ids(params.stop_token_ids, "stop_token_ids")
         bad = tuple(dict.fromkeys(v for w in params.bad_words for v in self.word_variants(w)))
         force = tuple(self.word_variants(w) for w in params.force_words)
         grammar = None

@@ -29,6 +29,7 @@ class ResultBuilder:
         self.text: list[str] = []
         self.token_ids: list[int] = []
         self.logprobs: list[Any] = []
+        self.prompt_logprobs: tuple[Any, ...] = ()
         self.finish_reason: str | None = None
         self.stats: GenerationStats | None = None
 
@@ -49,11 +50,13 @@ class ResultBuilder:
         self.text.append(delta.text)
         self.token_ids.extend(delta.token_ids)
         self.logprobs.extend(delta.logprobs)
+        if delta.prompt_logprobs:
+            self.prompt_logprobs = delta.prompt_logprobs
         if delta.finished:
             self.finish_reason = delta.finish_reason
             self.stats = delta.stats
         return StreamChunk(delta.text, delta.token_ids, delta.finished, self.finish_reason, self.stats,
-                           delta.logprobs)
+                           delta.logprobs, delta.prompt_logprobs)
 
     def result(self) -> GenerationResult:
         """The whole result.
@@ -70,18 +73,19 @@ class ResultBuilder:
             finish_reason=self.finish_reason,
             stats=self.stats,
             logprobs=tuple(self.logprobs),
+            prompt_logprobs=self.prompt_logprobs,
         )
 
 
 def split_final(chunk: StreamChunk) -> tuple[StreamChunk, ...]:
     """The chunks to hand out for one folded delta: a final delta that still carries text, token ids or
     logprobs becomes a non-final chunk with them, then a final chunk with empty text and only
-    ``finish_reason`` and ``stats``.
+    ``finish_reason`` and ``stats`` (prompt logprobs, too, ride on the non-final chunk).
 
     So every piece of output is on a non-final chunk, and a consumer that prints ``chunk.token`` only while
     ``not chunk.is_final`` (the documented loop) prints all of it; joining every chunk gives the same text.
     """
-    if not chunk.is_final or not (chunk.token or chunk.token_ids or chunk.logprobs):
+    if not chunk.is_final or not (chunk.token or chunk.token_ids or chunk.logprobs or chunk.prompt_logprobs):
         return (chunk,)
     return (attrs.evolve(chunk, is_final=False, finish_reason=None, stats=None),
             StreamChunk("", (), True, chunk.finish_reason, chunk.stats))

@@ -155,6 +155,8 @@ class StepOutput:
     error: Exception | None = None
     logprobs: dict[str, TokenLogprob] = attrs.field(factory=dict)
     spec: dict[str, tuple[int, int]] = attrs.field(factory=dict)
+    #: requests with ``prompt_logprobs``: (position of the first entry, one entry per prompt position)
+    prompt_logprobs: dict[str, tuple[int, tuple[TokenLogprob, ...]]] = attrs.field(factory=dict)
 
 
 @attrs.frozen
@@ -168,6 +170,9 @@ class SequenceUpdate:
     error: Exception | None = None
     logprobs: tuple[TokenLogprob, ...] = ()
     stats: GenerationStats | None = None
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  #: all of them, on the request's first token update
+    #: the last new token is the EOS or stop token id that finished the request (its text is not output)
+    ends_with_stop_token: bool = False
 
 
 @attrs.frozen
@@ -196,6 +201,7 @@ class RequestDelta:
     time_ns: int = 0
     logprobs: tuple[TokenLogprob, ...] = ()
     stats: GenerationStats | None = None
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
     @property
     def finished(self) -> bool:

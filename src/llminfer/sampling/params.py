@@ -24,6 +24,19 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _as_bias(value: Any) -> tuple:
+    """``{token_id: bias}`` (keys may be digit strings, as JSON sends them) or pairs, as sorted pairs."""
+    if value is None:
+        return ()
+    items = value.items() if isinstance(value, dict) else value
+    out = []
+    for key, bias in items:
+        if isinstance(key, str) and key.strip().isdigit():
+            key = int(key)
+        out.append((key, bias))
+    return tuple(sorted(out, key=lambda kv: kv[0] if _is_int(kv[0]) else -1))
+
+
 def _as_tuple(value: Any) -> tuple:
     if value is None:
         return ()
@@ -57,6 +70,15 @@ class SamplingParams:
         force_words: phrases that must appear in the output (see ``sampling.sampler.ForcedWords``).
         logprobs: None = off; k >= 0 returns the chosen token's log-probability and the top-k alternatives.
         n: number of samples of the prompt (the engine fans out; their prompt KV blocks are shared).
+        prompt_logprobs: None = off; k >= 0 returns, for every prompt token after the first, its
+            log-probability under the raw model (no processors) and the top-k alternatives, computed in the
+            prefill. Such a request takes no prefix-cache hits (cached tokens would skip the prefill that
+            yields them) until its prompt logprobs are complete.
+        logit_bias: ``(token id, bias)`` pairs added to the logits before every other processor (OpenAI's
+            ``logit_bias``; bias in [-100, 100], -100 in effect bans the token, +100 forces it).
+        include_stop_str_in_output: the matched stop string stays in the text (default: cut before it).
+        skip_special_tokens: leave special tokens (``<|im_end|>``, ...) out of the text.
+        spaces_between_special_tokens: passed to ``tokenizer.decode`` (only slow tokenizers use it).
         structured_output: a constraint the output must satisfy (JSON Schema, JSON object, regex, grammar
             or choice; see :mod:`llminfer.sampling.structured`). The output ends where the constraint is
             complete, so ``ignore_eos`` cannot be combined with it.
@@ -84,6 +106,11 @@ class SamplingParams:
     logprobs: int | None = None
     n: int = 1
     structured_output: StructuredOutput | None = None
+    prompt_logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), converter=_as_bias)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
     def __attrs_post_init__(self) -> None:
         m = self.max_new_tokens
@@ -120,6 +147,16 @@ class SamplingParams:
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
                "logprobs", f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
         _check(_is_int(self.n) and self.n >= 1, "n", f"n must be an integer >= 1, got {self.n!r}")
+        pl = self.prompt_logprobs
+        _check(pl is None or (_is_int(pl) and 0 <= pl <= 20),
+               "prompt_logprobs", f"prompt_logprobs must be an integer in [0, 20], got {pl!r}")
+        for key, bias in self.logit_bias:
+            _check(_is_int(key) and key >= 0, "logit_bias",
+                   f"logit_bias keys must be token ids (non-negative integers), got {key!r}")
+            _check(_is_num(bias) and -100.0 <= bias <= 100.0, "logit_bias",
+                   f"logit_bias values must be in [-100, 100], got {bias!r} for token {key}")
+        _check(len({k for k, _ in self.logit_bias}) == len(self.logit_bias), "logit_bias",
+               "logit_bias names a token id twice")
         so = self.structured_output
         _check(so is None or isinstance(so, StructuredOutput), "structured_output",
                f"structured_output must be a StructuredOutput, got {type(so).__name__}")
@@ -130,15 +167,16 @@ class SamplingParams:
 
     @property
     def needs_history(self) -> bool:
-        """Some logits processor reads the tokens so far (penalties, no-repeat n-gram, bad/forced words)."""
+        """Some per-row logits processor runs: one reading the tokens so far (penalties, no-repeat n-gram,
+        bad/forced words), or ``logit_bias``."""
         return bool(self.repetition_penalty != 1.0 or self.presence_penalty or self.frequency_penalty
-                    or self.no_repeat_ngram_size or self.bad_words or self.force_words)
+                    or self.no_repeat_ngram_size or self.bad_words or self.force_words or self.logit_bias)
 
     @property
     def speculation_allowed(self) -> bool:
         """Speculative decoding verifies drafts with the target's warped distribution only, so it serves
-        requests without history-dependent processors, ``min_new_tokens``, logprobs or a structured-output
-        constraint; other requests in the same batch decode one token per step."""
+        requests without history-dependent processors (``logit_bias`` counts as one), ``min_new_tokens``,
+        logprobs or a structured-output constraint; other requests in the same batch decode one token per step."""
         return (not self.needs_history and not self.min_new_tokens and self.logprobs is None
                 and self.structured_output is None)
 

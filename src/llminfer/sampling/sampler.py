@@ -2,8 +2,8 @@
 
 Order inside one step, for each row (the semantics of the named Hugging Face processor, written anew):
 
-1. history processors, per row (they depend on the request's own tokens):
-   repetition penalty (``RepetitionPenaltyLogitsProcessor``, over prompt + output), presence and frequency
+1. per-row processors: ``logit_bias`` (OpenAI's, added first), then the history processors (they depend
+   on the request's own tokens): repetition penalty (``RepetitionPenaltyLogitsProcessor``, over prompt + output), presence and frequency
    penalties (OpenAI definitions, over output tokens only), no-repeat n-gram (``NoRepeatNGramLogitsProcessor``,
    over prompt + output), bad words (``NoBadWordsLogitsProcessor``), EOS / stop ids masked below
    ``min_new_tokens``, and forced words (see :class:`ForcedWords`);
@@ -92,7 +92,7 @@ class SamplingState:
     """
 
     __slots__ = ("params", "generator", "token_ids", "num_prompt", "output_counts", "ngrams", "bad_single",
-                 "bad_multi", "forced", "eos_token_ids", "history_tensor", "grammar")
+                 "bad_multi", "forced", "eos_token_ids", "history_tensor", "grammar", "bias")
 
     def __init__(self, params: SamplingParams, device: torch.device | str, prompt_token_ids: Sequence[int] = (),
                  bad_words_ids: Sequence[tuple[int, ...]] = (),
@@ -119,6 +119,11 @@ class SamplingState:
         self.bad_multi = [w for w in bad_words_ids if len(w) > 1]
         self.forced = ForcedWords(force_words_ids, params.max_new_tokens) if force_words_ids else None
         self.history_tensor: torch.Tensor | None = None
+        self.bias: tuple[torch.Tensor, torch.Tensor] | None = None
+        if params.logit_bias:
+            ids, values = zip(*params.logit_bias)
+            self.bias = (torch.tensor(ids, dtype=torch.long, device=device),
+                         torch.tensor(values, dtype=torch.float32, device=device))
 
     @property
     def num_generated(self) -> int:
@@ -150,8 +155,12 @@ class SamplingState:
         return []
 
     def process(self, row: torch.Tensor) -> None:
-        """Apply this request's history-dependent processors to its ``[V]`` float32 logits, in place."""
+        """Apply this request's per-row processors (``logit_bias``, then the history-dependent ones) to its
+        ``[V]`` float32 logits, in place."""
         p = self.params
+        if self.bias is not None:
+            ids, values = self.bias
+            row[ids] += values.to(row.dtype)
         if p.repetition_penalty != 1.0 and self.token_ids:
             if self.history_tensor is None:
                 self.history_tensor = torch.tensor(self.token_ids, dtype=torch.long, device=row.device)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import attrs
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from llminfer.protocols import Tokenizer, Upstream
@@ -25,7 +26,6 @@ from llminfer.protocols.messages import (
     EngineStepOutput,
     FinishRequest,
     RequestDelta,
-    SequenceUpdate,
 )
 from llminfer.sampling.params import SamplingParams
 from llminfer.trace import Tracer
@@ -39,15 +39,18 @@ class IncrementalDetokenizer:
         skip_special_tokens: drop special tokens (EOS, ``<|im_end|>``) from the text.
     """
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True,
+                 spaces_between_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        # Only a non-default value is passed on: tokenizers without the option then work as before.
+        self.decode_kwargs = {} if spaces_between_special_tokens else {"spaces_between_special_tokens": False}
         self.ids: list[int] = []
         self.prefix_offset = 0
         self.read_offset = 0
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens, **self.decode_kwargs)
 
     def add(self, new_ids: tuple[int, ...] | list[int]) -> str:
         """Append tokens; return the text that became complete (possibly empty)."""
@@ -74,10 +77,12 @@ class StopStringMatcher:
 
     Args:
         stop_sequences: the stop strings (non-empty).
+        include_stop: keep the matched stop string in the text (vLLM's ``include_stop_str_in_output``).
     """
 
-    def __init__(self, stop_sequences: tuple[str, ...]) -> None:
+    def __init__(self, stop_sequences: tuple[str, ...], include_stop: bool = False) -> None:
         self.stops = stop_sequences
+        self.include_stop = include_stop
         self.hold = max((len(s) for s in stop_sequences), default=1) - 1
         self.text = ""
         self.released = 0
@@ -88,9 +93,10 @@ class StopStringMatcher:
         self.text += new_text
         stopped = False
         if self.stops and new_text:
-            hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+            hits = [(i, -len(s)) for s, i in ((s, self.text.find(s, start)) for s in self.stops) if i >= 0]
             if hits:
-                self.text = self.text[: min(hits)]
+                at, minus_len = min(hits)  # the earliest match; at one position, the longest stop string
+                self.text = self.text[: at - minus_len if self.include_stop else at]
                 stopped = True
         end = len(self.text) if (final or stopped) else max(self.released, len(self.text) - self.hold)
         out = self.text[self.released : end]
@@ -102,8 +108,9 @@ class _RequestState:
     __slots__ = ("detok", "matcher", "num_output_tokens", "stopped")
 
     def __init__(self, tokenizer: Tokenizer, params: SamplingParams) -> None:
-        self.detok = IncrementalDetokenizer(tokenizer)
-        self.matcher = StopStringMatcher(params.stop_sequences) if params.stop_sequences else None
+        self.detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens, params.spaces_between_special_tokens)
+        self.matcher = (StopStringMatcher(params.stop_sequences, params.include_stop_str_in_output)
+                        if params.stop_sequences else None)
         self.num_output_tokens = 0
         self.stopped = False  # a stop string matched; waiting for the core's final update
 
@@ -143,7 +150,9 @@ class DetokenizeStage:
                     stats = up.stats.with_completion_tokens(state.num_output_tokens) if up.stats else None
                     deltas.append(RequestDelta(up.request_id, "", (), "stop", None, now, stats=stats))
                 continue
-            text = state.detok.add(up.new_token_ids) if up.new_token_ids else ""
+            # The EOS / stop token id that ended the request is counted and returned as an id, never as text.
+            text_ids = up.new_token_ids[:-1] if up.ends_with_stop_token else up.new_token_ids
+            text = state.detok.add(text_ids) if text_ids else ""
             if final:
                 text += state.detok.flush()
             state.num_output_tokens += len(up.new_token_ids)
@@ -152,12 +161,13 @@ class DetokenizeStage:
                 if hit and not final:
                     state.stopped = True
                     finishes.append(FinishRequest(up.request_id, state.num_output_tokens))
-                    deltas.append(RequestDelta(up.request_id, text, up.new_token_ids, None, None, now, up.logprobs))
+                    deltas.append(RequestDelta(up.request_id, text, up.new_token_ids, None, None, now, up.logprobs,
+                                               prompt_logprobs=up.prompt_logprobs))
                     continue
                 if hit:
-                    up = SequenceUpdate(up.request_id, up.new_token_ids, "stop", up.error, up.logprobs, up.stats)
+                    up = attrs.evolve(up, finish_reason="stop")
             deltas.append(RequestDelta(up.request_id, text, up.new_token_ids, up.finish_reason, up.error, now,
-                                       up.logprobs, up.stats))
+                                       up.logprobs, up.stats, up.prompt_logprobs))
             if final:
                 del self.states[up.request_id]
         return deltas, finishes
