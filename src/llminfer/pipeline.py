@@ -24,7 +24,7 @@ import structlog
 from anyio.abc import ObjectReceiveStream, ObjectSendStream, TaskGroup
 
 from llminfer.core.engine_core import INBOX_CAPACITY
-from llminfer.errors import EngineError, RequestAbortedError
+from llminfer.errors import EngineClosedError, EngineError, RequestAbortedError
 from llminfer.protocols import SendsUpstream, Sink, Stage
 from llminfer.protocols.messages import Abort, Control, GenerationRequest, RequestDelta
 
@@ -56,6 +56,7 @@ class Pipeline:
         self._failure: BaseException | None = None
         self._inner: TaskGroup | Any = None
         self.running = False
+        self._closed = False  # aclose() has begun
 
     async def __aenter__(self) -> Pipeline:
         self._tg = anyio.create_task_group()
@@ -111,16 +112,20 @@ class Pipeline:
         """Send a request in; return the stream of its deltas (ends after the final delta).
 
         Raises:
-            EngineError: the pipeline is not running (or stopped because a stage failed: the message says
-                which error).
+            EngineClosedError: the pipeline was shut down; EngineError: it is not running (or stopped
+                because a stage failed: the message says which error).
         """
         if not self.running or self._input is None:
+            if self._closed and self._failure is None:
+                raise EngineClosedError("the engine pipeline was shut down; it takes no more requests")
             raise EngineError(f"the engine pipeline is not running ({self._failure_text()})")
         stream = self.sink.open(request.request_id)
         try:
             self._input.send_nowait(request)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
             self.sink.close(request.request_id)
+            if self._closed and self._failure is None:
+                raise EngineClosedError("the engine pipeline was shut down; it takes no more requests") from None
             raise EngineError(f"the engine pipeline stopped ({self._failure_text()})") from None
         await anyio.lowlevel.checkpoint()
         return stream
@@ -156,6 +161,7 @@ class Pipeline:
         if self._tg is None:
             return
         self.running = False
+        self._closed = True
         tg, self._tg = self._tg, None
         # Ordered after every request already sent; aborts and stop-string finishes still get in.
         self.send_nowait(Control("close"))
