@@ -65,10 +65,11 @@ class EngineError(LLMInferError):
     """The engine failed while serving a request (for example, the backend step raised)."""
 
 
-class EngineClosedError(EngineError):
+class EngineClosedError(EngineError, RequestAbortedError):
     """The engine was closed: :meth:`InferenceEngine.close` ran (or is running), so it takes no more
-    requests and cannot be started again (make a new engine). A stream still being read when the engine
-    closes ends with this error too."""
+    requests and cannot be started again (make a new engine). A request that close() cut short, or a
+    stream still being read when the engine closes, ends with this error too (hence also a
+    :class:`RequestAbortedError`)."""
 
 
 def is_fatal(exc: BaseException) -> bool:

@@ -24,7 +24,7 @@ import structlog
 from anyio.abc import ObjectReceiveStream, ObjectSendStream, TaskGroup
 
 from llminfer.core.engine_core import INBOX_CAPACITY
-from llminfer.errors import EngineClosedError, EngineError, RequestAbortedError
+from llminfer.errors import EngineClosedError, EngineError
 from llminfer.protocols import SendsUpstream, Sink, Stage
 from llminfer.protocols.messages import Abort, Control, GenerationRequest, RequestDelta
 
@@ -91,6 +91,10 @@ class Pipeline:
         except anyio.get_cancelled_exc_class():
             raise
         except BaseException as exc:  # noqa: BLE001 - a broken stage must not hang any request
+            if self._closed and isinstance(exc, (anyio.BrokenResourceError, anyio.ClosedResourceError)):
+                # Shutting down: the stage after this one has already returned (the core, once its
+                # requests are done); what this stage still held is failed by aclose(), quietly.
+                return
             self._failure = exc
             log.error("stage failed", stage=stage.name, error=repr(exc))
             self.running = False
@@ -157,7 +161,8 @@ class Pipeline:
 
     async def aclose(self, timeout_s: float | None = 30.0, exc_info: tuple = (None, None, None)) -> None:
         """Stop taking requests, let in-flight ones finish for up to ``timeout_s`` seconds (None: no limit,
-        0: cancel at once), then cancel the rest (their handles get :class:`RequestAbortedError`)."""
+        0: cancel at once), then cancel the rest (their handles get :class:`EngineClosedError`, a
+        :class:`~llminfer.errors.RequestAbortedError`)."""
         if self._tg is None:
             return
         self.running = False
@@ -173,4 +178,4 @@ class Pipeline:
         try:
             await tg.__aexit__(*exc_info)
         finally:
-            self.sink.fail_all(RequestAbortedError("the engine shut down"))
+            self.sink.fail_all(EngineClosedError("the engine shut down before the request finished"))

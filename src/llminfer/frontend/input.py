@@ -72,6 +72,17 @@ def build_request(prompt: str | Sequence[int], *, max_new_tokens: int | None = 6
 SAMPLING_FIELDS = frozenset(a.name for a in SamplingParams.__attrs_attrs__)  # type: ignore[attr-defined]
 
 
+def _why(text: str, exc: BaseException) -> str:
+    """Why ``text`` could not be tokenized, in words: a lone surrogate (not valid Unicode; the tokenizer's
+    own message names a type) is the usual cause; else the tokenizer's message. Only on the error path."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as bad:
+        return (f"it is not valid Unicode (a lone surrogate U+{ord(text[bad.start]):04X} at character "
+                f"{bad.start})")
+    return one_line(exc)
+
+
 class InputProcessor:
     """Tokenizes and validates prompts.
 
@@ -105,7 +116,7 @@ class InputProcessor:
         except BaseException as exc:  # noqa: BLE001 - the tokenizer's own errors (a Rust panic too) are the input's
             if is_fatal(exc):
                 raise
-            raise InvalidRequestError(f"{param} could not be tokenized: {one_line(exc)}", param=param) from None
+            raise InvalidRequestError(f"{param} could not be tokenized: {_why(text, exc)}", param=param) from None
         if not ids:
             raise InvalidRequestError(f"{param} is empty (it tokenizes to no tokens)", param=param)
         return ids
@@ -167,7 +178,7 @@ class InputProcessor:
         except BaseException as exc:  # noqa: BLE001 - see encode
             if is_fatal(exc):
                 raise
-            raise InvalidRequestError(f"word {word!r} could not be tokenized: {one_line(exc)}",
+            raise InvalidRequestError(f"word {word!r} could not be tokenized: {_why(word, exc)}",
                                       param=param) from None
         return tuple(dict.fromkeys(s for s in seqs if s))
 
@@ -185,6 +196,8 @@ class InputProcessor:
             ids = tuple(req.prompt)
         params = req.params
         ids = self.check_prompt_ids(ids, max_new_tokens=params.max_new_tokens)
+        if self.vocab_size is not None and any(t >= self.vocab_size for t in params.stop_token_ids):
+            raise InvalidRequestError(f"stop_token_ids must be in [0, {self.vocab_size})", param="stop_token_ids")
         bad = tuple(dict.fromkeys(v for w in params.bad_words for v in self.word_variants(w)))
         force = tuple(self.word_variants(w, "force_words") for w in params.force_words)
         grammar = None

@@ -7,8 +7,8 @@ from typing import Any
 import attrs
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
-from llminfer.kv.hashing import hash_full_blocks
 from llminfer.errors import EngineError, is_fatal
+from llminfer.kv.hashing import hash_full_blocks
 from llminfer.protocols.messages import RequestFailed, TokenizedRequest
 
 
