@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 
+import anyio
 import pytest
 
 from helpers import make_engine, wait_until
@@ -114,6 +115,10 @@ def test_a_huge_prompt_is_refused_before_the_tokenizer_sees_it(engine, baseline,
     engine.run("short", max_new_tokens=1)
     (long_len, long_thread), (short_len, short_thread) = seen
     assert (long_len, short_len) == (5000, 5) and long_thread != short_thread
+    # The same for the HTTP layer's own prompts (chat templates): encode_async.
+    seen.clear()
+    ids = anyio.run(engine.inputs.encode_async, "word " * 1000)
+    assert ids == tuple(encode("word " * 1000)) and seen[0][1] != threading.get_ident()
     assert_serving(engine, baseline)
 
 
@@ -216,8 +221,6 @@ def _once(fn, exc=RuntimeError("injected step fault")):
 def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(engine, baseline, monkeypatch, where):
     core = _stage(engine, "core")
     if where == "control":  # an unknown control message (a user stage's typo) is logged and dropped
-        import anyio
-
         async def bogus():
             done = anyio.Event()
             assert engine._pipeline.send_nowait(Control("bogus", done))

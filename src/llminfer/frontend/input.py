@@ -27,6 +27,10 @@ MAX_CHARS_PER_TOKEN = 128
 cannot fit the context and is refused before it is tokenized (a 10 MB prompt otherwise costs seconds of
 tokenizer time). The longest entry of Qwen2's 151k vocabulary decodes to 128 characters (a run of
 repeated symbols; the longest thousand average 29), so only a prompt that could not fit anyway is refused."""
+INLINE_TOKENIZE_CHARS = 4096
+"""Texts up to this many characters are tokenized on the event loop (tens of microseconds); longer ones
+in a worker thread (:meth:`InputProcessor.encode_async`, the tokenize stage), so that one long prompt
+never stalls every other stream."""
 
 
 def build_request(prompt: str | Sequence[int], *, max_new_tokens: int | None = 64, temperature: float = 0.0,
@@ -120,6 +124,18 @@ class InputProcessor:
         if not ids:
             raise InvalidRequestError(f"{param} is empty (it tokenizes to no tokens)", param=param)
         return ids
+
+    async def encode_async(self, text: str, *, param: str = "prompt", add_special_tokens: bool = True
+                           ) -> tuple[int, ...]:
+        """:meth:`encode` from inside an event loop: a text over :data:`INLINE_TOKENIZE_CHARS` characters
+        is size-checked at once and tokenized in a worker thread. Raises as :meth:`encode`."""
+        if len(text) <= INLINE_TOKENIZE_CHARS:
+            return self.encode(text, param=param, add_special_tokens=add_special_tokens)
+        import anyio.to_thread
+
+        self.check_text_size(text, param=param)
+        return await anyio.to_thread.run_sync(
+            lambda: self.encode(text, param=param, add_special_tokens=add_special_tokens))
 
     @property
     def max_prompt_chars(self) -> int:

@@ -13,13 +13,9 @@ import anyio.to_thread
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from llminfer.errors import EngineError, LLMInferError, is_fatal
-from llminfer.frontend.input import InputProcessor
+from llminfer.frontend.input import INLINE_TOKENIZE_CHARS, InputProcessor
 from llminfer.protocols.messages import GenerationRequest, RequestFailed
 from llminfer.trace import Tracer
-
-INLINE_TOKENIZE_CHARS = 4096
-"""Text prompts (and bad / forced words together) up to this many characters are tokenized on the event
-loop (tens of microseconds); longer ones in a worker thread."""
 
 
 def _input_chars(req: GenerationRequest) -> int:
@@ -35,8 +31,9 @@ class TokenizeStage:
 
     Args:
         inputs: the validator and tokenizer.
-        inline_chars: inputs up to this many characters are tokenized on the event loop, longer ones in a
-            worker thread (:data:`INLINE_TOKENIZE_CHARS`).
+        inline_chars: inputs (prompt plus bad and forced words) up to this many characters are tokenized
+            on the event loop, longer ones in a worker thread
+            (:data:`~llminfer.frontend.input.INLINE_TOKENIZE_CHARS`).
     """
 
     name = "tokenize"
