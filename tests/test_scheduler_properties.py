@@ -57,7 +57,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.sched.add_request(msg)
         except Exception as exc:  # the only allowed rejection: it could never fit
             assert type(exc).__name__ == "CapacityError"
-            assert self.kv.blocks_needed(len(prompt) + 1) > self.kv.num_blocks
+            assert self.kv.blocks_needed(len(prompt) + max_new - 1) > self.kv.num_blocks
             return
         self.live.add(rid)
         self.generated[rid] = []

@@ -27,7 +27,7 @@ import attrs
 from llminfer import assembly
 from llminfer.chat import ChatResult
 from llminfer.config import EngineConfig
-from llminfer.errors import EngineError, InvalidRequestError
+from llminfer.errors import EngineClosedError, EngineError, InvalidRequestError
 from llminfer.frontend.input import InputProcessor, build_request
 from llminfer.frontend.output import RequestHandle, collect_all
 from llminfer.pipeline import Pipeline
@@ -42,8 +42,7 @@ from llminfer.trace import Tracer
 # before garbage collection would close the portal, which then waits for it forever: a script that
 # forgets close() (or dies of an exception) would hang instead of exiting. Closing them at exit avoids it.
 _STARTED_ENGINES: weakref.WeakSet[InferenceEngine] = weakref.WeakSet()
-# start() and close() from many threads at once: one portal per engine, never two half-started ones.
-_LIFECYCLE_LOCK = threading.RLock()
+_CLOSED = "the engine was closed (close() has run); it takes no more requests: make a new InferenceEngine"
 
 
 @atexit.register
@@ -86,6 +85,10 @@ class InferenceEngine:
         self._pipeline: Pipeline | None = None
         self._portal_cm = self._portal = self._pipeline_cm = None  # the background loop (sync API)
         self._loop_token: Any = None  # the caller's event loop, inside ``running()``
+        self._closed = False
+        # start() and close() from many threads at once: one portal per engine, never two half-started
+        # ones, and none started after close().
+        self._lifecycle = threading.RLock()
 
     def __getattr__(self, name: str) -> Any:
         # The loaded pieces (tokenizer, model, max_model_len, ...) are the runtime's.
@@ -129,30 +132,58 @@ class InferenceEngine:
 
     def start(self) -> InferenceEngine:
         """Start the pipeline in a background event loop (done on first use by the sync methods); safe to
-        call from several threads at once."""
-        with _LIFECYCLE_LOCK:
-            return self._start()
+        call from several threads at once (one of them starts it, the others wait for it).
 
-    def _start(self) -> InferenceEngine:
-        self.load()
-        if self._portal is None:
-            self._pipeline = self._own_pipeline()
-            self._portal_cm = anyio.from_thread.start_blocking_portal()
-            portal = self._portal_cm.__enter__()
-            self._pipeline_cm = portal.wrap_async_context_manager(self._pipeline)
-            self._pipeline_cm.__enter__()
-            self._portal = portal  # last: other threads read it without the lock, so only once it runs
-            _STARTED_ENGINES.add(self)
+        Raises:
+            EngineClosedError: :meth:`close` has run; an engine is not restarted (make a new one).
+        """
+        self._portal_or_start()
         return self
+
+    def _portal_or_start(self) -> Any:
+        """The running background loop's portal, started if need be (under the lifecycle lock, so a
+        thread never sees a half-started engine and never starts one that another thread closes)."""
+        portal = self._portal
+        if portal is not None:
+            return portal
+        with self._lifecycle:
+            if self._closed:
+                raise EngineClosedError(_CLOSED)
+            self.load()
+            if self._portal is None:
+                if self._pipeline is not None:
+                    raise EngineError("the engine is running in another event loop (inside running())")
+                pipeline = self._own_pipeline()
+                portal_cm = anyio.from_thread.start_blocking_portal()
+                portal = portal_cm.__enter__()
+                try:
+                    pipeline_cm = portal.wrap_async_context_manager(pipeline)
+                    pipeline_cm.__enter__()
+                except BaseException:
+                    portal_cm.__exit__(None, None, None)
+                    raise
+                self._pipeline, self._portal_cm, self._pipeline_cm = pipeline, portal_cm, pipeline_cm
+                self._portal = portal  # last: other threads read it without the lock, so only once it runs
+                _STARTED_ENGINES.add(self)
+            return self._portal
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[InferenceEngine]:
-        """Run the pipeline inside the current event loop (for servers): ``async with engine.running():``."""
+        """Run the pipeline inside the current event loop (for servers): ``async with engine.running():``.
+
+        Raises:
+            EngineError: it already runs; EngineClosedError: :meth:`close` has run.
+        """
+        if self._closed:
+            raise EngineClosedError(_CLOSED)
         if self.runtime is None:
             await anyio.to_thread.run_sync(self.load)
-        if self._portal is not None or self._pipeline is not None and self._pipeline.running:
-            raise EngineError("the engine is already running")
-        self._pipeline = self._own_pipeline()
+        with self._lifecycle:  # never blocks for long: start() holds it only while a portal starts
+            if self._closed:
+                raise EngineClosedError(_CLOSED)
+            if self._portal is not None or self._pipeline is not None:
+                raise EngineError("the engine is already running")
+            self._pipeline = self._own_pipeline()
         self._loop_token = anyio.lowlevel.current_token()
         try:
             async with self._pipeline:
@@ -161,19 +192,27 @@ class InferenceEngine:
             self._pipeline = self._loop_token = None
 
     def close(self) -> None:
-        """Stop the pipeline (in-flight requests finish first, up to 30 s)."""
-        with _LIFECYCLE_LOCK:
-            self._close()
+        """Stop the pipeline (in-flight requests finish first, up to 30 s) and refuse everything after:
+        later calls that need the pipeline (``run``, ``stream``, ``start``, ``running``, ...) raise
+        :class:`~llminfer.errors.EngineClosedError`, and so does a stream still being read. The loaded
+        model stays usable for :meth:`build_pipeline`. Idempotent and safe from any thread; a close that
+        another thread has under way is waited for."""
+        self._closed = True  # first, without the lock: submitting threads stop at once
+        with self._lifecycle:
+            _STARTED_ENGINES.discard(self)
+            if self._pipeline_cm is not None:
+                cm, self._pipeline_cm = self._pipeline_cm, None
+                with contextlib.suppress(Exception):  # the pipeline logs its own failures
+                    cm.__exit__(None, None, None)
+            if self._portal_cm is not None:
+                pcm, self._portal_cm, self._portal = self._portal_cm, None, None
+                pcm.__exit__(None, None, None)
+                self._pipeline = None
 
-    def _close(self) -> None:
-        _STARTED_ENGINES.discard(self)
-        if self._pipeline_cm is not None:
-            cm, self._pipeline_cm = self._pipeline_cm, None
-            cm.__exit__(None, None, None)
-        if self._portal_cm is not None:
-            pcm, self._portal_cm, self._portal = self._portal_cm, None, None
-            pcm.__exit__(None, None, None)
-        self._pipeline = None
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` has been called."""
+        return self._closed
 
     def __enter__(self) -> InferenceEngine:
         return self.start()
@@ -193,12 +232,22 @@ class InferenceEngine:
         return not getattr(self._pipeline.sink, "streams", None) and not any(self.core.scheduler_stats().values())
 
     def _require_portal(self) -> Any:
-        return self._portal or self.start()._portal
+        return self._portal_or_start()
 
     def _running_pipeline(self) -> Pipeline:
-        if self._pipeline is None:
-            raise EngineError("the engine is not running (it was closed, or never started)")
-        return self._pipeline
+        pipeline = self._pipeline
+        if pipeline is None or self._closed:
+            raise EngineClosedError(_CLOSED) if self._closed else EngineError("the engine is not running")
+        return pipeline
+
+    def _call(self, portal: Any, fn: Any, *args: Any) -> Any:
+        """``portal.call(fn, *args)``; a portal that close() stopped meanwhile is an EngineClosedError."""
+        try:
+            return portal.call(fn, *args)
+        except RuntimeError as exc:
+            if self._closed or self._portal is not portal:
+                raise EngineClosedError(_CLOSED) from exc
+            raise
 
     # ------------------------------------------------------------------ requests
     @property
@@ -238,7 +287,7 @@ class InferenceEngine:
 
         Raises:
             InvalidRequestError: bad input; CapacityError: it can never fit in the KV cache;
-            EngineError: the backend failed.
+            EngineError: the backend failed; EngineClosedError: :meth:`close` has run.
         """
         return self.run_requests([self.make_request(prompt, **kwargs)])[0]
 
@@ -264,10 +313,10 @@ class InferenceEngine:
         Raises:
             The first error any request raised (the others still finish or are cancelled).
         """
-        portal = self._require_portal()
         for request in requests:
             self._check_adapter(request)
-        results = portal.call(collect_all, self._running_pipeline(), list(requests))
+        portal = self._require_portal()
+        results = self._call(portal, collect_all, self._running_pipeline(), list(requests))
         for r in results:
             if isinstance(r, BaseException):
                 raise r
@@ -277,19 +326,23 @@ class InferenceEngine:
         """Yield :class:`StreamChunk` as tokens arrive. All text is on the non-final chunks (their joined
         ``token`` equals ``run()``'s ``generated_text``); the last chunk has ``is_final=True``, empty text,
         ``finish_reason`` and ``stats``. Closing the iterator early cancels the request and frees its KV
-        blocks."""
-        portal = self._require_portal()
+        blocks.
+
+        Raises:
+            as :meth:`run`; EngineClosedError: the engine was closed (before or while reading)."""
         request = self.make_request(prompt, **kwargs)
+        portal = self._require_portal()
         chunks = RequestHandle(self._running_pipeline(), request).chunks()
         try:
             while True:
                 try:
-                    yield portal.call(chunks.__anext__)
+                    yield self._call(portal, chunks.__anext__)
                 except StopAsyncIteration:
                     return
         finally:
-            if self._portal is not None:
-                portal.call(chunks.aclose)
+            # Cancels the request when the caller stops early; nothing to do once the loop has stopped.
+            with contextlib.suppress(EngineClosedError, RuntimeError):
+                self._call(portal, chunks.aclose)
 
     def chat(self, messages: Sequence[dict[str, Any]], *, tools: Sequence[Any] | None = None,
              tool_choice: str | dict[str, Any] | None = "auto", parallel_tool_calls: bool = True,
@@ -344,6 +397,8 @@ class InferenceEngine:
     async def generate(self, prompt: str | Sequence[int], **kwargs: Any) -> AsyncIterator[StreamChunk]:
         """Async iterator of :class:`StreamChunk` inside ``async with engine.running():`` (else EngineError);
         the chunks are those of :meth:`stream` (text on non-final chunks, an empty final one with the stats)."""
+        if self._closed:
+            raise EngineClosedError(_CLOSED)
         if self._pipeline is None or self._portal is not None:
             raise EngineError("use `async with engine.running():` before generate()")
         async for chunk in self.generate_request(self.make_request(prompt, **kwargs)):
@@ -379,8 +434,9 @@ class InferenceEngine:
                 if anyio.lowlevel.current_token() == self._loop_token:
                     raise EngineError("wait_drained() would block the engine's own loop: await engine.drained()")
             anyio.from_thread.run(self.drained, token=self._loop_token)
-        elif self._portal is not None:
-            self._portal.call(self.drained)
+        elif (portal := self._portal) is not None and not self._closed:
+            with contextlib.suppress(EngineClosedError):  # closed meanwhile: nothing runs any more
+                self._call(portal, self.drained)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached free KV block (a cold cache), ordered after the requests already submitted.
@@ -389,7 +445,7 @@ class InferenceEngine:
         if self._portal is None and self._pipeline is not None:
             self._pipeline.send_nowait(Control("reset_prefix_cache"))
         else:
-            self._require_portal().call(self._control, "reset_prefix_cache")
+            self._call(self._require_portal(), self._control, "reset_prefix_cache")
 
     # ------------------------------------------------------------------ LoRA adapters
     @property

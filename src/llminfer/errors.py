@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 
 class LLMInferError(Exception):
     """Base class of every error llminfer raises on purpose."""
@@ -61,6 +63,20 @@ def one_line(exc: BaseException, secrets: tuple[str | None, ...] = (), limit: in
 
 class EngineError(LLMInferError):
     """The engine failed while serving a request (for example, the backend step raised)."""
+
+
+class EngineClosedError(EngineError, RequestAbortedError):
+    """The engine was closed: :meth:`InferenceEngine.close` ran (or is running), so it takes no more
+    requests and cannot be started again (make a new engine). A request that close() cut short, or a
+    stream still being read when the engine closes, ends with this error too (hence also a
+    :class:`RequestAbortedError`)."""
+
+
+def is_fatal(exc: BaseException) -> bool:
+    """True for what must never be swallowed by a per-request error handler: interpreter exit, Ctrl-C,
+    generator close and task cancellation. Everything else one request raises, even a ``BaseException``
+    subclass such as the ``PanicException`` of a Rust-backed tokenizer, is that request's failure."""
+    return isinstance(exc, (KeyboardInterrupt, SystemExit, GeneratorExit, asyncio.CancelledError))
 
 
 class BackendUnavailableError(LLMInferError):

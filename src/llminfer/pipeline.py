@@ -24,7 +24,7 @@ import structlog
 from anyio.abc import ObjectReceiveStream, ObjectSendStream, TaskGroup
 
 from llminfer.core.engine_core import INBOX_CAPACITY
-from llminfer.errors import EngineError, RequestAbortedError
+from llminfer.errors import EngineClosedError, EngineError
 from llminfer.protocols import SendsUpstream, Sink, Stage
 from llminfer.protocols.messages import Abort, Control, GenerationRequest, RequestDelta
 
@@ -56,6 +56,7 @@ class Pipeline:
         self._failure: BaseException | None = None
         self._inner: TaskGroup | Any = None
         self.running = False
+        self._closed = False  # aclose() has begun
 
     async def __aenter__(self) -> Pipeline:
         self._tg = anyio.create_task_group()
@@ -90,6 +91,10 @@ class Pipeline:
         except anyio.get_cancelled_exc_class():
             raise
         except BaseException as exc:  # noqa: BLE001 - a broken stage must not hang any request
+            if self._closed and isinstance(exc, (anyio.BrokenResourceError, anyio.ClosedResourceError)):
+                # Shutting down: the stage after this one has already returned (the core, once its
+                # requests are done); what this stage still held is failed by aclose(), quietly.
+                return
             self._failure = exc
             log.error("stage failed", stage=stage.name, error=repr(exc))
             self.running = False
@@ -111,16 +116,20 @@ class Pipeline:
         """Send a request in; return the stream of its deltas (ends after the final delta).
 
         Raises:
-            EngineError: the pipeline is not running (or stopped because a stage failed: the message says
-                which error).
+            EngineClosedError: the pipeline was shut down; EngineError: it is not running (or stopped
+                because a stage failed: the message says which error).
         """
         if not self.running or self._input is None:
+            if self._closed and self._failure is None:
+                raise EngineClosedError("the engine pipeline was shut down; it takes no more requests")
             raise EngineError(f"the engine pipeline is not running ({self._failure_text()})")
         stream = self.sink.open(request.request_id)
         try:
             self._input.send_nowait(request)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
             self.sink.close(request.request_id)
+            if self._closed and self._failure is None:
+                raise EngineClosedError("the engine pipeline was shut down; it takes no more requests") from None
             raise EngineError(f"the engine pipeline stopped ({self._failure_text()})") from None
         await anyio.lowlevel.checkpoint()
         return stream
@@ -152,10 +161,12 @@ class Pipeline:
 
     async def aclose(self, timeout_s: float | None = 30.0, exc_info: tuple = (None, None, None)) -> None:
         """Stop taking requests, let in-flight ones finish for up to ``timeout_s`` seconds (None: no limit,
-        0: cancel at once), then cancel the rest (their handles get :class:`RequestAbortedError`)."""
+        0: cancel at once), then cancel the rest (their handles get :class:`EngineClosedError`, a
+        :class:`~llminfer.errors.RequestAbortedError`)."""
         if self._tg is None:
             return
         self.running = False
+        self._closed = True
         tg, self._tg = self._tg, None
         # Ordered after every request already sent; aborts and stop-string finishes still get in.
         self.send_nowait(Control("close"))
@@ -167,4 +178,4 @@ class Pipeline:
         try:
             await tg.__aexit__(*exc_info)
         finally:
-            self.sink.fail_all(RequestAbortedError("the engine shut down"))
+            self.sink.fail_all(EngineClosedError("the engine shut down before the request finished"))

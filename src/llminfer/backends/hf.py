@@ -167,30 +167,49 @@ class HFBackend:
         """Facts for ``engine.info()``: steps run so far."""
         return {"steps": self.num_steps}
 
-    def _register(self, plan: SchedulerOutput) -> None:
+    def _register(self, plan: SchedulerOutput, failed: dict[str, BaseException] | None = None) -> None:
+        """Sampling state for the plan's new requests; with ``failed``, a request whose state cannot be
+        built (a grammar matcher that fails, say) is recorded there instead of failing the step."""
         for new in plan.new_requests:
-            self.states[new.request_id] = SamplingState(
-                new.params, self.device, new.prompt_token_ids, new.bad_words_ids, new.force_words_ids,
-                self.eos_token_ids, new.grammar)
+            try:
+                self.states[new.request_id] = SamplingState(
+                    new.params, self.device, new.prompt_token_ids, new.bad_words_ids, new.force_words_ids,
+                    self.eos_token_ids, new.grammar)
+            except Exception as exc:  # noqa: BLE001 - that request fails, the step goes on
+                if failed is None:
+                    raise
+                failed[new.request_id] = exc
 
     def execute(self, plan: SchedulerOutput) -> StepOutput:
-        """Run one step; never raises (an exception is returned in ``StepOutput.error``)."""
+        """Run one step; never raises. A request whose own sampling fails is reported in
+        ``StepOutput.failed`` (the others get their tokens); an exception of the whole step (the forward
+        pass) is returned in ``StepOutput.error``."""
         start = time.perf_counter_ns()
         try:
             self.release(plan.finished_request_ids)
-            self._register(plan)
+            failed: dict[str, BaseException] = {}
+            self._register(plan, failed)
             sampling = [s for s in plan.sequences if s.sample]
             jobs = prompt_logprob_jobs(plan, self.states)
             with torch.inference_mode():
                 logits = self.forward(plan, [r for job in jobs for r in job.rows]) if jobs else self.forward(plan)
                 prompt_lps = prompt_logprobs(logits[len(sampling):], jobs) if jobs else {}
-                tokens, logprobs = sample(logits[: len(sampling)], [self.states[s.request_id] for s in sampling])
+                logits = logits[: len(sampling)]
+                if failed:
+                    keep = [i for i, s in enumerate(sampling) if s.request_id not in failed]
+                    sampling = [sampling[i] for i in keep]
+                    logits = logits[keep]
+                errors: dict[int, BaseException] = {}
+                tokens, logprobs = sample(logits, [self.states[s.request_id] for s in sampling], errors)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             self.num_steps += 1
-            sampled = {s.request_id: t for s, t in zip(sampling, tokens)}
+            for row in errors:
+                failed[sampling[row].request_id] = errors[row]
+            sampled = {s.request_id: t for s, t in zip(sampling, tokens) if s.request_id not in failed}
             lps = {s.request_id: lp for s, lp in zip(sampling, logprobs) if lp is not None}
             return StepOutput(plan.step_id, sampled, start, time.perf_counter_ns(), logprobs=lps,
-                              prompt_logprobs=prompt_lps)
+                              prompt_logprobs={k: v for k, v in prompt_lps.items() if k not in failed},
+                              failed=failed)
         except Exception as exc:  # noqa: BLE001 - the scheduler fails the step's requests with it
             return StepOutput(plan.step_id, {}, start, time.perf_counter_ns(), error=exc)

@@ -208,6 +208,9 @@ class Benchmarker:
                 prompts = self._batch(size, seed)
                 engine.reset_prefix_cache()  # through the core's inbox: done (and cold) when it returns
                 engine.tracer.clear()
+                # Every event of the run must be kept: a few per request, one per token, four per step.
+                prompt_tokens = max((len(p) for p in prompts), default=0)
+                engine.tracer.ensure_capacity(size * (max_new_tokens + 16) + 4 * (max_new_tokens + prompt_tokens) * size)
                 if progress:
                     progress(f"batch {size} {'warm-up' if i < warmup else f'run {i - warmup + 1}'}")
                 _sync(engine.device)
@@ -217,6 +220,9 @@ class Benchmarker:
                 wall = time.perf_counter() - t0
                 if i < warmup:
                     continue
+                if engine.tracer.dropped:
+                    raise EngineError(f"the trace ring overflowed by {engine.tracer.dropped} events during a "
+                                      "benchmark run; its metrics would be wrong")
                 trace = trace_frame(engine.tracer.snapshot())
                 s = summarize(trace) if engine.tracer.enabled else {}
                 generated = sum(r.stats.completion_tokens for r in results)

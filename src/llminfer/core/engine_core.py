@@ -17,6 +17,7 @@ Nothing else touches the scheduler, the block pool or the backend.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from typing import Any
@@ -26,7 +27,7 @@ import structlog
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from llminfer.core.scheduler import Scheduler
-from llminfer.errors import CapacityError, RequestAbortedError
+from llminfer.errors import EngineError, LLMInferError, RequestAbortedError
 from llminfer.protocols import Backend
 from llminfer.protocols.messages import (
     Abort,
@@ -109,11 +110,20 @@ class EngineCore:
                     return
                 await self._wait_for_work(inbox)
                 continue
-            plan, failures = sched.schedule()
+            try:
+                plan, failures = sched.schedule()
+            except Exception as exc:  # noqa: BLE001 - a scheduler bug fails the requests, not the engine
+                log.exception("scheduling failed; failing every request in the core")
+                self._fail(list(sched.requests), exc, "scheduling")
+                continue
             self._updates.extend(failures)
             if plan.sequences:
                 result = await self._execute(plan)
-                self._updates.extend(sched.update_from_output(plan, result))
+                try:
+                    self._updates.extend(sched.update_from_output(plan, result))
+                except Exception as exc:  # noqa: BLE001 - the step's requests fail, the engine goes on
+                    log.exception("applying a step's output failed; failing its requests")
+                    self._fail([seq.request_id for seq in plan.sequences], exc, "the step's output")
             elif sched.waiting_for_grammar:
                 await self._wait_for_work(inbox, GRAMMAR_POLL_S)  # a compile finishing is no message
             elif not failures:
@@ -133,8 +143,12 @@ class EngineCore:
                 self.tracer.record(req.request_id, SCHEDULER_STAGE, "first_scheduled", req.num_cached_tokens or 0,
                                    t_ns=req.first_scheduled_ns)
             self.tracer.record(STEP, SCHEDULER_STAGE, "scheduled", plan.num_tokens)
-        result = await anyio.to_thread.run_sync(self.backend.execute, plan, limiter=self._limiter,
-                                                abandon_on_cancel=False)
+        try:
+            result = await anyio.to_thread.run_sync(self.backend.execute, plan, limiter=self._limiter,
+                                                    abandon_on_cancel=False)
+        except Exception as exc:  # noqa: BLE001 - Backend.execute should return errors; fail the step if not
+            now = time.perf_counter_ns()
+            result = StepOutput(plan.step_id, {}, now, now, error=exc)
         if traced:
             n = plan.num_tokens
             self.tracer.record(STEP, STEP_STAGE, "step_start", n, t_ns=result.start_ns)
@@ -174,6 +188,12 @@ class EngineCore:
                         self._inbox_open = False
 
     def _handle(self, msg: Any) -> None:
+        try:
+            self._dispatch(msg)
+        except Exception:  # noqa: BLE001 - a message that cannot be handled is logged and dropped
+            log.exception("engine core message failed", message=type(msg).__name__)
+
+    def _dispatch(self, msg: Any) -> None:
         if isinstance(msg, TokenizedRequest):
             self._admit(msg)
         elif isinstance(msg, (Abort, FinishRequest)):
@@ -186,8 +206,13 @@ class EngineCore:
     def _admit(self, msg: TokenizedRequest) -> None:
         try:
             req = self.scheduler.add_request(msg)
-        except CapacityError as exc:
+        except LLMInferError as exc:  # CapacityError: it can never fit
             self._passed_on.append(RequestFailed(msg.request_id, exc))
+            return
+        except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the core
+            log.exception("admission failed", request_id=msg.request_id)
+            self.scheduler.requests.pop(msg.request_id, None)
+            self._passed_on.append(RequestFailed(msg.request_id, EngineError(f"admission: {type(exc).__name__}: {exc}")))
             return
         self._admitted.append(msg)
         self.tracer.record(req.request_id, SCHEDULER_STAGE, "queued", req.num_prompt_tokens, t_ns=req.queued_ns)
@@ -206,6 +231,28 @@ class EngineCore:
             self._updates.append(SequenceUpdate(req.request_id, finish_reason="abort", stats=stats,
                                                 error=RequestAbortedError(f"request {msg.reason}")))
 
+    def _fail(self, request_ids: list[str], exc: BaseException, where: str) -> None:
+        """Fail ``request_ids`` with an EngineError naming ``exc`` and free what they hold, however
+        inconsistent their state was left by the failure that got here."""
+        sched = self.scheduler
+        error = EngineError(f"the engine failed in {where}: {type(exc).__name__}: {exc}")
+        now = time.perf_counter_ns()
+        for rid in request_ids:
+            req = sched.requests.get(rid)
+            if req is None:
+                continue
+            try:
+                sched.finish_request(rid)
+            except Exception:  # noqa: BLE001 - take it out by hand
+                sched.requests.pop(rid, None)
+                for queue in (sched.running, sched.waiting):
+                    with contextlib.suppress(ValueError):
+                        queue.remove(req)
+                with contextlib.suppress(Exception):
+                    sched.kv.free(rid)
+                self.backend.release([rid])
+            self._updates.append(SequenceUpdate(rid, (), "error", error, stats=req.stats(now)))
+
     def _control(self, msg: Control) -> None:
         if msg.action == "reset_prefix_cache":
             self.scheduler.kv.pool.reset_cache()
@@ -215,8 +262,10 @@ class EngineCore:
             self._drains.append(msg.done)
         elif msg.action == "close":
             self._closing = True
-        else:
-            raise ValueError(f"unknown control action {msg.action!r}")
+        else:  # a user stage's typo must not stop the core
+            log.error("unknown control action ignored", action=msg.action)
+            if msg.done is not None:
+                msg.done.set()
 
     # ------------------------------------------------------------------ output
     async def _emit(self, outbox: ObjectSendStream[Any], step_id: int) -> None:

@@ -32,7 +32,7 @@ import time
 import attrs
 
 from llminfer.core.queues import PriorityWaitingQueue, WaitingQueue
-from llminfer.errors import CapacityError, InvalidRequestError
+from llminfer.errors import CapacityError, EngineError, InvalidRequestError, LLMInferError
 from llminfer.kv.manager import KVCacheManager
 from llminfer.protocols.messages import (
     NewRequestData,
@@ -93,20 +93,36 @@ class Scheduler:
     def add_request(self, msg: TokenizedRequest) -> Request:
         """Queue a tokenized request.
 
+        A request of ``P`` prompt tokens that generates ``M`` tokens writes the KV of ``P + M - 1`` tokens
+        (the last token's is never computed). With ``max_new_tokens`` given, that must fit in the whole
+        pool; without it, the request is capped at what the pool (and the context) holds and ends with
+        ``finish_reason="length"`` there, instead of failing when the pool runs out.
+
         Raises:
-            CapacityError: prompt plus its minimum output can never fit in the KV pool.
+            CapacityError: prompt plus ``max_new_tokens`` (or the minimum output) can never fit in the KV
+                pool, even alone (``param`` names ``max_new_tokens`` when the prompt alone would fit).
         """
         prompt_len = len(msg.prompt_token_ids)
-        min_total = prompt_len + max(1, msg.params.min_new_tokens)
-        if self.kv.blocks_needed(min_total) > self.kv.num_blocks:
+        capacity = self.kv.capacity_tokens
+        min_new = max(1, msg.params.min_new_tokens)
+        if self.kv.blocks_needed(prompt_len + min_new - 1) > self.kv.num_blocks:
             raise CapacityError(
-                f"request needs {min_total} tokens of KV cache (prompt {prompt_len} + at least "
-                f"{max(1, msg.params.min_new_tokens)} generated) but the whole pool holds "
-                f"{self.kv.capacity_tokens} tokens; raise the KV budget or shorten the prompt"
+                f"request needs {prompt_len + min_new - 1} tokens of KV cache (prompt {prompt_len} + at least "
+                f"{min_new} generated) but the whole pool holds {capacity} tokens; raise the KV budget "
+                "or shorten the prompt"
             )
-        max_total = self.limits.max_model_len
-        if msg.params.max_new_tokens is not None:
-            max_total = min(max_total, prompt_len + msg.params.max_new_tokens)
+        max_new = msg.params.max_new_tokens
+        if max_new is not None and self.kv.blocks_needed(prompt_len + max_new - 1) > self.kv.num_blocks:
+            raise CapacityError(
+                f"request needs up to {prompt_len + max_new - 1} tokens of KV cache (prompt {prompt_len} + "
+                f"max_new_tokens {max_new} - 1) but the whole pool holds {capacity} tokens; lower "
+                f"max_new_tokens to at most {capacity - prompt_len + 1} or raise the KV budget",
+                param="max_new_tokens"
+            )
+        # Without max_new_tokens: up to the context, and no further than one request alone can grow.
+        max_total = min(self.limits.max_model_len, capacity + 1)
+        if max_new is not None:
+            max_total = min(max_total, prompt_len + max_new)
         req = Request(
             request_id=msg.request_id,
             token_ids=list(msg.prompt_token_ids),
@@ -289,7 +305,8 @@ class Scheduler:
         """Apply the backend's result for ``plan``: advance computed tokens, append sampled tokens, finish
         requests. Requests of the plan that finished meanwhile (aborted while the step ran) are skipped.
 
-        A failed step (``result.error``) fails every request that was in it and frees their blocks.
+        A failed step (``result.error``) fails every request that was in it and frees their blocks; a
+        request in ``result.failed`` fails alone.
         Final updates carry the request's stats (:meth:`Request.stats`).
         """
         updates: list[SequenceUpdate] = []
@@ -300,10 +317,12 @@ class Scheduler:
             req = self.requests.get(seq.request_id)
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            if result.error is not None:
+            error = result.error if result.error is not None else result.failed.get(req.request_id)
+            if error is not None:
                 self.running.remove(req)
                 self._finish(req)
-                updates.append(SequenceUpdate(req.request_id, (), "error", result.error, stats=req.stats(end_ns)))
+                updates.append(SequenceUpdate(req.request_id, (), "error", _as_engine_error(error),
+                                              stats=req.stats(end_ns)))
                 continue
             sampled = result.sampled.get(req.request_id)
             tokens: tuple[int, ...] = () if sampled is None else (sampled,) if isinstance(sampled, int) else sampled
@@ -442,6 +461,14 @@ def _collect_prompt_logprobs(req: Request, first_position: int, entries: tuple) 
     for i, entry in enumerate(entries):
         if first_position + i == len(req.prompt_logprobs) + 1:
             req.prompt_logprobs.append(entry)
+
+
+def _as_engine_error(exc: BaseException) -> Exception:
+    """What the request's caller gets for a backend failure: llminfer's own errors as they are, anything
+    else as an :class:`EngineError` naming it (never a bare torch or xgrammar exception)."""
+    if isinstance(exc, LLMInferError):
+        return exc
+    return EngineError(f"the backend failed on this request: {type(exc).__name__}: {exc}")
 
 
 def check_stop(req: Request, token: int, eos_token_ids: frozenset[int]) -> str | None:

@@ -14,7 +14,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from llminfer.errors import InvalidRequestError, one_line
+from llminfer.errors import InvalidRequestError, is_fatal, one_line
 from llminfer.kv.hashing import encode_extra_keys
 from llminfer.protocols import Tokenizer
 from llminfer.protocols.messages import GenerationRequest, TokenizedRequest
@@ -22,6 +22,15 @@ from llminfer.sampling.params import SamplingParams
 from llminfer.sampling.structured import GrammarCompiler
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+MAX_CHARS_PER_TOKEN = 128
+"""A generous bound on the characters one token stands for: a text longer than ``max_model_len`` times it
+cannot fit the context and is refused before it is tokenized (a 10 MB prompt otherwise costs seconds of
+tokenizer time). The longest entry of Qwen2's 151k vocabulary decodes to 128 characters (a run of
+repeated symbols; the longest thousand average 29), so only a prompt that could not fit anyway is refused."""
+INLINE_TOKENIZE_CHARS = 4096
+"""Texts up to this many characters are tokenized on the event loop (tens of microseconds); longer ones
+in a worker thread (:meth:`InputProcessor.encode_async`, the tokenize stage), so that one long prompt
+never stalls every other stream."""
 
 
 def build_request(prompt: str | Sequence[int], *, max_new_tokens: int | None = 64, temperature: float = 0.0,
@@ -68,6 +77,17 @@ def build_request(prompt: str | Sequence[int], *, max_new_tokens: int | None = 6
 SAMPLING_FIELDS = frozenset(a.name for a in SamplingParams.__attrs_attrs__)  # type: ignore[attr-defined]
 
 
+def _why(text: str, exc: BaseException) -> str:
+    """Why ``text`` could not be tokenized, in words: a lone surrogate (not valid Unicode; the tokenizer's
+    own message names a type) is the usual cause; else the tokenizer's message. Only on the error path."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as bad:
+        return (f"it is not valid Unicode (a lone surrogate U+{ord(text[bad.start]):04X} at character "
+                f"{bad.start})")
+    return one_line(exc)
+
+
 class InputProcessor:
     """Tokenizes and validates prompts.
 
@@ -95,13 +115,46 @@ class InputProcessor:
         """
         if not text:
             raise InvalidRequestError(f"{param} is empty", param=param)
+        self.check_text_size(text, param=param)
         try:
             ids = tuple(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
-        except Exception as exc:  # noqa: BLE001 - the tokenizer's own errors are the input's fault
-            raise InvalidRequestError(f"{param} could not be tokenized: {one_line(exc)}", param=param) from None
+        except BaseException as exc:  # noqa: BLE001 - the tokenizer's own errors (a Rust panic too) are the input's
+            if is_fatal(exc):
+                raise
+            raise InvalidRequestError(f"{param} could not be tokenized: {_why(text, exc)}", param=param) from None
         if not ids:
             raise InvalidRequestError(f"{param} is empty (it tokenizes to no tokens)", param=param)
         return ids
+
+    async def encode_async(self, text: str, *, param: str = "prompt", add_special_tokens: bool = True
+                           ) -> tuple[int, ...]:
+        """:meth:`encode` from inside an event loop: a text over :data:`INLINE_TOKENIZE_CHARS` characters
+        is size-checked at once and tokenized in a worker thread. Raises as :meth:`encode`."""
+        if len(text) <= INLINE_TOKENIZE_CHARS:
+            return self.encode(text, param=param, add_special_tokens=add_special_tokens)
+        import anyio.to_thread
+
+        self.check_text_size(text, param=param)
+        return await anyio.to_thread.run_sync(
+            lambda: self.encode(text, param=param, add_special_tokens=add_special_tokens))
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """The longest text prompt (characters) worth tokenizing: ``max_model_len`` x
+        :data:`MAX_CHARS_PER_TOKEN`."""
+        return self.max_model_len * MAX_CHARS_PER_TOKEN
+
+    def check_text_size(self, text: str, *, param: str = "prompt") -> None:
+        """Refuse, in O(1), a text too long to fit the context whatever its tokens.
+
+        Raises:
+            InvalidRequestError: ``code="context_length_exceeded"``, with ``param``.
+        """
+        if len(text) > self.max_prompt_chars:
+            raise InvalidRequestError(
+                f"{param} has {len(text)} characters, more than the model's context of {self.max_model_len} "
+                f"tokens can hold (at most {self.max_prompt_chars} characters are tokenized); shorten it",
+                param=param, code=CONTEXT_LENGTH_EXCEEDED)
 
     def check_prompt_ids(self, ids: Sequence[int], *, max_new_tokens: int | None = None,
                          param: str = "prompt") -> tuple[int, ...]:
@@ -143,7 +196,7 @@ class InputProcessor:
                 raise InvalidRequestError(f"{param}: token id {t} is outside the vocabulary [0, {self.vocab_size})",
                                           param=param)
 
-    def word_variants(self, word: str) -> tuple[tuple[int, ...], ...]:
+    def word_variants(self, word: str, param: str = "bad_words") -> tuple[tuple[int, ...], ...]:
         """Token sequences of ``word`` with a leading space (first) and without, duplicates removed.
 
         Raises:
@@ -152,9 +205,11 @@ class InputProcessor:
         texts = [" " + word.lstrip(), word] if not word.startswith(" ") else [word, word.lstrip()]
         try:
             seqs = [tuple(self.tokenizer.encode(t, add_special_tokens=False)) for t in texts]
-        except Exception as exc:  # noqa: BLE001 - see encode
-            raise InvalidRequestError(f"word {word!r} could not be tokenized: {one_line(exc)}",
-                                      param="bad_words") from None
+        except BaseException as exc:  # noqa: BLE001 - see encode
+            if is_fatal(exc):
+                raise
+            raise InvalidRequestError(f"word {word!r} could not be tokenized: {_why(word, exc)}",
+                                      param=param) from None
         return tuple(dict.fromkeys(s for s in seqs if s))
 
     def process(self, req: GenerationRequest) -> TokenizedRequest:
@@ -162,18 +217,19 @@ class InputProcessor:
         start compiling its structured-output constraint (the scheduler waits for it).
 
         Raises:
-            InvalidRequestError: see :meth:`encode` and :meth:`check_prompt_ids`.
+            InvalidRequestError: see :meth:`encode` and :meth:`check_prompt_ids` (the prompt plus
+                ``max_new_tokens`` must fit in the context).
         """
         if isinstance(req.prompt, str):
             ids = self.encode(req.prompt)
         else:
             ids = tuple(req.prompt)
-        ids = self.check_prompt_ids(ids)
         params = req.params
+        ids = self.check_prompt_ids(ids, max_new_tokens=params.max_new_tokens)
         self.check_token_ids([t for t, _ in params.logit_bias], "logit_bias")
         self.check_token_ids(params.stop_token_ids, "stop_token_ids")
         bad = tuple(dict.fromkeys(v for w in params.bad_words for v in self.word_variants(w)))
-        force = tuple(self.word_variants(w) for w in params.force_words)
+        force = tuple(self.word_variants(w, "force_words") for w in params.force_words)
         grammar = None
         if params.structured_output is not None and self.grammars is not None:
             grammar = self.grammars.submit(params.structured_output)

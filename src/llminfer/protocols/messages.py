@@ -146,7 +146,9 @@ class SchedulerOutput:
 class StepOutput:
     """The backend's answer to a :class:`SchedulerOutput`: per sampling sequence one token, or with
     speculative decoding a tuple (accepted draft tokens, then the target's own token); ``spec`` maps a
-    request to ``(drafts proposed, drafts accepted)``."""
+    request to ``(drafts proposed, drafts accepted)``. ``error`` fails every request of the step (the
+    step itself failed); ``failed`` maps a request whose own processing failed to its error (that request
+    alone fails)."""
 
     step_id: int
     sampled: dict[str, int | tuple[int, ...]]
@@ -157,6 +159,7 @@ class StepOutput:
     spec: dict[str, tuple[int, int]] = attrs.field(factory=dict)
     #: requests with ``prompt_logprobs``: (position of the first entry, one entry per prompt position)
     prompt_logprobs: dict[str, tuple[int, tuple[TokenLogprob, ...]]] = attrs.field(factory=dict)
+    failed: dict[str, BaseException] = attrs.field(factory=dict)
 
 
 @attrs.frozen

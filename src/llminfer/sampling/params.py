@@ -50,7 +50,10 @@ class SamplingParams:
     """How one request is decoded.
 
     Attributes:
-        max_new_tokens: most tokens to generate (> 0). ``None``: until the context (``max_model_len``) fills.
+        max_new_tokens: most tokens to generate (> 0); the prompt plus this must fit in the context and
+            the KV pool, or the request is refused at once. ``None``: until the context
+            (``max_model_len``) or what the KV pool holds for one request fills (``finish_reason``
+            ``"length"``).
         min_new_tokens: EOS and stop token ids are suppressed until this many tokens exist.
         temperature: 0 means greedy (argmax); otherwise logits are divided by it before sampling.
         top_p: nucleus sampling, keep the smallest set of tokens whose probability sums to ``top_p``.

@@ -258,20 +258,36 @@ def warp(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor
 def sample(
     logits: torch.Tensor,
     states: Sequence[SamplingState],
+    errors: dict[int, BaseException] | None = None,
 ) -> tuple[list[int], list[TokenLogprob | None]]:
     """Pick one token per row and record it in the row's state.
 
     Args:
         logits: ``[S, V]`` float32, the last position's logits of each sampling sequence (modified in place).
         states: per row, the request's sampling state.
+        errors: when given, a row whose own processing raises (its processors, its grammar, a stop id
+            outside the vocabulary) is recorded here by row index instead of failing the batch; its token
+            is then meaningless and its state untouched. None: the first such error propagates.
 
     Returns:
         ``S`` token ids, and per row a :class:`TokenLogprob` when the request asked for ``logprobs``.
     """
+    def guard(row: int, fn: Any, *args: Any) -> Any:
+        if errors is None:
+            return fn(*args)
+        if row in errors:
+            return None
+        try:
+            return fn(*args)
+        except Exception as exc:  # noqa: BLE001 - this row's request fails, the batch goes on
+            errors[row] = exc
+            return None
+
+    vocab = logits.shape[-1]
     mask_rows: list[int] = []
     mask_ids: list[int] = []
     for row, state in enumerate(states):
-        ids = state.banned_stop_ids()
+        ids = guard(row, _stop_ids_to_ban, state, vocab) or []
         mask_rows.extend([row] * len(ids))
         mask_ids.extend(ids)
     constrained = [row for row, state in enumerate(states) if state.grammar is not None]
@@ -284,16 +300,11 @@ def sample(
         logits[torch.tensor(mask_rows), torch.tensor(mask_ids)] = NEG_INF
     for row, state in enumerate(states):
         if state.params.needs_history:
-            # Bans (n-grams, bad words) could in principle cover the whole vocabulary: keep a copy to fall
-            # back on. EOS masking and penalties alone cannot, and a 150k-entry copy per row per step costs.
-            saved_row = logits[row].clone() if state.can_ban_everything and state.grammar is None else None
-            state.process(logits[row])
-            if saved_row is not None and not bool(torch.isfinite(logits[row]).any()):
-                logits[row] = saved_row  # every token banned: ignore the bans rather than fail the request
+            guard(row, _process_row, state, logits[row])
     if constrained:
         bitmask = allocate_bitmask(len(states), logits.shape[-1])
         for row in constrained:
-            states[row].grammar.fill_bitmask(bitmask, row)  # type: ignore[union-attr]
+            guard(row, states[row].grammar.fill_bitmask, bitmask, row)  # type: ignore[union-attr]
         apply_bitmask(logits, bitmask, constrained)
         if saved is not None:
             empty = [j for j, row in enumerate(fallback) if not bool(torch.isfinite(logits[row]).any())]
@@ -301,6 +312,8 @@ def sample(
                 rows = [fallback[j] for j in empty]
                 logits[rows] = saved[empty]
                 apply_bitmask(logits, bitmask, rows)
+    if errors:
+        logits[list(errors)] = 0.0  # a failed row must not disturb the batched draws below
 
     logprobs: list[TokenLogprob | None] = [None] * len(states)
     want_lp = [i for i, s in enumerate(states) if s.params.logprobs is not None]
@@ -329,6 +342,23 @@ def sample(
                 top = tuple(zip(ids.tolist(), values.tolist()))
             logprobs[i] = TokenLogprob(out[i], float(row[out[i]]), top)
 
-    for state, tok in zip(states, out):
-        state.append(tok)
+    for row, (state, tok) in enumerate(zip(states, out)):
+        guard(row, state.append, tok)
     return out, logprobs
+
+
+def _stop_ids_to_ban(state: SamplingState, vocab: int) -> list[int]:
+    ids = state.banned_stop_ids()
+    bad = [i for i in ids if not 0 <= i < vocab]
+    if bad:
+        raise ValueError(f"stop token id {bad[0]} is outside the vocabulary (size {vocab})")
+    return ids
+
+
+def _process_row(state: SamplingState, row: torch.Tensor) -> None:
+    # Bans (n-grams, bad words) could in principle cover the whole vocabulary: keep a copy to fall back
+    # on. EOS masking and penalties alone cannot, and a 150k-entry copy per row per step costs.
+    saved_row = row.clone() if state.can_ban_everything and state.grammar is None else None
+    state.process(row)
+    if saved_row is not None and not bool(torch.isfinite(row).any()):
+        row.copy_(saved_row)  # every token banned: ignore the bans rather than fail the request

@@ -20,12 +20,15 @@ from typing import Any
 import attrs
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
+from llminfer.errors import EngineError
 from llminfer.protocols import Tokenizer, Upstream
 from llminfer.protocols.messages import (
+    Abort,
     DeltaBatch,
     EngineStepOutput,
     FinishRequest,
     RequestDelta,
+    SequenceUpdate,
 )
 from llminfer.sampling.params import SamplingParams
 from llminfer.trace import Tracer
@@ -132,45 +135,65 @@ class DetokenizeStage:
     def bind_upstream(self, upstream: Upstream) -> None:
         self.upstream = upstream
 
-    def process(self, msg: EngineStepOutput) -> tuple[list[RequestDelta], list[FinishRequest]]:
-        """Detokenize one step. Returns the deltas and the stop-string finishes to send upstream."""
-        for req in msg.admitted:
-            self.states[req.request_id] = _RequestState(self.tokenizer, req.params)
+    def process(self, msg: EngineStepOutput) -> tuple[list[RequestDelta], list[FinishRequest | Abort]]:
+        """Detokenize one step. Returns the deltas and the messages to send upstream: stop-string
+        finishes, and aborts of requests whose detokenization failed (each gets an error delta; the
+        others go on)."""
         deltas: list[RequestDelta] = []
-        finishes: list[FinishRequest] = []
+        upstream: list[FinishRequest | Abort] = []
         now = msg.time_ns
+        for req in msg.admitted:
+            try:
+                self.states[req.request_id] = _RequestState(self.tokenizer, req.params)
+            except Exception as exc:  # noqa: BLE001 - that request fails alone
+                self._failed(req.request_id, exc, now, deltas, upstream)
         for up in msg.updates:
             state = self.states.get(up.request_id)
             if state is None:
                 continue
-            final = up.finish_reason is not None
-            if state.stopped:
-                if final:  # the core confirmed the stop (or ended the request first)
-                    del self.states[up.request_id]
-                    stats = up.stats.with_completion_tokens(state.num_output_tokens) if up.stats else None
-                    deltas.append(RequestDelta(up.request_id, "", (), "stop", None, now, stats=stats))
-                continue
-            # The EOS / stop token id that ended the request is counted and returned as an id, never as text.
-            text_ids = up.new_token_ids[:-1] if up.ends_with_stop_token else up.new_token_ids
-            text = state.detok.add(text_ids) if text_ids else ""
-            if final:
-                text += state.detok.flush()
-            state.num_output_tokens += len(up.new_token_ids)
-            if state.matcher is not None:
-                text, hit = state.matcher.feed(text, final)
-                if hit and not final:
-                    state.stopped = True
-                    finishes.append(FinishRequest(up.request_id, state.num_output_tokens))
-                    deltas.append(RequestDelta(up.request_id, text, up.new_token_ids, None, None, now, up.logprobs,
-                                               prompt_logprobs=up.prompt_logprobs))
-                    continue
-                if hit:
-                    up = attrs.evolve(up, finish_reason="stop")
-            deltas.append(RequestDelta(up.request_id, text, up.new_token_ids, up.finish_reason, up.error, now,
-                                       up.logprobs, up.stats, up.prompt_logprobs))
-            if final:
+            try:
+                self._update(state, up, now, deltas, upstream)
+            except Exception as exc:  # noqa: BLE001 - that request fails alone
+                self._failed(up.request_id, exc, now, deltas, upstream, final=up.finish_reason is not None)
+        return deltas, upstream
+
+    def _failed(self, request_id: str, exc: Exception, now: int, deltas: list[RequestDelta],
+                upstream: list[FinishRequest | Abort], final: bool = False) -> None:
+        self.states.pop(request_id, None)
+        error = EngineError(f"detokenize: {type(exc).__name__}: {exc}")
+        deltas.append(RequestDelta(request_id, "", (), "error", error, now))
+        if not final:  # free its blocks now; the core's final update is dropped here (state gone)
+            upstream.append(Abort(request_id, "failed in detokenize"))
+
+    def _update(self, state: _RequestState, up: SequenceUpdate, now: int, deltas: list[RequestDelta],
+                upstream: list[FinishRequest | Abort]) -> None:
+        final = up.finish_reason is not None
+        if state.stopped:
+            if final:  # the core confirmed the stop (or ended the request first)
                 del self.states[up.request_id]
-        return deltas, finishes
+                stats = up.stats.with_completion_tokens(state.num_output_tokens) if up.stats else None
+                deltas.append(RequestDelta(up.request_id, "", (), "stop", None, now, stats=stats))
+            return
+        # The EOS / stop token id that ended the request is counted and returned as an id, never as text.
+        text_ids = up.new_token_ids[:-1] if up.ends_with_stop_token else up.new_token_ids
+        text = state.detok.add(text_ids) if text_ids else ""
+        if final:
+            text += state.detok.flush()
+        state.num_output_tokens += len(up.new_token_ids)
+        if state.matcher is not None:
+            text, hit = state.matcher.feed(text, final)
+            if hit and not final:
+                state.stopped = True
+                upstream.append(FinishRequest(up.request_id, state.num_output_tokens))
+                deltas.append(RequestDelta(up.request_id, text, up.new_token_ids, None, None, now, up.logprobs,
+                                           prompt_logprobs=up.prompt_logprobs))
+                return
+            if hit:
+                up = attrs.evolve(up, finish_reason="stop")
+        deltas.append(RequestDelta(up.request_id, text, up.new_token_ids, up.finish_reason, up.error, now,
+                                   up.logprobs, up.stats, up.prompt_logprobs))
+        if final:
+            del self.states[up.request_id]
 
     async def run(self, inbox: ObjectReceiveStream[Any], outbox: ObjectSendStream[Any]) -> None:
         async with outbox:
@@ -178,9 +201,9 @@ class DetokenizeStage:
                 if not isinstance(msg, EngineStepOutput):
                     await outbox.send(msg)
                     continue
-                deltas, finishes = self.process(msg)
+                deltas, upstream = self.process(msg)
                 if self.upstream is not None:
-                    for finish in finishes:
-                        self.upstream(finish)
+                    for message in upstream:
+                        self.upstream(message)
                 if deltas:
                     await outbox.send(DeltaBatch(msg.step_id, tuple(deltas), time.perf_counter_ns()))

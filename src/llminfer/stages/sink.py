@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
 import anyio
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
+from llminfer.errors import EngineError
 from llminfer.protocols import Upstream
 from llminfer.protocols.messages import Abort, DeltaBatch, RequestDelta, RequestFailed
 from llminfer.trace import Tracer
@@ -75,11 +77,27 @@ class StreamSink:
             async for msg in inbox:
                 if isinstance(msg, DeltaBatch):
                     for delta in msg.deltas:
-                        self.deliver(delta)
+                        self._deliver_or_fail(delta)
                 elif isinstance(msg, RequestFailed):
-                    self.deliver(RequestDelta(msg.request_id, "", (), finish_reason="error", error=msg.error))
+                    self._deliver_or_fail(RequestDelta(msg.request_id, "", (), finish_reason="error",
+                                                      error=msg.error))
                 else:
                     await outbox.send(msg)
+
+    def _deliver_or_fail(self, delta: RequestDelta) -> None:
+        """:meth:`deliver`; if that raises, the request is ended with the error (and aborted upstream)
+        and the sink goes on serving the others."""
+        try:
+            self.deliver(delta)
+        except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the sink
+            send = self.streams.get(delta.request_id)
+            if send is not None:
+                with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    send.send_nowait(RequestDelta(delta.request_id, "", (), finish_reason="error",
+                                                  error=EngineError(f"sink: {type(exc).__name__}: {exc}")))
+            self.close(delta.request_id)
+            if not delta.finished and self.upstream is not None:
+                self.upstream(Abort(delta.request_id, "failed in the sink"))
 
     def fail_all(self, error: Exception) -> None:
         """Finish every open request with ``error`` (engine shutdown)."""
