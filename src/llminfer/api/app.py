@@ -17,7 +17,7 @@ import anyio
 import attrs
 import structlog
 from anyio.abc import TaskGroup
-from litestar import Litestar, Request, Response, Router, get
+from litestar import Litestar, Request, Response, Router, route
 from litestar.openapi import OpenAPIConfig, ResponseSpec
 from litestar.openapi.spec import Components, SecurityScheme
 from litestar.params import FromPath
@@ -37,6 +37,7 @@ from llminfer.api.middleware import (
     request_log_middleware,
     server_state,
 )
+from llminfer.api.responses import create_response
 from llminfer.api.translate import PromptBuilder
 from llminfer.config import EngineConfig
 from llminfer.engine import InferenceEngine
@@ -121,13 +122,16 @@ class ServerState:
 
 
 # ---------------------------------------------------------------------------- small routes
-@get("/models", responses=OPENAPI_ERRORS, summary="List the served model")
+GET_HEAD = ["GET", "HEAD"]  #: every GET route answers HEAD too (same status and headers, no body)
+
+
+@route("/models", http_method=GET_HEAD, responses=OPENAPI_ERRORS, summary="List the served model")
 async def list_models(request: Request) -> s.ModelList:
     """The one served model."""
     return s.ModelList([server_state(request).card()])
 
 
-@get("/models/{model_id:path}", responses=OPENAPI_ERRORS, summary="Describe the served model")
+@route("/models/{model_id:path}", http_method=GET_HEAD, responses=OPENAPI_ERRORS, summary="Describe the served model")
 async def get_model(request: Request, model_id: FromPath[str]) -> s.ModelCard:
     """The served model's card.
 
@@ -135,11 +139,24 @@ async def get_model(request: Request, model_id: FromPath[str]) -> s.ModelCard:
         APIError: 404 ``model_not_found`` for any other id.
     """
     state = server_state(request)
-    state.resolve_model(model_id.lstrip("/"))
+    # The path parameter starts with the "/" that separates it; an id that is a local folder ("/models/x")
+    # arrives as "//models/x" from clients that join "/v1/models/" and the id.
+    wanted = model_id[1:] if model_id.startswith("/") else model_id
+    if wanted not in state.accepted_model_names and wanted.lstrip("/") in state.accepted_model_names:
+        wanted = wanted.lstrip("/")
+    state.resolve_model(wanted)
     return state.card()
 
 
-@get("/healthz", summary="Liveness and readiness", responses={503: ResponseSpec(s.Health, description="Not ready")})
+@route("/health", http_method=GET_HEAD, summary="Health (vLLM's route: empty body)",
+       responses={503: ResponseSpec(None, description="Not ready")})
+async def health(request: Request) -> Response[bytes]:
+    """200 with an empty body while the engine pipeline runs, 503 otherwise (what vLLM's ``/health``
+    answers, and what guidellm probes by default)."""
+    return Response(b"", status_code=200 if server_state(request).serving else 503)
+
+
+@route("/healthz", http_method=GET_HEAD, summary="Liveness and readiness", responses={503: ResponseSpec(s.Health, description="Not ready")})
 async def healthz(request: Request) -> Response[s.Health]:
     """200 ``{"status": "ok"}`` while the engine pipeline runs, 503 otherwise."""
     if server_state(request).serving:
@@ -147,7 +164,7 @@ async def healthz(request: Request) -> Response[s.Health]:
     return Response(s.Health("unavailable"), status_code=503)
 
 
-@get("/metrics", summary="Prometheus metrics", media_type=CONTENT_TYPE)
+@route("/metrics", http_method=GET_HEAD, summary="Prometheus metrics", media_type=CONTENT_TYPE)
 async def metrics(request: Request) -> Response[bytes]:
     """Prometheus text exposition of this server's registry."""
     state = server_state(request)
@@ -209,10 +226,10 @@ def create_app(engine_or_config: InferenceEngine | EngineConfig | None = None, *
                     state.task_group = None
                     tg.cancel_scope.cancel()
 
-    v1 = Router("/v1", route_handlers=[chat_completions, completions, list_models, get_model],
+    v1 = Router("/v1", route_handlers=[chat_completions, completions, create_response, list_models, get_model],
                 guards=[api_key_guard])
     app = Litestar(
-        route_handlers=[v1, healthz, metrics],
+        route_handlers=[v1, health, healthz, metrics],
         lifespan=[lifespan],
         exception_handlers=EXCEPTION_HANDLERS,
         middleware=[request_log_middleware],
