@@ -28,6 +28,7 @@ from llminfer.api.chat import chat_completions
 from llminfer.api.completions import completions
 from llminfer.api.errors import EXCEPTION_HANDLERS, OPENAPI_ERRORS, APIError
 from llminfer.api.execution import Ticket
+from llminfer.api.keepalive import DEFAULT_SSE_KEEPALIVE_S
 from llminfer.api.logprobs import TokenText
 from llminfer.api.metrics import CONTENT_TYPE, ServerMetrics
 from llminfer.api.middleware import (
@@ -37,6 +38,7 @@ from llminfer.api.middleware import (
     request_log_middleware,
     server_state,
 )
+from llminfer.api.openapi import refine_openapi
 from llminfer.api.responses import create_response
 from llminfer.api.translate import PromptBuilder
 from llminfer.config import EngineConfig
@@ -71,6 +73,7 @@ class ServerState:
     in_flight: int = 0
     prompts: PromptBuilder | None = None
     token_text: TokenText | None = None
+    sse_keepalive_s: float | None = DEFAULT_SSE_KEEPALIVE_S  #: quiet seconds before an SSE keep-alive comment
 
     def engine_started(self) -> None:
         """Set up what needs the loaded tokenizer (called from the lifespan)."""
@@ -183,7 +186,8 @@ def _openapi_config(with_auth: bool) -> OpenAPIConfig:
 
 def create_app(engine_or_config: InferenceEngine | EngineConfig | None = None, *,
                served_model_name: str | None = None, api_key: str | None = None,
-               max_queue_size: int | None = DEFAULT_MAX_QUEUE_SIZE, debug: bool = False) -> Litestar:
+               max_queue_size: int | None = DEFAULT_MAX_QUEUE_SIZE, debug: bool = False,
+               sse_keepalive_s: float | None = DEFAULT_SSE_KEEPALIVE_S) -> Litestar:
     """Build the OpenAI-compatible Litestar app around an engine.
 
     Args:
@@ -194,10 +198,13 @@ def create_app(engine_or_config: InferenceEngine | EngineConfig | None = None, *
         max_queue_size: engine requests (one per choice) accepted beyond ``max_batch_size``; more get 429
             with ``Retry-After``. ``None``: unbounded.
         debug: Litestar debug mode.
+        sse_keepalive_s: a stream quiet for this many seconds (waiting in the queue, a long prefill) gets an
+            SSE comment (``: keep-alive``), so idle-timeout proxies keep it; its headers go out by then at the
+            latest. ``None``: no keep-alives.
 
     Raises:
         ConfigError: a bad configuration (when a config is given).
-        ValueError: a negative ``max_queue_size``.
+        ValueError: a negative ``max_queue_size``, or an ``sse_keepalive_s`` that is not > 0.
     """
     if isinstance(engine_or_config, InferenceEngine):
         engine = engine_or_config
@@ -207,8 +214,11 @@ def create_app(engine_or_config: InferenceEngine | EngineConfig | None = None, *
     name = served_model_name or engine.cfg.served_model_name or model_id
     if max_queue_size is not None and max_queue_size < 0:
         raise ValueError("max_queue_size must be >= 0 or None")
+    if sse_keepalive_s is not None and not sse_keepalive_s > 0:
+        raise ValueError("sse_keepalive_s must be > 0 or None")
     state = ServerState(engine=engine, served_model_name=name, accepted_model_names=frozenset({name, model_id}),
-                        api_key=api_key or None, max_queue_size=max_queue_size, metrics=ServerMetrics(name))
+                        api_key=api_key or None, max_queue_size=max_queue_size, metrics=ServerMetrics(name),
+                        sse_keepalive_s=sse_keepalive_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Litestar) -> AsyncIterator[None]:
@@ -240,4 +250,5 @@ def create_app(engine_or_config: InferenceEngine | EngineConfig | None = None, *
     )
     app.state[STATE_KEY] = state
     app.state["llminfer_metrics"] = state.metrics
+    refine_openapi(app)
     return app

@@ -216,9 +216,12 @@ def serve(
     trust_remote_code: TrustRemote = False, tp_size: TPSize = 1, pp_size: PPSize = 1,
     quant: QuantOpt = QuantMode.NONE, adapter: AdapterOpt = None, adapter_name: AdapterName = None,
     compile_mode: CompileMode = "default", log_level: LogLevel = "info",
+    sse_keepalive_s: Annotated[float, typer.Option("--sse-keepalive-s", min=0.0, help="Send an SSE comment "
+                               "(': keep-alive') on a stream quiet for this many seconds, so idle-timeout proxies "
+                               "keep it open; 0 disables.")] = 15.0,
 ) -> None:
-    """Serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /healthz,
-    /metrics) with uvicorn until Ctrl-C."""
+    """Serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/responses, /v1/models,
+    /health, /healthz, /metrics) with uvicorn until Ctrl-C."""
     try:
         from llminfer.api import create_app, run_server
     except ImportError as exc:  # pragma: no cover - the serve extra is missing
@@ -232,5 +235,6 @@ def serve(
                        tp_size=tp_size, pp_size=pp_size, quant=quant, compile_mode=compile_mode,
                        batch_timeout_ms=batch_timeout_ms, served_model_name=served_model_name)
     engine = load_engine(cfg, log_level, adapter, adapter_name)
-    asgi_app = create_app(engine, api_key=api_key, max_queue_size=max_queue_size)
+    asgi_app = create_app(engine, api_key=api_key, max_queue_size=max_queue_size,
+                          sse_keepalive_s=sse_keepalive_s or None)
     run_server(asgi_app, host=host, port=port, log_level=log_level)
