@@ -142,12 +142,10 @@ async def get_model(request: Request, model_id: FromPath[str]) -> s.ModelCard:
         APIError: 404 ``model_not_found`` for any other id.
     """
     state = server_state(request)
-    # The path parameter starts with the "/" that separates it; an id that is a local folder ("/models/x")
-    # arrives as "//models/x" from clients that join "/v1/models/" and the id.
+    # Litestar's path parameter keeps the "/" before the id and merges "//": "/v1/models/org/m" gives "/org/m",
+    # and a local-folder id, "/v1/models//srv/m" (or "/v1/models/srv/m"), gives "/srv/m". Either may be meant.
     wanted = model_id[1:] if model_id.startswith("/") else model_id
-    if wanted not in state.accepted_model_names and wanted.lstrip("/") in state.accepted_model_names:
-        wanted = wanted.lstrip("/")
-    state.resolve_model(wanted)
+    state.resolve_model(model_id if model_id in state.accepted_model_names else wanted)
     return state.card()
 
 
