@@ -10,16 +10,20 @@ import concurrent.futures
 import contextlib
 import json
 import math
+import os
 import select
+import shutil
 import socket
+import subprocess
+import sys
 import threading
 
 import anyio
 import httpx
 import openai
 import pytest
-from helpers import TOOLS
 
+from helpers import TOOLS
 from llminfer import EngineConfig, InferenceEngine
 from llminfer.api import create_app, serve_in_thread
 
@@ -415,3 +419,33 @@ def test_every_advertised_request_field_is_accepted(served):
         results = list(pool.map(lambda c: (c[0], _refused_fields(url, *c)), cases))
     refused = {(path, field) for path, errors in results for field in errors}
     assert refused == KNOWN_REFUSED, [(p, r) for p, r in results if r]  # accepted now: remove from the list
+
+
+# ---------------------------------------------------------------------------- guidellm
+def _guidellm() -> str | None:
+    """guidellm's command: ``$LLMINFER_GUIDELLM``, else next to this Python (the dev extra), else on PATH."""
+    return (os.environ.get("LLMINFER_GUIDELLM") or shutil.which("guidellm", path=os.path.dirname(sys.executable))
+            or shutil.which("guidellm"))
+
+
+@pytest.mark.slow
+def test_guidellm_benchmarks_the_server_with_its_default_health_check(served, tmp_path):
+    exe = _guidellm()
+    if exe is None:
+        pytest.skip("guidellm is not installed (pip install 'llminfer[dev]')")
+    url, engine, _ = served
+    engine.tokenizer.save_pretrained(tmp_path / "tokenizer")  # guidellm counts tokens with it, offline
+    out = tmp_path / "report.json"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "GUIDELLM__MAX_WORKER_PROCESSES": "1"}  # one request at a time needs one worker process
+    run = subprocess.run(
+        [exe, "run", "--backend", f"kind=openai_http,target={url},model={MODEL}", "--profile", "kind=synchronous",
+         "--constraint", "kind=max_requests,count=3", "--data", "kind=synthetic_text,prompt_tokens=16,output_tokens=8",
+         "--tokenizer", f"kind=huggingface_auto,model={tmp_path / 'tokenizer'}", "--output",
+         f"kind=json,path={out}", "--disable-console-interactive"],
+        env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    (bench,) = json.loads(out.read_text())["benchmarks"]
+    requests = bench["requests"]
+    assert len(requests["successful"]) == 3 and not requests["errored"] and not requests["incomplete"]
+    assert all(r["output_tokens"] == 8 and r["prompt_tokens"] > 0 for r in requests["successful"])
