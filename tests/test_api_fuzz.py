@@ -29,7 +29,8 @@ def fuzz_server():
 
 def _check(response, case) -> None:
     assert response.status_code < 500, f"{case.method} {case.path} -> {response.status_code}: {response.text[:500]}"
-    if 400 <= response.status_code < 500 and case.path.startswith("/v1/"):
+    # A HEAD response has the status and headers of the GET, and no body.
+    if 400 <= response.status_code < 500 and case.path.startswith("/v1/") and case.method.upper() != "HEAD":
         error = response.json()["error"]
         assert set(error) == {"message", "type", "param", "code"} and error["message"]
 
@@ -42,7 +43,8 @@ def test_no_server_errors(fuzz_server):
     api_schema = schemathesis.openapi.from_url(url + "/schema/openapi.json")
     operations = [result.ok() for result in api_schema.get_all_operations()]
     paths = {op.path for op in operations}
-    assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/healthz", "/metrics"} <= paths
+    assert {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/health", "/healthz",
+            "/metrics"} <= paths
     calls = 0
 
     @settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True, database=None,
@@ -57,8 +59,8 @@ def test_no_server_errors(fuzz_server):
             try:
                 given(case=op.as_strategy(generation_mode=mode))(fuzz)()
             except Unsatisfiable:
-                # Nothing to violate: a GET with no parameters, or only a free-form string path parameter.
-                assert mode is GenerationMode.NEGATIVE and op.method.upper() == "GET"
+                # Nothing to violate: a GET (or HEAD) with no parameters, or only a free-form string path parameter.
+                assert mode is GenerationMode.NEGATIVE and op.method.upper() in ("GET", "HEAD")
     assert calls >= 100
 
 

@@ -18,7 +18,7 @@ import anyio
 import attrs
 import structlog
 from anyio.abc import TaskGroup
-from litestar import Litestar, Request, Response, Router, get
+from litestar import Litestar, Request, Response, Router, route
 from litestar.openapi import OpenAPIConfig, ResponseSpec
 from litestar.openapi.spec import Components, SecurityScheme
 from litestar.params import FromPath
@@ -29,6 +29,7 @@ from llminfer.api.chat import chat_completions
 from llminfer.api.completions import completions
 from llminfer.api.errors import EXCEPTION_HANDLERS, OPENAPI_ERRORS, SERVER_ERROR, APIError
 from llminfer.api.execution import Ticket
+from llminfer.api.keepalive import DEFAULT_SSE_KEEPALIVE_S
 from llminfer.api.logprobs import TokenText
 from llminfer.api.metrics import CONTENT_TYPE, ServerMetrics
 from llminfer.api.middleware import (
@@ -38,6 +39,8 @@ from llminfer.api.middleware import (
     request_log_middleware,
     server_state,
 )
+from llminfer.api.openapi import refine_openapi
+from llminfer.api.responses import create_response
 from llminfer.api.translate import PromptBuilder
 from llminfer.config import EngineConfig
 from llminfer.engine import InferenceEngine
@@ -80,6 +83,7 @@ class ServerState:
     stoppers: set[Callable[[], None]] = attrs.field(factory=set)
     tokenize_limiter: anyio.CapacityLimiter | None = None
     reject_unknown_fields: bool = False  #: unknown top-level request fields: 400 instead of a warning
+    sse_keepalive_s: float | None = DEFAULT_SSE_KEEPALIVE_S  #: quiet seconds before an SSE keep-alive comment
 
     def engine_started(self) -> None:
         """Set up what needs the loaded tokenizer (called from the lifespan)."""
@@ -190,13 +194,16 @@ def _longest_token_chars(tokenizer: Any) -> int | None:
 
 
 # ---------------------------------------------------------------------------- small routes
-@get("/models", responses=OPENAPI_ERRORS, summary="List the served model")
+GET_HEAD = ["GET", "HEAD"]  #: every GET route answers HEAD too (same status and headers, no body)
+
+
+@route("/models", http_method=GET_HEAD, responses=OPENAPI_ERRORS, summary="List the served model")
 async def list_models(request: Request) -> s.ModelList:
     """The one served model."""
     return s.ModelList([server_state(request).card()])
 
 
-@get("/models/{model_id:path}", responses=OPENAPI_ERRORS, summary="Describe the served model")
+@route("/models/{model_id:path}", http_method=GET_HEAD, responses=OPENAPI_ERRORS, summary="Describe the served model")
 async def get_model(request: Request, model_id: FromPath[str]) -> s.ModelCard:
     """The served model's card.
 
@@ -204,11 +211,22 @@ async def get_model(request: Request, model_id: FromPath[str]) -> s.ModelCard:
         APIError: 404 ``model_not_found`` for any other id.
     """
     state = server_state(request)
-    state.resolve_model(model_id.lstrip("/"))
+    # Litestar's path parameter keeps the "/" before the id and merges "//": "/v1/models/org/m" gives "/org/m",
+    # and a local-folder id, "/v1/models//srv/m" (or "/v1/models/srv/m"), gives "/srv/m". Either may be meant.
+    wanted = model_id[1:] if model_id.startswith("/") else model_id
+    state.resolve_model(model_id if model_id in state.accepted_model_names else wanted)
     return state.card()
 
 
-@get("/healthz", summary="Liveness and readiness", responses={503: ResponseSpec(s.Health, description="Not ready")})
+@route("/health", http_method=GET_HEAD, summary="Health (vLLM's route: empty body)",
+       responses={503: ResponseSpec(None, description="Not ready")})
+async def health(request: Request) -> Response[bytes]:
+    """200 with an empty body while the engine pipeline runs, 503 otherwise (what vLLM's ``/health``
+    answers, and what guidellm probes by default)."""
+    return Response(b"", status_code=200 if server_state(request).serving else 503)
+
+
+@route("/healthz", http_method=GET_HEAD, summary="Liveness and readiness", responses={503: ResponseSpec(s.Health, description="Not ready")})
 async def healthz(request: Request) -> Response[s.Health]:
     """200 ``{"status": "ok"}`` while the engine pipeline runs, 503 otherwise."""
     if server_state(request).serving:
@@ -216,7 +234,7 @@ async def healthz(request: Request) -> Response[s.Health]:
     return Response(s.Health("unavailable"), status_code=503)
 
 
-@get("/metrics", summary="Prometheus metrics", media_type=CONTENT_TYPE)
+@route("/metrics", http_method=GET_HEAD, summary="Prometheus metrics", media_type=CONTENT_TYPE)
 async def metrics(request: Request) -> Response[bytes]:
     """Prometheus text exposition of this server's registry."""
     state = server_state(request)
@@ -251,7 +269,8 @@ def check_api_key(api_key: str | None) -> None:
 def create_app(engine_or_config: InferenceEngine | EngineConfig | None = None, *,
                served_model_name: str | None = None, api_key: str | None = None,
                max_queue_size: int | None = DEFAULT_MAX_QUEUE_SIZE, max_prompt_chars: int | None = None,
-               debug: bool = False, reject_unknown_fields: bool = False) -> Litestar:
+               debug: bool = False, reject_unknown_fields: bool = False,
+               sse_keepalive_s: float | None = DEFAULT_SSE_KEEPALIVE_S) -> Litestar:
     """Build the OpenAI-compatible Litestar app around an engine.
 
     Args:
@@ -269,9 +288,14 @@ def create_app(engine_or_config: InferenceEngine | EngineConfig | None = None, *
             with a 400 naming it. Default: accept it, ignore the field and log a warning naming it (vLLM's
             behaviour, so clients that send newer fields keep working).
 
+        sse_keepalive_s: a stream quiet for this many seconds (waiting in the queue, a long prefill) gets an
+            SSE comment (``: keep-alive``), so idle-timeout proxies keep it; its headers go out by then at the
+            latest. ``None``: no keep-alives.
+
     Raises:
         ConfigError: a bad configuration (when a config is given).
-        ValueError: a negative ``max_queue_size`` or ``max_prompt_chars``, or an empty or blank ``api_key``.
+        ValueError: a negative ``max_queue_size`` or ``max_prompt_chars``, an empty or blank ``api_key``, or an
+            ``sse_keepalive_s`` that is not > 0.
     """
     if isinstance(engine_or_config, InferenceEngine):
         engine = engine_or_config
@@ -284,9 +308,12 @@ def create_app(engine_or_config: InferenceEngine | EngineConfig | None = None, *
     if max_prompt_chars is not None and max_prompt_chars < 1:
         raise ValueError("max_prompt_chars must be >= 1 or None")
     check_api_key(api_key)
+    if sse_keepalive_s is not None and not sse_keepalive_s > 0:
+        raise ValueError("sse_keepalive_s must be > 0 or None")
     state = ServerState(engine=engine, served_model_name=name, accepted_model_names=frozenset({name, model_id}),
                         api_key=api_key, max_queue_size=max_queue_size, metrics=ServerMetrics(name, engine),
-                        max_prompt_chars=max_prompt_chars, reject_unknown_fields=reject_unknown_fields)
+                        max_prompt_chars=max_prompt_chars, reject_unknown_fields=reject_unknown_fields,
+                        sse_keepalive_s=sse_keepalive_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Litestar) -> AsyncIterator[None]:
@@ -304,10 +331,10 @@ def create_app(engine_or_config: InferenceEngine | EngineConfig | None = None, *
                     state.task_group = None
                     tg.cancel_scope.cancel()
 
-    v1 = Router("/v1", route_handlers=[chat_completions, completions, list_models, get_model],
+    v1 = Router("/v1", route_handlers=[chat_completions, completions, create_response, list_models, get_model],
                 guards=[api_key_guard])
     app = Litestar(
-        route_handlers=[v1, healthz, metrics],
+        route_handlers=[v1, health, healthz, metrics],
         lifespan=[lifespan],
         exception_handlers=EXCEPTION_HANDLERS,
         middleware=[request_log_middleware],
@@ -318,4 +345,5 @@ def create_app(engine_or_config: InferenceEngine | EngineConfig | None = None, *
     )
     app.state[STATE_KEY] = state
     app.state["llminfer_metrics"] = state.metrics
+    refine_openapi(app)
     return app

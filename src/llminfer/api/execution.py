@@ -26,6 +26,7 @@ from litestar import Request, Response
 
 from llminfer.api import protocol as s
 from llminfer.api.errors import SERVER_ERROR, APIError, bad_request, from_engine_error
+from llminfer.api.keepalive import FramePump
 from llminfer.api.logprobs import TokenText
 from llminfer.api.middleware import EventStream, watch_disconnect
 from llminfer.api.request_info import RequestInfo, request_info
@@ -289,9 +290,10 @@ def _job_error(job: Job, exc: LLMInferError, prompt_param: str) -> APIError:
     return from_engine_error(exc, prompt_param=prompt_param)
 
 
-async def _guarded(events: AsyncIterator[bytes], chunks: ChunkBuffer, info: RequestInfo,
+async def _guarded(events: AsyncIterator[bytes], chunks: Any, info: RequestInfo,
                    job: Job) -> AsyncIterator[bytes]:
-    """Frames of ``events``; a failure after the stream started becomes an error event, then ``[DONE]``."""
+    """Frames of ``events``; a failure after the stream started becomes an error event, then ``[DONE]``;
+    ``chunks`` (anything with ``aclose()``) is closed at the end."""
     finished = False
     try:
         async with contextlib.aclosing(events) as frames:  # type: ignore[type-var]
@@ -388,7 +390,8 @@ async def execute(request: Request, state: ServerState, job: Job, *, stream: boo
     """Admit, run and render one call (streamed or not), cancelling it if the client goes away.
 
     Until every choice has produced a chunk the call can still fail as a plain error response; after
-    that, a failure becomes an error event in the stream.
+    that, a failure becomes an error event in the stream. A stream whose first chunk takes longer than the
+    keep-alive interval starts with a keep-alive comment instead (see :func:`_stream`).
 
     Raises:
         APIError: 429 when the server is full (see ``ServerState.admit``), or the engine's error mapped by
@@ -419,11 +422,13 @@ async def execute(request: Request, state: ServerState, job: Job, *, stream: boo
             seen.add(item[0])
         return items
 
+    if stream:
+        return await _stream(request, state, job, chunks, preroll, ticket, info, render_events, prompt_param)
     stop = anyio.CancelScope()  # the grace period of a shutdown ended (ServerState.end_streams)
     state.stoppers.add(stop.cancel)
     try:
         with stop:
-            items, disconnected = await watch_disconnect(request.receive, preroll if stream else collect_all)
+            items, disconnected = await watch_disconnect(request.receive, collect_all)
     except LLMInferError as exc:
         await chunks.aclose()
         raise _job_error(job, exc, prompt_param) from None
@@ -446,20 +451,78 @@ async def execute(request: Request, state: ServerState, job: Job, *, stream: boo
         return Response(b"", status_code=499)
     token_text = state.token_text
     assert token_text is not None
-    if not stream:
+    await chunks.aclose()
+    return Response(render_json(job, items, outcome, token_text), status_code=200)
+
+
+async def _stream(request: Request, state: ServerState, job: Job, chunks: AsyncIterator[Item],
+                  preroll: Callable[[], Any], ticket: Ticket, info: RequestInfo,
+                  render_events: RenderEvents, prompt_param: str) -> Response:
+    """The streamed half of :func:`execute`.
+
+    The frames run in a :class:`FramePump`, which sends a keep-alive comment whenever the stream is quiet for
+    ``state.sse_keepalive_s``. The response starts at the first frame or keep-alive, whichever comes first; an
+    error before that (the preroll) is a plain error response. After the preroll the chunks are pulled by a
+    :class:`ChunkBuffer` as fast as the engine makes them (a client that stops reading does not hold the
+    admission), and a shutdown's end of grace ends the stream with an error event and ``[DONE]``.
+    """
+    token_text = state.token_text
+    assert token_text is not None and state.task_group is not None
+    task_group = state.task_group
+    outcome = info.outcome
+    assert outcome is not None
+
+    async def body() -> AsyncIterator[bytes]:
+        stop = anyio.CancelScope()  # the grace period of a shutdown ended (ServerState.end_streams)
+        state.stoppers.add(stop.cancel)
+        try:
+            with stop:
+                items = await preroll()  # raises before any frame: a plain error response (see first())
+        finally:
+            state.stoppers.discard(stop.cancel)
+        if stop.cancelled_caught:
+            raise RequestAbortedError("the server is shutting down")
+        rest = ChunkBuffer(chunks, task_group, state.stoppers)
+        try:
+            async with contextlib.aclosing(render_events(job, items, rest.items(), outcome, token_text)) as frames:  # type: ignore[type-var]
+                async for f in frames:
+                    yield f
+        finally:
+            await rest.aclose()
+
+    pump = FramePump(body(), state.sse_keepalive_s, task_group)
+    try:
+        first, disconnected = await watch_disconnect(request.receive, pump.first)
+    except LLMInferError as exc:
+        await pump.aclose()
         await chunks.aclose()
-        return Response(render_json(job, items, outcome, token_text), status_code=200)
-    assert state.task_group is not None  # set for the whole lifespan
-    rest = ChunkBuffer(chunks, state.task_group, state.stoppers)
-    frames = _guarded(render_events(job, items, rest.items(), outcome, token_text), rest, info, job)
+        if isinstance(exc, RequestAbortedError) and state.draining:
+            ticket.release()
+            raise APIError(503, "the server is shutting down", type=SERVER_ERROR,
+                           code="server_shutting_down") from None
+        raise _job_error(job, exc, prompt_param) from None
+    except BaseException:
+        await pump.aclose()
+        await chunks.aclose()
+        ticket.release()
+        raise
+    if disconnected:
+        await pump.aclose()
+        await chunks.aclose()
+        ticket.release()
+        info.status_override = 499
+        info.disconnected = True
+        state.metrics.client_disconnected()
+        return Response(b"", status_code=499)
 
     async def cleanup() -> None:
-        # Run by the request middleware once the response is over, however it ended: a stream cancelled
-        # while parked at a ``yield`` (or never started) is closed here, so its requests are cancelled now
-        # rather than whenever the generator is garbage-collected.
-        await frames.aclose()
-        await rest.aclose()
+        # Run by the request middleware once the response is over, however it ended: the frames (and with
+        # them the engine requests) are closed now rather than whenever they are garbage-collected.
+        await pump.aclose()
+        await chunks.aclose()
 
     info.cleanup = cleanup
-    return EventStream(frames, media_type="text/event-stream",
+    # A failure after the response started (a keep-alive may come before the preroll ends) is an error event.
+    # ``pump`` stands in for the chunks there: only the pump's task may close them while it pulls them.
+    return EventStream(_guarded(pump.rest(first), pump, info, job), media_type="text/event-stream",
                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

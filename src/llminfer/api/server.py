@@ -220,7 +220,7 @@ def uvicorn_config(app: Any, host: str = "127.0.0.1", port: int = 8000, log_leve
     limits = limits or ServerLimits()
     # uvicorn's graceful-shutdown timeout is only the backstop: the streams end themselves at the grace
     # period, and need a moment to send their last event.
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on", access_log=False,
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on", access_log=False, loop="asyncio",
                           http=protocol_class(limits), timeout_keep_alive=limits.keep_alive_timeout_s,
                           h11_max_incomplete_event_size=limits.max_header_bytes,
                           timeout_graceful_shutdown=limits.shutdown_grace_s + 1.5)  # type: ignore[arg-type]

@@ -236,9 +236,12 @@ def serve(
     reject_unknown_fields: Annotated[bool, typer.Option(
         "--reject-unknown-fields", help="Answer request fields the API does not define with HTTP 400 naming "
         "them (default: ignore them and log a warning, as vLLM does).")] = False,
+    sse_keepalive_s: Annotated[float, typer.Option("--sse-keepalive-s", min=0.0, help="Send an SSE comment "
+                               "(': keep-alive') on a stream quiet for this many seconds, so idle-timeout proxies "
+                               "keep it open; 0 disables.")] = 15.0,
 ) -> None:
-    """Serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /healthz,
-    /metrics) with uvicorn until Ctrl-C."""
+    """Serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/responses, /v1/models,
+    /health, /healthz, /metrics) with uvicorn until Ctrl-C."""
     try:
         from llminfer.api import create_app, run_server
         from llminfer.api.server import ServerLimits
@@ -255,7 +258,7 @@ def serve(
                        batch_timeout_ms=batch_timeout_ms, served_model_name=served_model_name)
     engine = load_engine(cfg, log_level, adapter, adapter_name)
     asgi_app = create_app(engine, api_key=key, max_queue_size=max_queue_size, max_prompt_chars=max_prompt_chars,
-                          reject_unknown_fields=reject_unknown_fields)
+                          reject_unknown_fields=reject_unknown_fields, sse_keepalive_s=sse_keepalive_s or None)
     limits = ServerLimits(read_timeout_s=read_timeout_s, keep_alive_timeout_s=keep_alive_timeout_s,
                           limit_concurrency=limit_concurrency or max_batch_size + max_queue_size + 64,
                           shutdown_grace_s=shutdown_grace_s)
