@@ -36,6 +36,7 @@ class QuantMode(str, enum.Enum):
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
+ATTENTION_BACKENDS = ("auto", "triton", "torch")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
@@ -189,6 +190,12 @@ class EngineConfig:
     compile_mode: str = attrs.field(default="default", validator=_one_of(COMPILE_MODES))
     compile_cudagraphs: bool = attrs.field(default=False, validator=_bool)
     compile_fallback_to_eager: bool = attrs.field(default=True, validator=_bool)
+    #: Paged-attention kernels: ``"triton"`` (read K/V in place, :mod:`llminfer.backends.triton_attention`),
+    #: ``"torch"`` (gather the context, then SDPA), ``"auto"`` (Triton on CUDA when triton imports, else torch).
+    attention_backend: str = attrs.field(default="auto", validator=_one_of(ATTENTION_BACKENDS))
+    #: Eager backend on CUDA with Triton attention: replay pure-decode steps as CUDA graphs captured for
+    #: batch-size buckets (:mod:`llminfer.backends.cuda_graphs`). Ignored on CPU.
+    cuda_graphs: bool = attrs.field(default=True, validator=_bool)
     #: On CPU in bf16/fp16 (eager backend), keep the LM head's weight prepacked in oneDNN's blocked layout
     #: (one extra copy of the head; see :mod:`llminfer.backends.prepack`).
     cpu_prepack_lm_head: bool = attrs.field(default=True, validator=_bool)

@@ -51,6 +51,8 @@ class Runtime:
         load_time_s: seconds spent loading the weights.
         grammar_compiler: compiles structured-output constraints for this tokenizer (None with vLLM,
             which compiles its own).
+        attention_backend: the paged-attention kernels, resolved from ``cfg.attention_backend``
+            (``"triton"`` or ``"torch"``).
     """
 
     model_path: str
@@ -68,6 +70,7 @@ class Runtime:
     load_time_s: float = 0.0
     dtype_reason: str = ""
     grammar_compiler: GrammarCompiler | None = None
+    attention_backend: str = "torch"
 
     @property
     def vocab_size(self) -> int | None:
@@ -110,6 +113,9 @@ def load_runtime(cfg: EngineConfig) -> Runtime:
 
         quantization_config = bnb_config(cfg.quant, device)
     rt = _config_and_tokenizer(cfg, device)
+    from llminfer.backends.triton_attention import resolve_attention_backend
+
+    rt.attention_backend = resolve_attention_backend(cfg.attention_backend, device)
     register_paged_attention()
     t0 = time.perf_counter()
     rt.model = load_model(rt.model_path, cfg, rt.dtype, device, attn_implementation="llminfer_paged",
@@ -215,6 +221,7 @@ def describe_runtime(rt: Runtime, cfg: EngineConfig) -> dict[str, Any]:
         "quant": cfg.quant.mode.value,
         "weight_bytes_unquantized": base_bytes,
         "max_model_len": rt.max_model_len,
+        "attention_backend": rt.attention_backend,
     }
     if rt.model is None:
         facts.update({"tp_size": cfg.tp_size, "pp_size": cfg.pp_size, "prefix_cache": cfg.cache.enable_prefix_cache})

@@ -18,10 +18,15 @@ for any device where no custom kernel is available.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import attrs
+import numpy as np
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from llminfer.backends.triton_attention import TritonStepMetadata
 
 ATTN_IMPLEMENTATION = "llminfer_paged"
 METADATA_KWARG = "llminfer_attn"
@@ -106,6 +111,7 @@ class PagedAttentionMetadata:
         decode: the decode sequences (None if the step has none).
         prefills: the prefill segments.
         all_decode: every token of the step is a decode token (the output can be assembled without copies).
+        triton: set when the step runs the Triton kernels (then ``decode`` is None and ``prefills`` empty).
     """
 
     cache: PagedKVCache
@@ -113,6 +119,7 @@ class PagedAttentionMetadata:
     decode: DecodeBatch | None
     prefills: list[PrefillSegment]
     all_decode: bool = False
+    triton: TritonStepMetadata | None = None
 
 
 #: Decode contexts are padded to a multiple of this many slots (rounded up to whole blocks), and the
@@ -125,14 +132,15 @@ def decode_chunk_blocks(block_size: int) -> int:
     return -(-DECODE_CHUNK_SLOTS // block_size)
 
 
-def build_metadata(
+def build_metadata_loop(
     cache: PagedKVCache,
     starts: Sequence[int],
     lengths: Sequence[int],
     block_tables: Sequence[Sequence[int]],
     device: torch.device | str,
 ) -> tuple[PagedAttentionMetadata, torch.Tensor]:
-    """Build the step's attention metadata and ``position_ids``.
+    """The step's metadata built in Python token by token (the builder before :func:`build_metadata`;
+    kept as its reference in tests and as the "before" of ``bench/bench_step_metadata.py``).
 
     Args:
         starts: per sequence, the position of its first new token (tokens already computed).
@@ -194,6 +202,117 @@ def build_metadata(
     return meta, position_ids
 
 
+def build_metadata(
+    cache: PagedKVCache,
+    starts: Sequence[int],
+    lengths: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    device: torch.device | str,
+    attention_backend: str = "torch",
+    decode_split_tokens: int | None = None,
+) -> tuple[PagedAttentionMetadata, torch.Tensor]:
+    """Build the step's attention metadata and ``position_ids`` with tensor operations.
+
+    The per-sequence arrays (starts, lengths, block tables padded to one width, the decode and prefill
+    sequence indices) are packed into one int64 host buffer (pinned on CUDA) and copied to the device once;
+    positions, slot mapping, decode block ids and masks are then computed there, with no Python loop per
+    token (a loop per prefill sequence remains, for the torch path's per-segment masks).
+
+    Args:
+        starts: per sequence, the position of its first new token (tokens already computed).
+        lengths: per sequence, how many new tokens it has in the packed row.
+        block_tables: per sequence, its KV block ids (covering at least its new positions).
+        attention_backend: ``"torch"`` (fills ``decode``/``prefills``) or ``"triton"`` (fills ``triton``).
+        decode_split_tokens: force the Triton decode split length (tests); default from
+            :func:`~llminfer.backends.triton_attention.decode_splits`.
+
+    Returns:
+        ``(metadata, position_ids)`` with ``position_ids`` ``[1, T]`` int64.
+    """
+    device = torch.device(device)
+    bs = cache.block_size
+    num_seqs = len(starts)
+    starts_np = np.asarray(starts, dtype=np.int64).reshape(num_seqs)
+    lens_np = np.asarray(lengths, dtype=np.int64).reshape(num_seqs)
+    table_lens = np.fromiter((len(t) for t in block_tables), dtype=np.int64, count=num_seqs)
+    is_decode = (lens_np == 1) & (starts_np > 0)
+    decode_idx = np.flatnonzero(is_decode)
+    prefill_idx = np.flatnonzero(~is_decode)
+    num_tokens = int(lens_np.sum())
+    width = int(table_lens.max()) if num_seqs else 0
+    dec_blocks = 0
+    if attention_backend == "torch" and decode_idx.size:
+        chunk = decode_chunk_blocks(bs)
+        dec_blocks = -(-int(-(-(starts_np[decode_idx] + 1) // bs).max()) // chunk) * chunk
+        width = max(width, dec_blocks)
+    width = max(width, 1)
+
+    # One host buffer: starts | lengths | decode idx | prefill idx | block tables [S, width].
+    n_dec, n_pre = decode_idx.size, prefill_idx.size
+    head = 2 * num_seqs + n_dec + n_pre
+    host = torch.zeros(head + num_seqs * width, dtype=torch.long, pin_memory=device.type == "cuda")
+    buf = host.numpy()
+    buf[:num_seqs] = starts_np
+    buf[num_seqs:2 * num_seqs] = lens_np
+    buf[2 * num_seqs:2 * num_seqs + n_dec] = decode_idx
+    buf[2 * num_seqs + n_dec:head] = prefill_idx
+    if num_seqs:
+        flat_tables = np.fromiter((b for t in block_tables for b in t), dtype=np.int64, count=int(table_lens.sum()))
+        row_start = np.cumsum(table_lens) - table_lens
+        rows = np.repeat(np.arange(num_seqs, dtype=np.int64), table_lens)
+        cols = np.arange(flat_tables.size, dtype=np.int64) - np.repeat(row_start, table_lens)
+        buf[head + rows * width + cols] = flat_tables
+    dev = host.to(device, non_blocking=True)
+    starts_t = dev[:num_seqs]
+    lens_t = dev[num_seqs:2 * num_seqs]
+    decode_t = dev[2 * num_seqs:2 * num_seqs + n_dec]
+    prefill_t = dev[2 * num_seqs + n_dec:head]
+    tables = dev[head:].view(num_seqs, width)
+
+    q_start = torch.cumsum(lens_t, 0) - lens_t
+    seq_of = torch.repeat_interleave(torch.arange(num_seqs, device=device), lens_t, output_size=num_tokens)
+    positions = starts_t[seq_of] + torch.arange(num_tokens, device=device) - q_start[seq_of]
+    slot_mapping = tables[seq_of, positions // bs] * bs + positions % bs
+
+    decode = None
+    prefills: list[PrefillSegment] = []
+    triton_meta = None
+    if attention_backend == "triton":
+        from llminfer.backends.triton_attention import TritonStepMetadata, decode_splits
+
+        ctx_len = starts_t + lens_t
+        max_ctx = int(starts_np[decode_idx].max()) + 1 if n_dec else 1
+        num_splits, split_len = decode_splits(max_ctx, n_dec, cache.num_kv_heads, device, decode_split_tokens)
+        triton_meta = TritonStepMetadata(
+            q_start=q_start, q_len=lens_t, ctx_start=starts_t, ctx_len=ctx_len, block_tables=tables,
+            decode_seqs=decode_t, decode_rows=q_start[decode_t], prefill_seqs=prefill_t,
+            max_prefill_len=int(lens_np[prefill_idx].max()) if n_pre else 0,
+            num_splits=num_splits, split_len=split_len)
+    else:
+        if n_dec:
+            ctx = starts_t[decode_t] + 1
+            cols = torch.arange(dec_blocks, device=device)
+            ids = tables[decode_t, :dec_blocks]
+            ids = torch.where(cols[None, :] < (ctx[:, None] + bs - 1) // bs, ids, 0)
+            mask = torch.arange(dec_blocks * bs, device=device)[None, :] < ctx[:, None]
+            decode = DecodeBatch(index=q_start[decode_t], block_ids=ids.reshape(-1), mask=mask[:, None, None, :],
+                                 chunk=decode_chunk_blocks(bs) * bs)
+        offsets = np.cumsum(lens_np) - lens_np
+        for i in prefill_idx.tolist():
+            start, length = int(starts_np[i]), int(lens_np[i])
+            seg = PrefillSegment(int(offsets[i]), length, start)
+            if start > 0:
+                ctx_n = start + length
+                seg.block_ids = tables[i, : -(-ctx_n // bs)]
+                q_pos = torch.arange(start, ctx_n, device=device)
+                seg.mask = (torch.arange(ctx_n, device=device)[None, :] <= q_pos[:, None])[None, None]
+            prefills.append(seg)
+
+    meta = PagedAttentionMetadata(cache=cache, slot_mapping=slot_mapping, decode=decode, prefills=prefills,
+                                  all_decode=n_pre == 0 and attention_backend != "triton", triton=triton_meta)
+    return meta, positions[None]
+
+
 def paged_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -224,6 +343,10 @@ def paged_attention_forward(
     layer = module.layer_idx
     k_cache = meta.cache.k[layer]
     v_cache = meta.cache.v[layer]
+    if meta.triton is not None:
+        from llminfer.backends.triton_attention import triton_attention
+
+        return triton_attention(query, key, value, k_cache, v_cache, meta.slot_mapping, meta.triton, scaling), None
     num_kv_heads, num_blocks, block_size, head_dim = k_cache.shape
     flat_k = k_cache.view(num_kv_heads, -1, head_dim)  # [H_kv, slots, D]
     flat_v = v_cache.view(num_kv_heads, -1, head_dim)

@@ -21,6 +21,7 @@ def run_packed(
     block_tables: Sequence[Sequence[int]],
     keep_rows: Sequence[int],
     device: torch.device,
+    attention_backend: str = "torch",
 ) -> torch.Tensor:
     """One forward pass over a packed row of every sequence's new tokens, writing their K/V into ``cache``.
 
@@ -28,12 +29,15 @@ def run_packed(
         tokens: per sequence, the tokens to compute (their positions start at ``starts[i]``).
         block_tables: per sequence, KV block ids covering those positions.
         keep_rows: indices into the packed row whose logits are wanted.
+        attention_backend: ``"torch"`` or ``"triton"`` (resolved, see
+            :func:`~llminfer.backends.triton_attention.resolve_attention_backend`).
 
     Returns:
         ``[len(keep_rows), V]`` float32 logits.
     """
     flat = [t for seq in tokens for t in seq]
-    meta, position_ids = build_metadata(cache, starts, [len(t) for t in tokens], block_tables, device)
+    meta, position_ids = build_metadata(cache, starts, [len(t) for t in tokens], block_tables, device,
+                                        attention_backend)
     ids = torch.tensor(flat, dtype=torch.long, device=device)[None]
     keep = torch.tensor(list(keep_rows) or [len(flat) - 1], dtype=torch.long, device=device)
     with torch.inference_mode():
@@ -50,12 +54,15 @@ class HFBackend:
         model: a causal LM loaded with ``attn_implementation="llminfer_paged"``.
         cache: the paged KV tensors.
         eos_token_ids: suppressed below each request's ``min_new_tokens``.
+        attention_backend: ``"torch"`` or ``"triton"`` (already resolved for the device).
     """
 
     name = "eager"
 
-    def __init__(self, model: torch.nn.Module, cache: PagedKVCache, eos_token_ids: Sequence[int] = ()) -> None:
+    def __init__(self, model: torch.nn.Module, cache: PagedKVCache, eos_token_ids: Sequence[int] = (),
+                 attention_backend: str = "torch") -> None:
         self.model = model
+        self.attention_backend = attention_backend
         self.cache = cache
         self.device = next(model.parameters()).device
         self.eos_token_ids = list(eos_token_ids)
@@ -76,7 +83,7 @@ class HFBackend:
             if s.sample:
                 keep.append(offset - 1)
         return run_packed(self.model, self.cache, [s.token_ids for s in seqs], [s.start_position for s in seqs],
-                          [s.block_table for s in seqs], keep, self.device)
+                          [s.block_table for s in seqs], keep, self.device, self.attention_backend)
 
     def release(self, request_ids: Sequence[str]) -> None:
         """Drop the sampling state of finished requests."""
@@ -84,8 +91,8 @@ class HFBackend:
             self.states.pop(rid, None)
 
     def describe(self) -> dict[str, Any]:
-        """Facts for ``engine.info()``: steps run so far."""
-        return {"steps": self.num_steps}
+        """Facts for ``engine.info()``: steps run so far, the attention kernels."""
+        return {"steps": self.num_steps, "attention_backend": self.attention_backend}
 
     def _register(self, plan: SchedulerOutput) -> None:
         for new in plan.new_requests:
