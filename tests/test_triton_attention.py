@@ -125,8 +125,8 @@ def test_write_kv_bf16_strided_bit_equal():
 def test_vectorised_metadata_equals_the_loop_builder():
     """The tensor-op builder gives the same slots, positions, decode blocks/masks and segments."""
     cache = PagedKVCache(1, 64, 4, 2, 8, torch.float32, "cpu")
-    starts, lengths = [9, 0, 13, 4, 0], [1, 6, 1, 5, 1]
-    tables = [[3, 7, 1], [9, 2], [4, 5, 6, 11], [12, 13, 14], [20]]
+    starts, lengths = [9, 0, 130, 4, 0, 2], [1, 6, 1, 5, 1, 1]
+    tables = [[3, 7, 1], [9, 2], list(range(21, 54)), [12, 13, 14], [20], [60]]
     old, pos_old = build_metadata_loop(cache, starts, lengths, tables, "cpu")
     new, pos_new = build_metadata(cache, starts, lengths, tables, "cpu")
     assert torch.equal(pos_old, pos_new) and torch.equal(old.slot_mapping, new.slot_mapping)

@@ -17,6 +17,7 @@ for any device where no custom kernel is available.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -234,7 +235,7 @@ def build_metadata(
     num_seqs = len(starts)
     starts_np = np.asarray(starts, dtype=np.int64).reshape(num_seqs)
     lens_np = np.asarray(lengths, dtype=np.int64).reshape(num_seqs)
-    table_lens = np.fromiter((len(t) for t in block_tables), dtype=np.int64, count=num_seqs)
+    table_lens = np.array(list(map(len, block_tables)), dtype=np.int64).reshape(num_seqs)
     is_decode = (lens_np == 1) & (starts_np > 0)
     decode_idx = np.flatnonzero(is_decode)
     prefill_idx = np.flatnonzero(~is_decode)
@@ -243,7 +244,8 @@ def build_metadata(
     dec_blocks = 0
     if attention_backend == "torch" and decode_idx.size:
         chunk = decode_chunk_blocks(bs)
-        dec_blocks = -(-int(-(-(starts_np[decode_idx] + 1) // bs).max()) // chunk) * chunk
+        most_blocks = int(((starts_np[decode_idx] + bs) // bs).max())  # cdiv(start + 1, bs)
+        dec_blocks = -(-most_blocks // chunk) * chunk
         width = max(width, dec_blocks)
     width = max(width, 1)
 
@@ -257,7 +259,7 @@ def build_metadata(
     buf[2 * num_seqs:2 * num_seqs + n_dec] = decode_idx
     buf[2 * num_seqs + n_dec:head] = prefill_idx
     if num_seqs:
-        flat_tables = np.fromiter((b for t in block_tables for b in t), dtype=np.int64, count=int(table_lens.sum()))
+        flat_tables = np.array(list(itertools.chain.from_iterable(block_tables)), dtype=np.int64)
         row_start = np.cumsum(table_lens) - table_lens
         rows = np.repeat(np.arange(num_seqs, dtype=np.int64), table_lens)
         cols = np.arange(flat_tables.size, dtype=np.int64) - np.repeat(row_start, table_lens)
