@@ -105,10 +105,11 @@ class CacheConfig:
         page_size_tokens: tokens per KV block (the vLLM ``block_size``).
         enable_prefix_cache: reuse the KV blocks of identical prompt prefixes (automatic prefix caching).
         kv_cache_memory_bytes: the KV pool's budget in bytes. ``None``: on CPU enough for
-            ``max_batch_size`` full-length sequences, capped at 2 GiB; on CUDA ``gpu_memory_utilization``
-            of the memory free after the weights are loaded.
-        gpu_memory_utilization: fraction of free device memory given to the KV pool when no byte budget
-            is set (CUDA only).
+            ``max_batch_size`` full-length sequences, capped at 2 GiB; on CUDA what a profiling step leaves
+            (see ``gpu_memory_utilization``).
+        gpu_memory_utilization: fraction of the whole GPU the engine may use (vLLM's meaning): the KV pool
+            gets ``total × gpu_memory_utilization − memory in use (weights, CUDA context, other processes)
+            − the largest step's peak activations``, measured by a profiling run at load (CUDA only).
         num_blocks: an exact block count, overriding both budgets (tests and benchmarks).
     """
 
@@ -116,7 +117,7 @@ class CacheConfig:
     page_size_tokens: int = attrs.field(default=16, validator=[_int, _positive])
     enable_prefix_cache: bool = attrs.field(default=True, validator=_bool)
     kv_cache_memory_bytes: int | None = attrs.field(default=None, validator=[_opt_int, _positive])
-    gpu_memory_utilization: float = attrs.field(default=0.5, validator=[_num, _fraction])
+    gpu_memory_utilization: float = attrs.field(default=0.9, validator=[_num, _fraction])
     num_blocks: int | None = attrs.field(default=None, validator=[_opt_int, _positive])
 
 
