@@ -49,7 +49,8 @@ def build_backend(rt: Runtime, cfg: EngineConfig) -> Any:
                                attention_backend=rt.attention_backend)
     from llminfer.backends.hf import HFBackend
 
-    return HFBackend(rt.model, rt.kv_cache, rt.eos_token_ids, rt.attention_backend)
+    return HFBackend(rt.model, rt.kv_cache, rt.eos_token_ids, rt.attention_backend,
+                     cuda_graphs=cfg.cuda_graphs, max_batch_size=cfg.max_batch_size, max_model_len=rt.max_model_len)
 
 
 def build_core(rt: Runtime, cfg: EngineConfig, backend: Any, tracer: Tracer) -> EngineCoreProtocol:

@@ -29,17 +29,19 @@ LOG2E = 1.4426950408889634
 def _store_kv(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
               stride_kt, stride_kh, stride_vt, stride_vh, stride_ch, stride_cslot,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Program ``(t, h)``: copy token ``t``'s K and V of KV head ``h`` into slot ``slot[t]``."""
+    """Program ``(t, h)``: copy token ``t``'s K and V of KV head ``h`` into slot ``slot[t]`` (a negative slot,
+    a CUDA-graph padding row, writes nothing)."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < HEAD_DIM
     slot = tl.load(slot_ptr + t).to(tl.int64)
-    k = tl.load(key_ptr + t * stride_kt + h * stride_kh + offs_d, mask=dmask)
-    v = tl.load(value_ptr + t * stride_vt + h * stride_vh + offs_d, mask=dmask)
-    dst = h.to(tl.int64) * stride_ch + slot * stride_cslot + offs_d
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=dmask)
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=dmask)
+    if slot >= 0:
+        k = tl.load(key_ptr + t * stride_kt + h * stride_kh + offs_d, mask=dmask)
+        v = tl.load(value_ptr + t * stride_vt + h * stride_vh + offs_d, mask=dmask)
+        dst = h.to(tl.int64) * stride_ch + slot * stride_cslot + offs_d
+        tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=dmask)
+        tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=dmask)
 
 
 def _decode_split(q_ptr, k_cache_ptr, v_cache_ptr, seq_ptr, q_row_ptr, ctx_len_ptr, table_ptr,

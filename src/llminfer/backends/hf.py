@@ -55,12 +55,15 @@ class HFBackend:
         cache: the paged KV tensors.
         eos_token_ids: suppressed below each request's ``min_new_tokens``.
         attention_backend: ``"torch"`` or ``"triton"`` (already resolved for the device).
+        cuda_graphs: capture pure-decode steps as CUDA graphs (CUDA with Triton attention only; see
+            :mod:`llminfer.backends.cuda_graphs`); ``max_batch_size`` and ``max_model_len`` size them.
     """
 
     name = "eager"
 
     def __init__(self, model: torch.nn.Module, cache: PagedKVCache, eos_token_ids: Sequence[int] = (),
-                 attention_backend: str = "torch") -> None:
+                 attention_backend: str = "torch", cuda_graphs: bool = False, max_batch_size: int = 16,
+                 max_model_len: int = 2048) -> None:
         self.model = model
         self.attention_backend = attention_backend
         self.cache = cache
@@ -68,6 +71,12 @@ class HFBackend:
         self.eos_token_ids = list(eos_token_ids)
         self.states: dict[str, SamplingState] = {}
         self.num_steps = 0
+        self.graphs: Any = None
+        if cuda_graphs and self.device.type == "cuda" and attention_backend == "triton":
+            from llminfer.backends.cuda_graphs import DecodeGraphRunner
+
+            self.graphs = DecodeGraphRunner(model, cache, max_batch_size, max_model_len)
+            self.graphs.capture_all()
 
     def forward(self, plan: SchedulerOutput) -> torch.Tensor:
         """Run the model on the plan's packed tokens.
@@ -76,6 +85,12 @@ class HFBackend:
             ``[S, V]`` float32 logits, one row per sequence with ``sample`` set, in plan order.
         """
         seqs = plan.sequences
+        if (self.graphs is not None and seqs and self.graphs.fits(len(seqs))
+                and all(len(s.token_ids) == 1 and s.start_position > 0 for s in seqs)):
+            logits = self.graphs.run([s.token_ids[0] for s in seqs], [s.start_position for s in seqs],
+                                     [s.block_table for s in seqs])
+            rows = [i for i, s in enumerate(seqs) if s.sample]
+            return logits if len(rows) == len(seqs) else logits[rows]
         keep = []
         offset = 0
         for s in seqs:
@@ -91,8 +106,9 @@ class HFBackend:
             self.states.pop(rid, None)
 
     def describe(self) -> dict[str, Any]:
-        """Facts for ``engine.info()``: steps run so far, the attention kernels."""
-        return {"steps": self.num_steps, "attention_backend": self.attention_backend}
+        """Facts for ``engine.info()``: steps run so far, the attention kernels, CUDA-graph counts."""
+        return {"steps": self.num_steps, "attention_backend": self.attention_backend,
+                "cuda_graphs": self.graphs.describe() if self.graphs is not None else None}
 
     def _register(self, plan: SchedulerOutput) -> None:
         for new in plan.new_requests:
