@@ -175,11 +175,11 @@ def reference(model_dirs):
     return prompts, {arch: hf_greedy(model_dirs[arch], prompts, NEW_TOKENS) for arch in ("llama", "qwen2", "gpt2")}
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
-def test_greedy_matches_hf_generate(model_dirs, reference, arch):
+@pytest.mark.parametrize("arch,again", [("llama", True), ("qwen2", False), ("gpt2", False)])
+def test_greedy_matches_hf_generate(model_dirs, reference, arch, again):
     """Continuous batching with an 8-token step budget: chunked prompts, decode tokens next to prefill
-    chunks in one step; then the longer prompts again, as prefix-cache hits (block size 4): the 5-token
-    prompt hits its one full block and computes a single token, which runs as a decode row."""
+    chunks in one step; for llama, then the longer prompts again, as prefix-cache hits (block size 4): the
+    5-token prompt hits its one full block and computes a single token, which runs as a decode row."""
     prompts, expected = reference
     assert all(len(set(e)) >= 3 for e in expected[arch])
     with make_engine(model_dirs[arch], max_batch_size=4, block_size=4, max_num_batched_tokens=8,
@@ -188,10 +188,10 @@ def test_greedy_matches_hf_generate(model_dirs, reference, arch):
         kw = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
         first = engine.run_batch_continuous(prompts, **kw)
         hits = engine.cache_stats()["hits"]
-        again = engine.run_batch_continuous(prompts[1:], **kw)
-        assert engine.cache_stats()["hits"] == hits + 2
+        second = engine.run_batch_continuous(prompts[1:], **kw) if again else []
+        assert engine.cache_stats()["hits"] == hits + 2 * again
         assert engine.cache_stats()["blocks_used"] == 0
     for got, want in zip(first, expected[arch]):
         assert list(got.token_ids) == want
-    for got, want in zip(again, expected[arch][1:]):
+    for got, want in zip(second, expected[arch][1:]):
         assert list(got.token_ids) == want
