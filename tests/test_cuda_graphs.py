@@ -51,9 +51,9 @@ def _run(model_dir, prompts, *, graphs: bool, capture: bool, new_tokens: int):
 def test_padded_static_buffer_decode_matches_hf_generate(model_dirs):
     """Three sequences decode in the 4-row bucket (one padding row) from the static buffers."""
     prompts = random_prompts([3, 6, 9], 151_000, seed=5)
-    got, runner = _run(model_dirs["qwen2"], prompts, graphs=True, capture=False, new_tokens=4)
-    assert runner.num_replays >= 3
-    assert got == hf_greedy(model_dirs["qwen2"], prompts, 4)
+    got, runner = _run(model_dirs["qwen2"], prompts, graphs=True, capture=False, new_tokens=3)
+    assert runner.num_replays >= 2
+    assert got == hf_greedy(model_dirs["qwen2"], prompts, 3)
 
 
 def _run_cuda(model_dir, prompts, cuda_graphs: bool, new_tokens: int):

@@ -165,8 +165,8 @@ def test_resolve_attention_backend(monkeypatch):
         EngineConfig(attention_backend="flash")
 
 
-LENGTHS = [1, 5, 19]
-NEW_TOKENS = 5
+LENGTHS = [1, 5, 13]
+NEW_TOKENS = 4
 
 
 @pytest.fixture(scope="module")
