@@ -10,6 +10,9 @@ the attention function), writes the new K/V into the paged cache at ``slot_mappi
 * each prefill chunk by itself: causal SDPA over its own keys when nothing is cached before it, otherwise
   over the gathered context with an offset causal mask.
 
+When the step's metadata carries Triton arrays (``attention_backend="triton"``), the layer runs
+:func:`llminfer.backends.triton_attention.triton_attention` instead, which reads K/V in place.
+
 The layout follows vLLM's paged attention (Kwon et al. 2023, "Efficient Memory Management for Large
 Language Model Serving with PagedAttention"); the gather-then-SDPA kernel is ours, written for CPU and
 for any device where no custom kernel is available.
