@@ -151,6 +151,7 @@ def check_exactness(root: Path, device: str, dry: bool) -> dict:
             got = [list(r.token_ids) for r in engine.run_batch_continuous(
                 prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens)]
             graphs = engine.info().get("cuda_graphs")
+        del engine
         free_memory()
         out[arch] = {"match": got == want, "matching_prompts": sum(g == w for g, w in zip(got, want)),
                      "cuda_graphs": graphs}
@@ -237,7 +238,7 @@ def check_bandwidth(path: Path, device: str, dry: bool) -> dict:
     out: dict[str, Any] = {"copy_bandwidth_bytes_per_s": bw, "prompt_tokens": prompt_len, "new_tokens": new_tokens}
     for graphs in (True,) if dry else (True, False):  # the dry run takes the loop once
         cfg = engine_config(path, device, "bfloat16", max_batch_size=1, max_model_len=1024, cuda_graphs=graphs,
-                            max_tokens=1024, num_blocks=128 if dry else None)
+                            max_tokens=1024, num_blocks=128)  # batch 1: 2k tokens of KV is plenty
         with load_engine(cfg, cpu_graphs=True) as engine:
             if not dry:
                 engine.run(prompts[0], max_new_tokens=4, ignore_eos=True)  # warm-up
@@ -247,6 +248,7 @@ def check_bandwidth(path: Path, device: str, dry: bool) -> dict:
                 tpot.append((st.total_latency_ms - st.ttft_ms) / max(1, st.completion_tokens - 1))
             step_ms = sorted(tpot)[len(tpot) // 2]
             moved = decode_bytes_per_step(engine.backend.model, prompt_len + new_tokens / 2)
+        del engine  # a closed engine still holds its weights and KV pool until collected
         free_memory()
         out["graphs_on" if graphs else "graphs_off"] = {
             "step_ms": step_ms, **moved,
@@ -268,6 +270,7 @@ def run_llminfer(path: Path, device: str, dry: bool, prompts, outputs, graphs: b
         results = engine.run_requests(requests)
         seconds = time.perf_counter() - t0
         info = engine.info()
+    del engine, requests
     free_memory()
     tokens = sum(r.stats.completion_tokens for r in results)
     return {"output_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
