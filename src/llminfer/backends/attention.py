@@ -217,10 +217,11 @@ def build_metadata(
 ) -> tuple[PagedAttentionMetadata, torch.Tensor]:
     """Build the step's attention metadata and ``position_ids`` with tensor operations.
 
-    The per-sequence arrays (starts, lengths, block tables padded to one width, the decode and prefill
-    sequence indices) are packed into one int64 host buffer (pinned on CUDA) and copied to the device once;
-    positions, slot mapping, decode block ids and masks are then computed there, with no Python loop per
-    token (a loop per prefill sequence remains, for the torch path's per-segment masks).
+    From the per-sequence arrays (starts, lengths, block tables padded to one width), vectorised array
+    operations give the per-token positions and slot mapping and the decode/prefill split, with no Python
+    loop per token; all of it is packed into one int64 host buffer (pinned on CUDA) and copied to the
+    device once. The torch path's decode block ids and masks are then computed on the device (a loop per
+    prefill sequence remains, for its per-segment masks).
 
     Args:
         starts: per sequence, the position of its first new token (tokens already computed).
@@ -252,32 +253,30 @@ def build_metadata(
         width = max(width, dec_blocks)
     width = max(width, 1)
 
-    # One host buffer: starts | lengths | decode idx | prefill idx | block tables [S, width].
+    # Per-token arrays from per-sequence ones, vectorised on the host (a few thousand int64 at most: cheaper
+    # than launching device kernels or torch's CPU dispatch for each), then everything in one buffer:
+    # starts | lengths | q_start | ctx_len | decode idx | decode rows | prefill idx | positions | slots | tables.
     n_dec, n_pre = decode_idx.size, prefill_idx.size
-    head = 2 * num_seqs + n_dec + n_pre
-    host = torch.zeros(head + num_seqs * width, dtype=torch.long, pin_memory=device.type == "cuda")
-    buf = host.numpy()
-    buf[:num_seqs] = starts_np
-    buf[num_seqs:2 * num_seqs] = lens_np
-    buf[2 * num_seqs:2 * num_seqs + n_dec] = decode_idx
-    buf[2 * num_seqs + n_dec:head] = prefill_idx
+    tables_np = np.zeros((num_seqs, width), dtype=np.int64)
     if num_seqs:
         flat_tables = np.array(list(itertools.chain.from_iterable(block_tables)), dtype=np.int64)
         row_start = np.cumsum(table_lens) - table_lens
         rows = np.repeat(np.arange(num_seqs, dtype=np.int64), table_lens)
         cols = np.arange(flat_tables.size, dtype=np.int64) - np.repeat(row_start, table_lens)
-        buf[head + rows * width + cols] = flat_tables
+        tables_np[rows, cols] = flat_tables
+    q_start_np = np.cumsum(lens_np) - lens_np
+    seq_of = np.repeat(np.arange(num_seqs, dtype=np.int64), lens_np)
+    positions_np = starts_np[seq_of] + np.arange(num_tokens, dtype=np.int64) - q_start_np[seq_of]
+    slots_np = tables_np[seq_of, positions_np // bs] * bs + positions_np % bs
+    parts = [starts_np, lens_np, q_start_np, starts_np + lens_np, decode_idx, q_start_np[decode_idx], prefill_idx,
+             positions_np, slots_np, tables_np.reshape(-1)]
+    host = torch.from_numpy(np.concatenate(parts).astype(np.int64, copy=False))
+    if device.type == "cuda":
+        host = host.pin_memory()
     dev = host.to(device, non_blocking=True)
-    starts_t = dev[:num_seqs]
-    lens_t = dev[num_seqs:2 * num_seqs]
-    decode_t = dev[2 * num_seqs:2 * num_seqs + n_dec]
-    prefill_t = dev[2 * num_seqs + n_dec:head]
-    tables = dev[head:].view(num_seqs, width)
-
-    q_start = torch.cumsum(lens_t, 0) - lens_t
-    seq_of = torch.repeat_interleave(torch.arange(num_seqs, device=device), lens_t, output_size=num_tokens)
-    positions = starts_t[seq_of] + torch.arange(num_tokens, device=device) - q_start[seq_of]
-    slot_mapping = tables[seq_of, positions // bs] * bs + positions % bs
+    views = torch.split(dev, [p.size for p in parts])
+    starts_t, lens_t, q_start, ctx_len, decode_t, decode_rows, prefill_t, positions, slot_mapping = views[:9]
+    tables = views[9].view(num_seqs, width)
 
     decode = None
     prefills: list[PrefillSegment] = []
@@ -285,12 +284,11 @@ def build_metadata(
     if attention_backend == "triton":
         from llminfer.backends.triton_attention import TritonStepMetadata, decode_splits
 
-        ctx_len = starts_t + lens_t
         max_ctx = int(starts_np[decode_idx].max()) + 1 if n_dec else 1
         num_splits, split_len = decode_splits(max_ctx, n_dec, cache.num_kv_heads, device, decode_split_tokens)
         triton_meta = TritonStepMetadata(
             q_start=q_start, q_len=lens_t, ctx_start=starts_t, ctx_len=ctx_len, block_tables=tables,
-            decode_seqs=decode_t, decode_rows=q_start[decode_t], prefill_seqs=prefill_t,
+            decode_seqs=decode_t, decode_rows=decode_rows, prefill_seqs=prefill_t,
             max_prefill_len=int(lens_np[prefill_idx].max()) if n_pre else 0,
             num_splits=num_splits, split_len=split_len)
     else:
@@ -300,7 +298,7 @@ def build_metadata(
             ids = tables[decode_t, :dec_blocks]
             ids = torch.where(cols[None, :] < (ctx[:, None] + bs - 1) // bs, ids, 0)
             mask = torch.arange(dec_blocks * bs, device=device)[None, :] < ctx[:, None]
-            decode = DecodeBatch(index=q_start[decode_t], block_ids=ids.reshape(-1), mask=mask[:, None, None, :],
+            decode = DecodeBatch(index=decode_rows, block_ids=ids.reshape(-1), mask=mask[:, None, None, :],
                                  chunk=decode_chunk_blocks(bs) * bs)
         offsets = np.cumsum(lens_np) - lens_np
         for i in prefill_idx.tolist():
