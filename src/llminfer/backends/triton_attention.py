@@ -222,7 +222,9 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(2),
         meta.block_tables.stride(0),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=_pow2(head_dim), BLOCK_SIZE=block_size,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, PRECISION=_precision(q.dtype), DOT_FP32=q.device.type != "cuda")
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, PRECISION=_precision(q.dtype), DOT_FP32=q.device.type != "cuda",
+        # fp32 tiles of 64 x 128 in three pipeline stages would need ~224 KiB of shared memory: use two.
+        **({"num_stages": 2} if q.is_cuda and q.dtype == torch.float32 else {}))
 
 
 def triton_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
