@@ -1,7 +1,7 @@
 """Run every benchmark suite in turn (what ``nox -s bench`` runs), then print a table of the ratios.
 Each suite writes bench/results/<name>.json; each ratio is measured side by side within one suite run.
 
-    python bench/run_all.py [--quick] [--only vs_hf,scheduler,speculative,tracing,compiled,structured]
+    python bench/run_all.py [--quick] [--only vs_hf,scheduler,speculative,tracing,compiled,structured,step_metadata]
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ def suites(quick: bool) -> dict[str, list[str]]:
         "serving": ["bench_serving.py"] + (["--num-requests", "32"] if quick else []),
         "compiled": ["bench_compiled.py", "--reps", reps],
         "structured": ["bench_structured.py", "--reps", reps] + (["--num-requests", "32"] if quick else []),
+        "step_metadata": ["bench_step_metadata.py", "--reps", reps] + (["--quick"] if quick else []),
     }
 
 
@@ -68,6 +69,12 @@ def summary_table() -> str:
          ("throughput", "ratio_constrained_over_unconstrained"), ">= 0.9"),
         ("grammar mask time / step time (constrained run)", RESULTS / "structured.json",
          ("mask", "share_of_step"), "report"),
+        ("step metadata: tensor ops / loop, 32 decode rows", RESULTS / "step_metadata.json",
+         ("builder", "decode_32x1k", "ratio_after_over_before"), "< 1.0"),
+        ("step metadata: tensor ops / loop, 2048-token chunk", RESULTS / "step_metadata.json",
+         ("builder", "prefill_2048_over_1k", "ratio_after_over_before"), "< 1.0"),
+        ("CPU step time, tensor-op metadata / loop", RESULTS / "step_metadata.json",
+         ("step", "ratio_after_over_before"), "<= 1.0"),
     ]
     lines = [f"{'figure':52s} {'ratio':>8s}  target"]
     for label, path, keys, target in rows:

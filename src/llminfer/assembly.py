@@ -45,10 +45,12 @@ def build_backend(rt: Runtime, cfg: EngineConfig) -> Any:
         return CompiledBackend(rt.model, rt.kv_cache, rt.eos_token_ids,
                                max_num_tokens=max(cfg.scheduler.max_num_batched_tokens, 1),
                                max_batch_size=cfg.max_batch_size, mode=cfg.compile_mode,
-                               cudagraphs=cfg.compile_cudagraphs, fallback_to_eager=cfg.compile_fallback_to_eager)
+                               cudagraphs=cfg.compile_cudagraphs, fallback_to_eager=cfg.compile_fallback_to_eager,
+                               attention_backend=rt.attention_backend)
     from llminfer.backends.hf import HFBackend
 
-    return HFBackend(rt.model, rt.kv_cache, rt.eos_token_ids)
+    return HFBackend(rt.model, rt.kv_cache, rt.eos_token_ids, rt.attention_backend,
+                     cuda_graphs=cfg.cuda_graphs, max_batch_size=cfg.max_batch_size, max_model_len=rt.max_model_len)
 
 
 def build_core(rt: Runtime, cfg: EngineConfig, backend: Any, tracer: Tracer,

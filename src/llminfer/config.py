@@ -36,6 +36,7 @@ class QuantMode(str, enum.Enum):
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
+ATTENTION_BACKENDS = ("auto", "triton", "torch")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
@@ -104,10 +105,11 @@ class CacheConfig:
         page_size_tokens: tokens per KV block (the vLLM ``block_size``).
         enable_prefix_cache: reuse the KV blocks of identical prompt prefixes (automatic prefix caching).
         kv_cache_memory_bytes: the KV pool's budget in bytes. ``None``: on CPU enough for
-            ``max_batch_size`` full-length sequences, capped at 2 GiB; on CUDA ``gpu_memory_utilization``
-            of the memory free after the weights are loaded.
-        gpu_memory_utilization: fraction of free device memory given to the KV pool when no byte budget
-            is set (CUDA only).
+            ``max_batch_size`` full-length sequences, capped at 2 GiB; on CUDA what a profiling step leaves
+            (see ``gpu_memory_utilization``).
+        gpu_memory_utilization: fraction of the whole GPU the engine may use (vLLM's meaning): the KV pool
+            gets ``total × gpu_memory_utilization − memory in use (weights, CUDA context, other processes)
+            − the largest step's peak activations``, measured by a profiling run at load (CUDA only).
         num_blocks: an exact block count, overriding both budgets (tests and benchmarks).
     """
 
@@ -115,7 +117,7 @@ class CacheConfig:
     page_size_tokens: int = attrs.field(default=16, validator=[_int, _positive])
     enable_prefix_cache: bool = attrs.field(default=True, validator=_bool)
     kv_cache_memory_bytes: int | None = attrs.field(default=None, validator=[_opt_int, _positive])
-    gpu_memory_utilization: float = attrs.field(default=0.5, validator=[_num, _fraction])
+    gpu_memory_utilization: float = attrs.field(default=0.9, validator=[_num, _fraction])
     num_blocks: int | None = attrs.field(default=None, validator=[_opt_int, _positive])
 
 
@@ -189,6 +191,12 @@ class EngineConfig:
     compile_mode: str = attrs.field(default="default", validator=_one_of(COMPILE_MODES))
     compile_cudagraphs: bool = attrs.field(default=False, validator=_bool)
     compile_fallback_to_eager: bool = attrs.field(default=True, validator=_bool)
+    #: Paged-attention kernels: ``"triton"`` (read K/V in place, :mod:`llminfer.backends.triton_attention`),
+    #: ``"torch"`` (gather the context, then SDPA), ``"auto"`` (Triton on CUDA when triton imports, else torch).
+    attention_backend: str = attrs.field(default="auto", validator=_one_of(ATTENTION_BACKENDS))
+    #: Eager backend on CUDA with Triton attention: replay pure-decode steps as CUDA graphs captured for
+    #: batch-size buckets (:mod:`llminfer.backends.cuda_graphs`). Ignored on CPU.
+    cuda_graphs: bool = attrs.field(default=True, validator=_bool)
     #: On CPU in bf16/fp16 (eager backend), keep the LM head's weight prepacked in oneDNN's blocked layout
     #: (one extra copy of the head; see :mod:`llminfer.backends.prepack`).
     cpu_prepack_lm_head: bool = attrs.field(default=True, validator=_bool)

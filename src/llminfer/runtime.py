@@ -51,6 +51,10 @@ class Runtime:
         load_time_s: seconds spent loading the weights.
         grammar_compiler: compiles structured-output constraints for this tokenizer (None with vLLM,
             which compiles its own).
+        attention_backend: the paged-attention kernels, resolved from ``cfg.attention_backend``
+            (``"triton"`` or ``"torch"``).
+        kv_sizing: on CUDA without an explicit KV budget, the profiling run's measurement (bytes:
+            ``total_bytes``, ``used_bytes``, ``activation_peak_bytes``; and ``gpu_memory_utilization``).
     """
 
     model_path: str
@@ -68,6 +72,8 @@ class Runtime:
     load_time_s: float = 0.0
     dtype_reason: str = ""
     grammar_compiler: GrammarCompiler | None = None
+    attention_backend: str = "torch"
+    kv_sizing: dict[str, Any] | None = None
 
     @property
     def vocab_size(self) -> int | None:
@@ -110,6 +116,9 @@ def load_runtime(cfg: EngineConfig) -> Runtime:
 
         quantization_config = bnb_config(cfg.quant, device)
     rt = _config_and_tokenizer(cfg, device)
+    from llminfer.backends.triton_attention import resolve_attention_backend
+
+    rt.attention_backend = resolve_attention_backend(cfg.attention_backend, device)
     register_paged_attention()
     t0 = time.perf_counter()
     rt.model = load_model(rt.model_path, cfg, rt.dtype, device, attn_implementation="llminfer_paged",
@@ -123,7 +132,12 @@ def load_runtime(cfg: EngineConfig) -> Runtime:
     layers, kv_heads, head_dim = kv_geometry(rt.model.config)
     cache_cfg = cfg.cache
     block_size = cache_cfg.page_size_tokens if cache_cfg.enable_paged_kv else rt.max_model_len
-    num_blocks = plan_num_blocks(cfg, (layers, kv_heads, head_dim), block_size, rt.max_model_len, rt.dtype, device)
+    gpu_profile = None
+    if device.type == "cuda" and cache_cfg.num_blocks is None and cache_cfg.kv_cache_memory_bytes is None:
+        gpu_profile = _profile_step(rt, cfg, (layers, kv_heads, head_dim), block_size)
+        rt.kv_sizing = dict(gpu_profile, gpu_memory_utilization=cache_cfg.gpu_memory_utilization)
+    num_blocks = plan_num_blocks(cfg, (layers, kv_heads, head_dim), block_size, rt.max_model_len, rt.dtype, device,
+                                 gpu_profile)
     rt.kv_cache = PagedKVCache(layers, num_blocks, block_size, kv_heads, head_dim, rt.dtype, device)
     rt.kv_manager = KVCacheManager(num_blocks, block_size,
                                    enable_prefix_cache=cache_cfg.enable_prefix_cache and cache_cfg.enable_paged_kv)
@@ -134,6 +148,29 @@ def load_runtime(cfg: EngineConfig) -> Runtime:
     log.info("engine loaded", model=rt.model_path, device=str(device), dtype=str(rt.dtype),
              kv_blocks=num_blocks, block_size=block_size)
     return rt
+
+
+def _profile_step(rt: Runtime, cfg: EngineConfig, geometry: tuple[int, int, int], block_size: int) -> dict[str, int]:
+    """nano-vllm's profiling run: the largest step (``max_num_batched_tokens`` prompt tokens of one
+    sequence, logits for ``max_batch_size`` rows) on dummy tokens and a scratch KV cache, measured by
+    :func:`llminfer.kv.sizing.profile_gpu_memory`."""
+    from llminfer.backends.hf import run_packed
+    from llminfer.kv.sizing import profile_gpu_memory
+
+    num_tokens = max(1, min(cfg.scheduler.max_num_batched_tokens, rt.max_model_len))
+    layers, kv_heads, head_dim = geometry
+
+    def step() -> int:
+        blocks = -(-num_tokens // block_size)
+        scratch = PagedKVCache(layers, blocks, block_size, kv_heads, head_dim, rt.dtype, rt.device)
+        keep = list(range(max(0, num_tokens - cfg.max_batch_size), num_tokens))
+        run_packed(rt.model, scratch, [[0] * num_tokens], [0], [list(range(blocks))], keep, rt.device,
+                   rt.attention_backend)
+        nbytes = scratch.nbytes
+        del scratch
+        return nbytes
+
+    return profile_gpu_memory(step, rt.device)
 
 
 def _config_and_tokenizer(cfg: EngineConfig, device: torch.device) -> Runtime:
@@ -188,7 +225,8 @@ def describe_runtime(rt: Runtime, cfg: EngineConfig) -> dict[str, Any]:
     ``weight_bytes`` is what the loaded weights occupy (bitsandbytes quantization state included),
     ``weight_bytes_unquantized`` what the same parameters take unquantized in ``dtype`` (from the config's
     parameter count), both in bytes; with ``--quant`` also the quantized linear layers' bytes against
-    their bfloat16 bytes; ``kv_bytes`` the paged KV tensors' bytes. Without a loaded model (vLLM), the
+    their bfloat16 bytes; ``kv_bytes`` the paged KV tensors' bytes, and on GPU ``kv_sizing_*`` the profiling
+    run it was sized from (see :func:`llminfer.kv.sizing.gpu_kv_budget`). Without a loaded model (vLLM), the
     parameter count and bytes come from the config alone.
     """
     import platform
@@ -215,6 +253,7 @@ def describe_runtime(rt: Runtime, cfg: EngineConfig) -> dict[str, Any]:
         "quant": cfg.quant.mode.value,
         "weight_bytes_unquantized": base_bytes,
         "max_model_len": rt.max_model_len,
+        "attention_backend": rt.attention_backend,
     }
     if rt.model is None:
         facts.update({"tp_size": cfg.tp_size, "pp_size": cfg.pp_size, "prefix_cache": cfg.cache.enable_prefix_cache})
@@ -227,4 +266,6 @@ def describe_runtime(rt: Runtime, cfg: EngineConfig) -> dict[str, Any]:
         facts["quantized_linear_bf16_bytes"] = footprint["quantized_linear_bf16_bytes"]
     if rt.kv_cache is not None:
         facts["kv_bytes"] = rt.kv_cache.nbytes
+    if rt.kv_sizing is not None:
+        facts.update({f"kv_sizing_{k}": v for k, v in rt.kv_sizing.items()})
     return facts

@@ -229,6 +229,7 @@ class CompiledBackend(HFBackend):
         compile_backend: ``torch.compile`` backend name or callable; default ``$LLMINFER_COMPILE_BACKEND``
             or ``"inductor"``.
         buckets: padded step sizes in tokens (default :func:`token_buckets` of ``max_num_tokens``).
+        attention_backend: the attention kernels inside the opaque op (``"torch"`` or ``"triton"``).
     """
 
     name = "compiled"
@@ -236,8 +237,9 @@ class CompiledBackend(HFBackend):
     def __init__(self, model: torch.nn.Module, cache: PagedKVCache, eos_token_ids: Sequence[int] = (), *,
                  max_num_tokens: int = 2048, max_batch_size: int = 16, mode: str = "default",
                  cudagraphs: bool = False, fallback_to_eager: bool = True,
-                 compile_backend: str | Callable | None = None, buckets: Sequence[int] | None = None) -> None:
-        super().__init__(model, cache, eos_token_ids)
+                 compile_backend: str | Callable | None = None, buckets: Sequence[int] | None = None,
+                 attention_backend: str = "torch") -> None:
+        super().__init__(model, cache, eos_token_ids, attention_backend)
         register_paged_attention_op()
         text_cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self._eager_attn_implementation = text_cfg._attn_implementation
@@ -298,7 +300,7 @@ class CompiledBackend(HFBackend):
 
     def describe(self) -> dict[str, Any]:
         """Facts for ``engine.info()``: ``compile`` holds :meth:`stats`."""
-        return {"steps": self.num_steps, "compile": self.stats()}
+        return {**super().describe(), "compile": self.stats()}
 
     def forward(self, plan: SchedulerOutput, extra_rows: Sequence[int] = ()) -> torch.Tensor:
         """Run the plan's packed tokens through the compiled graph (or the eager path after a fallback, or
@@ -358,7 +360,7 @@ class CompiledBackend(HFBackend):
         """
         before = self.num_compiles
         dev = self.device
-        meta, _ = build_metadata(self.cache, [], [], [], dev)
+        meta, _ = build_metadata(self.cache, [], [], [], dev, self.attention_backend)
         for t_pad in self.buckets:
             if not self.compiled_ok or (max_tokens is not None and t_pad > max_tokens):
                 break
@@ -394,7 +396,8 @@ class CompiledBackend(HFBackend):
             if s.sample:
                 keep.append(offset - 1)
         meta, position_ids = build_metadata(self.cache, [s.start_position for s in seqs],
-                                            [len(s.token_ids) for s in seqs], [s.block_table for s in seqs], dev)
+                                            [len(s.token_ids) for s in seqs], [s.block_table for s in seqs], dev,
+                                            self.attention_backend)
         ids = torch.zeros(1, t_pad, dtype=torch.long, device=dev)
         pos = torch.zeros(1, t_pad, dtype=torch.long, device=dev)
         ids[0, :total] = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.long, device=dev)

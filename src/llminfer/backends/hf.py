@@ -23,6 +23,7 @@ def run_packed(
     block_tables: Sequence[Sequence[int]],
     keep_rows: Sequence[int],
     device: torch.device,
+    attention_backend: str = "torch",
 ) -> torch.Tensor:
     """One forward pass over a packed row of every sequence's new tokens, writing their K/V into ``cache``.
 
@@ -30,12 +31,15 @@ def run_packed(
         tokens: per sequence, the tokens to compute (their positions start at ``starts[i]``).
         block_tables: per sequence, KV block ids covering those positions.
         keep_rows: indices into the packed row whose logits are wanted.
+        attention_backend: ``"torch"`` or ``"triton"`` (resolved, see
+            :func:`~llminfer.backends.triton_attention.resolve_attention_backend`).
 
     Returns:
         ``[len(keep_rows), V]`` float32 logits.
     """
     flat = [t for seq in tokens for t in seq]
-    meta, position_ids = build_metadata(cache, starts, [len(t) for t in tokens], block_tables, device)
+    meta, position_ids = build_metadata(cache, starts, [len(t) for t in tokens], block_tables, device,
+                                        attention_backend)
     ids = torch.tensor(flat, dtype=torch.long, device=device)[None]
     keep = torch.tensor(list(keep_rows) or [len(flat) - 1], dtype=torch.long, device=device)
     with torch.inference_mode():
@@ -125,17 +129,29 @@ class HFBackend:
         model: a causal LM loaded with ``attn_implementation="llminfer_paged"``.
         cache: the paged KV tensors.
         eos_token_ids: suppressed below each request's ``min_new_tokens``.
+        attention_backend: ``"torch"`` or ``"triton"`` (already resolved for the device).
+        cuda_graphs: capture pure-decode steps as CUDA graphs (CUDA with Triton attention only; see
+            :mod:`llminfer.backends.cuda_graphs`); ``max_batch_size`` and ``max_model_len`` size them.
     """
 
     name = "eager"
 
-    def __init__(self, model: torch.nn.Module, cache: PagedKVCache, eos_token_ids: Sequence[int] = ()) -> None:
+    def __init__(self, model: torch.nn.Module, cache: PagedKVCache, eos_token_ids: Sequence[int] = (),
+                 attention_backend: str = "torch", cuda_graphs: bool = False, max_batch_size: int = 16,
+                 max_model_len: int = 2048) -> None:
         self.model = model
+        self.attention_backend = attention_backend
         self.cache = cache
         self.device = next(model.parameters()).device
         self.eos_token_ids = list(eos_token_ids)
         self.states: dict[str, SamplingState] = {}
         self.num_steps = 0
+        self.graphs: Any = None
+        if cuda_graphs and self.device.type == "cuda" and attention_backend == "triton":
+            from llminfer.backends.cuda_graphs import DecodeGraphRunner
+
+            self.graphs = DecodeGraphRunner(model, cache, max_batch_size, max_model_len)
+            self.graphs.capture_all()
 
     def forward(self, plan: SchedulerOutput, extra_rows: Sequence[int] = ()) -> torch.Tensor:
         """Run the model on the plan's packed tokens.
@@ -148,6 +164,12 @@ class HFBackend:
             order, then the extra rows.
         """
         seqs = plan.sequences
+        if (self.graphs is not None and seqs and self.graphs.fits(len(seqs))
+                and all(len(s.token_ids) == 1 and s.start_position > 0 for s in seqs)):
+            logits = self.graphs.run([s.token_ids[0] for s in seqs], [s.start_position for s in seqs],
+                                     [s.block_table for s in seqs])
+            rows = [i for i, s in enumerate(seqs) if s.sample]
+            return logits if len(rows) == len(seqs) else logits[rows]
         keep = []
         offset = 0
         for s in seqs:
@@ -156,7 +178,7 @@ class HFBackend:
                 keep.append(offset - 1)
         keep.extend(extra_rows)
         return run_packed(self.model, self.cache, [s.token_ids for s in seqs], [s.start_position for s in seqs],
-                          [s.block_table for s in seqs], keep, self.device)
+                          [s.block_table for s in seqs], keep, self.device, self.attention_backend)
 
     def release(self, request_ids: Sequence[str]) -> None:
         """Drop the sampling state of finished requests."""
@@ -164,8 +186,9 @@ class HFBackend:
             self.states.pop(rid, None)
 
     def describe(self) -> dict[str, Any]:
-        """Facts for ``engine.info()``: steps run so far."""
-        return {"steps": self.num_steps}
+        """Facts for ``engine.info()``: steps run so far, the attention kernels, CUDA-graph counts."""
+        return {"steps": self.num_steps, "attention_backend": self.attention_backend,
+                "cuda_graphs": self.graphs.describe() if self.graphs is not None else None}
 
     def _register(self, plan: SchedulerOutput, failed: dict[str, BaseException] | None = None) -> None:
         """Sampling state for the plan's new requests; with ``failed``, a request whose state cannot be
