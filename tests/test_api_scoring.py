@@ -12,6 +12,7 @@ import openai
 import pytest
 import structlog
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoModelForCausalLM
 
 from helpers import make_engine, random_prompts
@@ -173,6 +174,20 @@ def test_echo_logprobs_then_generated_and_prompt_shapes(client, http, tok):
         assert choices[0]["logprobs"]["token_logprobs"][:-1] == choices[1]["logprobs"]["token_logprobs"][:-1]
 
 
+def test_text_offsets_count_characters_across_split_tokens(http, tok):
+    """A character split over byte tokens shifts no later offset: each offset is where its token's text
+    starts in the echoed text (tokens that continue a split character point at that character)."""
+    text = "h\u00e9llo \u4e16\u754c \U0001f438!"
+    body = {"prompt": text, "max_tokens": 0, "echo": True, "logprobs": 1}
+    lp = http.post("/completions", json=body).json()["choices"][0]["logprobs"]
+    offsets = lp["text_offset"]
+    assert len(offsets) == len(tok.encode(text)) > len(text) - 3  # some characters span several tokens
+    assert offsets == sorted(offsets) and offsets[0] == 0 and offsets[-1] == len(text) - 1  # "!" is last
+    for token, offset in zip(lp["tokens"], offsets):
+        if not token.startswith("bytes:") and "\ufffd" not in token:
+            assert text[offset:].startswith(token), (token, offset)
+
+
 def test_vllm_prompt_logprobs_and_streamed_echo(http, tok):
     ids = tok.encode("One two three four")
     body = {"prompt": ids, "max_tokens": 1, "prompt_logprobs": 2, "temperature": 0}
@@ -194,7 +209,7 @@ def test_vllm_prompt_logprobs_and_streamed_echo(http, tok):
     assert chunks[-1]["finish_reason"] == "length" and "".join(c["text"] for c in chunks) == plain["text"]
 
 
-def test_logit_bias(client, http, tok):
+def test_logit_bias(client, http, tok, served):
     target = tok.encode(" banana")[0]
     r = client.completions.create(model=MODEL, prompt="Hi", max_tokens=3, logit_bias={str(target): 100}, **GREEDY)
     assert r.choices[0].text == tok.decode([target] * 3)
@@ -206,8 +221,17 @@ def test_logit_bias(client, http, tok):
     c = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
                                        logit_bias={str(target): 100}, **GREEDY)
     assert c.choices[0].message.content == tok.decode([target] * 2)
+    def engine_errors() -> float:
+        text = httpx.get(served[0] + "/metrics", timeout=30).text
+        return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                   if s.name == "llminfer_request_success_total" and s.labels.get("finished_reason") == "error")
+
+    before = engine_errors()
     for bias in ({"banana": 1}, {str(target): 101}, {str(target): "x"}, {"999999999": 1}):
         _error(http.post("/completions", json={"prompt": "Hi", "max_tokens": 2, "logit_bias": bias}), "logit_bias")
+    _error(http.post("/completions", json={"prompt": "Hi", "max_tokens": 2, "stop_token_ids": [10**9]}),
+           "stop_token_ids")
+    assert engine_errors() == before  # refused by the API layer: no engine request failed
 
 
 def test_best_of_returns_the_highest_cumulative_logprob(client, http):
@@ -319,6 +343,7 @@ def test_unknown_fields_rejected_when_asked(qwen2_dir):
         err = _error(c.post("/completions", json={"prompt": [1, 2], "max_tokens": 1, "not_a_field": 1}), "not_a_field")
         assert err["code"] == "unknown_parameter"
         _error(c.post("/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "bogus": 0}), "bogus")
+        _error(c.post("/responses", json={"input": "x", "max_output_tokens": 1, "include": []}), "include")
         ok = {"prompt": [1, 2], "max_tokens": 1, "min_tokens": 1, "suffix": None}
         assert c.post("/completions", json=ok).status_code == 200
 

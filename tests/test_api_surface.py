@@ -132,6 +132,8 @@ def test_text_format_json_schema_through_the_stream_helper(client):
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input[0].content[0].type"),
     ({"input": []}, "input"),
+    ({"input": ""}, "input"),
+    ({"max_output_tokens": 10**9}, "max_output_tokens"),
     ({"temperature": -0.5}, "temperature"),
     ({"top_p": 0}, "top_p"),
     ({"max_output_tokens": 0}, "max_output_tokens"),

@@ -13,7 +13,7 @@ import pytest
 
 def llminfer(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-m", "llminfer.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "llminfer", *args], capture_output=True, text=True,
                           timeout=timeout, env=env)
 
 

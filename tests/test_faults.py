@@ -13,7 +13,7 @@ import anyio
 import pytest
 
 from helpers import make_engine, wait_until
-from llminfer import EngineClosedError, EngineError, InvalidRequestError
+from llminfer import EngineClosedError, EngineConfig, EngineError, InferenceEngine, InvalidRequestError
 from llminfer.errors import CapacityError, LLMInferError
 from llminfer.frontend.input import MAX_CHARS_PER_TOKEN
 from llminfer.frontend.output import collect_all
@@ -296,6 +296,10 @@ def test_close_is_final_idempotent_and_clear():
             call()
     eng.wait_drained()  # nothing runs: returns at once
     eng.close()
+    never_loaded = InferenceEngine(EngineConfig())
+    never_loaded.close()
+    with pytest.raises(EngineClosedError, match="close"):
+        never_loaded.load()  # a closed engine loads no weights
 
 
 @pytest.mark.slow

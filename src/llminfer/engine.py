@@ -100,7 +100,13 @@ class InferenceEngine:
     loaded = property(lambda self: self.runtime is not None, doc="True once :meth:`load` has run.")
 
     def load(self) -> InferenceEngine:
-        """Load tokenizer and model, size and allocate the KV pool once, build the backend. Returns self."""
+        """Load tokenizer and model, size and allocate the KV pool once, build the backend. Returns self.
+
+        Raises:
+            EngineClosedError: the engine was closed (a closed engine loads nothing more).
+        """
+        if self._closed and self.runtime is None:
+            raise EngineClosedError(_CLOSED)
         if self.runtime is None:
             runtime = load_runtime(self.cfg)
             self.backend = assembly.build_backend(runtime, self.cfg)

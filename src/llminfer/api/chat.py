@@ -35,6 +35,7 @@ from llminfer.api.translate import (
     check_chat,
     check_context,
     check_structured_output,
+    check_vocab_ids,
     include_usage,
     max_new_tokens,
     sampling_kwargs,
@@ -71,6 +72,7 @@ async def chat_completions(request: Request, data: SkipValidation[s.ChatCompleti
     max_new, _ = max_new_tokens(data, None)
     ids = truncate_prompt(ids, data, state.prompts.inputs.max_model_len, max_new)
     check_context(state.prompts.inputs, ids, max_new, param="messages")
+    check_vocab_ids(state.prompts.inputs, data)
     job = new_job("chat", model, [ids], data.n or 1, state.engine.make_request,
                   sampling_kwargs(data, max_new, logprobs, spec), logprobs=logprobs)
     job.include_usage = include_usage(data)

@@ -39,6 +39,7 @@ from llminfer.api.translate import (
     check_context,
     check_structured_output,
     check_suffix,
+    check_vocab_ids,
     include_usage,
     max_new_tokens,
     sampling_kwargs,
@@ -113,6 +114,7 @@ async def completions(request: Request, data: SkipValidation[s.CompletionRequest
     wanted = [k for k in (data.logprobs if echo_logprobs else None, data.prompt_logprobs) if k is not None]
     # Ranking best_of samples needs each token's logprob, even when the client asked for none.
     engine_logprobs = data.logprobs if data.logprobs is not None else (0 if samples > n else None)
+    check_vocab_ids(state.prompts.inputs, data)
     kwargs = sampling_kwargs(data, engine_max_new, engine_logprobs, spec)
     if score_only:
         kwargs.pop("min_new_tokens", None)  # the one hidden token needs no minimum

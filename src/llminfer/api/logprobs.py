@@ -5,6 +5,7 @@ format (:func:`completion_logprobs`).
 
 from __future__ import annotations
 
+import codecs
 import math
 from collections.abc import Sequence
 from functools import lru_cache
@@ -105,7 +106,16 @@ def completion_logprobs(chunk_logprobs: Sequence[Any], k: int, token_text: Token
 
     ``first_token``: a prompt's first token, which comes first with ``null`` logprob and alternatives
     (nothing precedes it; ``echo`` with ``logprobs``).
+
+    ``text_offset`` counts characters of the joined text: each token's offset is the number of whole
+    characters its predecessors' bytes decode to, so a token that ends or continues a character split
+    across tokens points at that character (a UTF-8 incremental decoder over the tokens' bytes).
     """
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def width(token_id: int) -> int:
+        return len(decoder.decode(bytes(token_text.lookup(token_id)[1])))
+
     tokens: list[str] = []
     values: list[float | None] = []
     tops: list[dict[str, float] | None] = []
@@ -115,13 +125,13 @@ def completion_logprobs(chunk_logprobs: Sequence[Any], k: int, token_text: Token
         values.append(None)
         tops.append(None)
         offsets.append(offset)
-        offset += len(token_text.lookup(first_token)[0])
+        offset += width(first_token)
     for entry in chunk_logprobs:
         tokens.append(token_key(token_text, entry.token_id))
         values.append(_lp(entry.logprob))
         tops.append(top_map(token_text, tuple(entry.top)[:k]))
         offsets.append(offset)
-        offset += len(token_text.lookup(entry.token_id)[0])
+        offset += width(entry.token_id)
     return s.CompletionLogprobs(tokens, values, tops, offsets)
 
 

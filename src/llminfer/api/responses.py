@@ -21,7 +21,7 @@ then ``response.completed`` (or ``response.incomplete``) carrying the whole resp
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Annotated, Any, Literal
 
 from litestar import Request, post
@@ -33,7 +33,7 @@ from llminfer.api.errors import OPENAPI_ERRORS, bad_request
 from llminfer.api.execution import Item, Job, JobOutcome, collect, execute, new_job, usage_of
 from llminfer.api.logprobs import TokenText
 from llminfer.api.middleware import server_state
-from llminfer.api.translate import check_context, check_structured_output
+from llminfer.api.translate import check_context, check_structured_output, unknown_fields
 from llminfer.errors import InvalidRequestError
 from llminfer.sampling.structured import StructuredOutput
 
@@ -226,6 +226,21 @@ def conversation(body: ResponsesRequest) -> list[s.ChatMessage]:
     return messages
 
 
+def _input_texts(body: ResponsesRequest) -> Iterator[tuple[str, str | None]]:
+    """``(param, text)`` of every text the chat template renders, for the prompt-size bound."""
+    yield "instructions", body.instructions
+    if isinstance(body.input, str):
+        yield "input", body.input
+        return
+    for i, item in enumerate(body.input):
+        content = item.content
+        if isinstance(content, str):
+            yield f"input[{i}].content", content
+        else:
+            for j, part in enumerate(content):
+                yield f"input[{i}].content[{j}].text", part.text
+
+
 def text_format(body: ResponsesRequest) -> StructuredOutput | None:
     """The output constraint ``text.format`` asks for (``None``: plain text).
 
@@ -281,11 +296,17 @@ async def create_response(request: Request, data: SkipValidation[ResponsesReques
     _refuse_stateful(data)
     body = s.parse_body(data, ResponsesRequest)
     state = server_state(request)
+    unknown_fields(data, ResponsesRequest, reject=state.reject_unknown_fields)
     model = state.resolve_model(body.model)
+    if body.input == "":
+        raise bad_request("input is empty: give a text or at least one message", "input", "invalid_value")
     spec = text_format(body)
     assert state.prompts is not None
-    ids = state.prompts.chat(conversation(body))
-    check_context(state.prompts.inputs, ids, body.max_output_tokens, param="input")
+    messages = conversation(body)
+    state.check_prompt_chars(_input_texts(body))
+    ids = await state.tokenize(state.prompts.chat, messages)  # off the event loop, like chat's
+    check_context(state.prompts.inputs, ids, body.max_output_tokens,
+                  param="input" if body.max_output_tokens is None else "max_output_tokens")
     job = new_job("chat", model, [ids], 1, state.engine.make_request, sampling(body, spec))
     job.id = "resp_" + uuid.uuid4().hex
     job.constraint_param = "text.format" if spec is not None else None

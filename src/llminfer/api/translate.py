@@ -143,6 +143,21 @@ def check_context(inputs: InputProcessor, ids: Sequence[int], max_new: int | Non
         raise from_engine_error(exc, prompt_param=param) from None
 
 
+def check_vocab_ids(inputs: InputProcessor, body: Body) -> None:
+    """Token ids the request names (``logit_bias`` keys, ``stop_token_ids``) must be in the vocabulary:
+    refused here, before the engine sees the request (so it is not counted as an engine failure).
+
+    Raises:
+        APIError: 400 ``invalid_value`` naming the field.
+    """
+    named = (("logit_bias", [int(k) for k in body.logit_bias or {}]), ("stop_token_ids", body.stop_token_ids or ()))
+    for field, ids in named:
+        try:
+            inputs.check_token_ids(ids, field)
+        except InvalidRequestError as exc:
+            raise bad_request(str(exc), field, "invalid_value") from None
+
+
 def truncate_prompt(ids: list[int], body: Body, max_model_len: int, max_new: int | None) -> list[int]:
     """vLLM's ``truncate_prompt_tokens``: keep the last ``k`` prompt tokens (``-1``: as many as fit in the
     context with the requested output length, at least one generated token)."""
