@@ -22,7 +22,7 @@ NEW = 20
 @pytest.fixture(scope="module")
 def engine():
     """One engine for the module (loading is the slow part): the sync methods start its background loop;
-    the async and HTTP tests close that first and run it in their own loop (it restarts on the next call)."""
+    the async and HTTP tests stop that first and run it in their own loop (it restarts on the next call)."""
     eng = make_engine(builtin_model_path(), max_batch_size=8, block_size=4)
     yield eng
     eng.close()
@@ -214,7 +214,7 @@ def test_description_loop_over_async_generate(engine, cases):
                 assert printed == result.generated_text, kwargs
                 _check_final(final, result)
 
-    engine.close()  # the sync calls above started its background loop
+    engine.stop()  # the sync calls above started its background loop: hand the engine to this one
     anyio.run(main)
 
 
@@ -250,7 +250,7 @@ def test_sse_streams_send_all_text_and_one_empty_finish_chunk(engine, cases):
         return {**kw, "stop": kwargs["stop_sequences"]} if "stop_sequences" in kwargs else kw
 
     messages = [{"role": "user", "content": "Hello"}]
-    engine.close()
+    engine.stop()  # the server's lifespan runs it in its own loop
     with (serve_in_thread(create_app(engine)) as url,
           openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60) as client):
         model = client.models.list().data[0].id

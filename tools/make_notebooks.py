@@ -149,11 +149,11 @@ sections.append("advanced_features")"""),
     ("md", """## 3. `custom_pipeline.py`: stages of your own
 
 One pipeline runs on an engine's KV cache at a time, so the engine's own (started by the calls above) is
-closed first. Cells can `await` directly: the notebook's event loop runs the pipeline."""),
+stopped first (`engine.stop()`; `close()` would end the engine for good). Cells can `await` directly: the notebook's event loop runs the pipeline."""),
     ("code", """sys.path.insert(0, ".")  # the notebook runs in examples/
 from custom_pipeline import JsonlRecorder, RedactStage, generate_all
 
-engine.close()
+engine.stop()  # its background loop; the engine stays usable
 record = OUT / "deltas.jsonl"
 pipeline = engine.build_pipeline(after_detokenize=[RedactStage(), JsonlRecorder(record)])
 async with pipeline:

@@ -205,15 +205,27 @@ class InferenceEngine:
         another thread has under way is waited for."""
         self._closed = True  # first, without the lock: submitting threads stop at once
         with self._lifecycle:
-            _STARTED_ENGINES.discard(self)
-            if self._pipeline_cm is not None:
-                cm, self._pipeline_cm = self._pipeline_cm, None
-                with contextlib.suppress(Exception):  # the pipeline logs its own failures
-                    cm.__exit__(None, None, None)
-            if self._portal_cm is not None:
-                pcm, self._portal_cm, self._portal = self._portal_cm, None, None
-                pcm.__exit__(None, None, None)
-                self._pipeline = None
+            self._stop_background()
+
+    def stop(self) -> None:
+        """Stop the background event loop that the sync methods started (in-flight requests finish first,
+        up to 30 s) without closing the engine: the next sync call starts it again, and the engine can be
+        handed to another event loop, ``async with engine.running():`` or ``create_app(engine)`` (a server).
+        Does nothing when no background loop runs; safe from any thread."""
+        with self._lifecycle:
+            self._stop_background()
+
+    def _stop_background(self) -> None:
+        """Stop the background loop's pipeline and portal (the caller holds the lifecycle lock)."""
+        _STARTED_ENGINES.discard(self)
+        if self._pipeline_cm is not None:
+            cm, self._pipeline_cm = self._pipeline_cm, None
+            with contextlib.suppress(Exception):  # the pipeline logs its own failures
+                cm.__exit__(None, None, None)
+        if self._portal_cm is not None:
+            pcm, self._portal_cm, self._portal = self._portal_cm, None, None
+            pcm.__exit__(None, None, None)
+            self._pipeline = None
 
     @property
     def closed(self) -> bool:
