@@ -7,20 +7,20 @@ import json
 import logging
 
 import pytest
-import structlog
 import torch
 
 from helpers import make_engine
 from llminfer import Backend, ConfigError, EngineConfig, InferenceEngine, ModelLoadError
 from llminfer.backends.loading import cpu_native_half, hf_kwargs, resolve_dtype
 from llminfer.cli import main
+from llminfer.logging import reset_logging
 
 
 @pytest.fixture(autouse=True)
 def _reset_logging():
     """In-process CLI runs bind structlog to the captured stderr, closed after the test: reset it."""
     yield
-    structlog.reset_defaults()
+    reset_logging()
 
 
 TOKEN = "hf_DummyTokenValue1234567890abcdef"

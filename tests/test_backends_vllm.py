@@ -9,7 +9,6 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-import structlog
 import torch
 
 from llminfer import (
@@ -27,13 +26,14 @@ from llminfer import (
 )
 from llminfer.backends import vllm as vb
 from llminfer.cli import main
+from llminfer.logging import reset_logging
 
 
 @pytest.fixture(autouse=True)
 def _reset_logging():
     """In-process CLI runs bind structlog to the captured stderr, closed after the test: reset it."""
     yield
-    structlog.reset_defaults()
+    reset_logging()
 
 
 # ----------------------------------------------------------------------------------------------- mappings

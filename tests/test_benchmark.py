@@ -11,13 +11,13 @@ import time
 
 import polars as pl
 import pytest
-import structlog
 
 from llminfer import Backend, EngineConfig, InferenceEngine
 from llminfer.benchmark import BackendComparison, Benchmarker, itl_ms, request_metrics, summarize, trace_frame
 from llminfer.benchmark.artifacts import validate
 from llminfer.benchmark.serving import ServingConfig, ServingWorkload, run_serving_benchmark_sync
 from llminfer.cli import main
+from llminfer.logging import reset_logging
 
 MS = 1_000_000
 
@@ -237,7 +237,7 @@ def test_cli_compare_on_a_core_that_owns_scheduling(fake_vllm, tmp_path, capsys)
         main(["compare", "--backends", "eager,vllm", "--batch-sizes", "1", "--runs", "1", "--warmup", "0",
               "--max-new-tokens", "2", "--prompt-len", "4", "--artifacts-dir", str(tmp_path)])
     finally:
-        structlog.reset_defaults()  # the CLI bound logging to the captured stderr
+        reset_logging()  # the CLI bound logging to the captured stderr
     out = capsys.readouterr().out
     assert "skipped" not in out and "vllm" in out
     payload = json.loads((tmp_path / "comparison.json").read_text())

@@ -5,7 +5,6 @@ computed under another adapter."""
 from __future__ import annotations
 
 import pytest
-import structlog
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -13,13 +12,14 @@ from helpers import make_engine, random_prompts
 from llminfer import Backend, ConfigError, EngineError, InvalidRequestError
 from llminfer.backends.compiled import COMPILE_BACKEND_ENV
 from llminfer.cli import main
+from llminfer.logging import reset_logging
 
 
 @pytest.fixture(autouse=True)
 def _reset_logging():
     """In-process CLI runs bind structlog to the captured stderr, closed after the test: reset it."""
     yield
-    structlog.reset_defaults()
+    reset_logging()
 
 
 peft = pytest.importorskip("peft", reason="PEFT is not installed (pip install 'llminfer[peft]')")

@@ -11,13 +11,14 @@ import structlog
 from helpers import make_engine, random_prompts
 from llminfer import BackendUnavailableError, QuantConfig, QuantMode
 from llminfer.cli import main
+from llminfer.logging import reset_logging
 
 
 @pytest.fixture(autouse=True)
 def _reset_logging():
     """In-process CLI runs bind structlog to the captured stderr, closed after the test: reset it."""
     yield
-    structlog.reset_defaults()
+    reset_logging()
 
 
 pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed (pip install 'llminfer[quant]')")

@@ -15,11 +15,14 @@ from llminfer.errors import (
     RequestAbortedError,
 )
 from llminfer.kv.manager import KVCacheManager
+from llminfer.logging import use_safe_default_output as _use_safe_default_output
 from llminfer.pipeline import Pipeline
 from llminfer.results import GenerationResult, GenerationStats, StreamChunk
 from llminfer.sampling.params import SamplingParams
 from llminfer.sampling.structured import StructuredOutput
 from llminfer.tools import Tool, ToolCall
+
+_use_safe_default_output()
 
 __version__ = "0.1.0"
 
