@@ -234,6 +234,13 @@ async def healthz(request: Request) -> Response[s.Health]:
     return Response(s.Health("unavailable"), status_code=503)
 
 
+@route("/version", http_method=GET_HEAD, summary="Server version (vLLM's route)")
+async def version() -> dict[str, str]:
+    """``{"version": "<llminfer version>"}``, what vLLM's ``/version`` answers: ``llminfer bench-serve``
+    records it in its artifact."""
+    return {"version": __version__}
+
+
 @route("/metrics", http_method=GET_HEAD, summary="Prometheus metrics", media_type=CONTENT_TYPE)
 async def metrics(request: Request) -> Response[bytes]:
     """Prometheus text exposition of this server's registry."""
@@ -334,7 +341,7 @@ def create_app(engine_or_config: InferenceEngine | EngineConfig | None = None, *
     v1 = Router("/v1", route_handlers=[chat_completions, completions, create_response, list_models, get_model],
                 guards=[api_key_guard])
     app = Litestar(
-        route_handlers=[v1, health, healthz, metrics],
+        route_handlers=[v1, health, healthz, version, metrics],
         lifespan=[lifespan],
         exception_handlers=EXCEPTION_HANDLERS,
         middleware=[request_log_middleware],

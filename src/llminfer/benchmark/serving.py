@@ -7,14 +7,22 @@ a Poisson process at ``request_rate`` requests/s (``inf``: all at once), optiona
 same polars expressions as offline benchmarks. TTFT is taken at the first chunk that carries text — a
 chat stream's role-only first chunk does not count. Goodput counts the requests per second that met both
 SLOs (``slo_ttft_ms``, ``slo_tpot_ms``).
+
+A sweep (:func:`run_serving_sweep`) sends the same requests once per load point (several request rates, or
+several concurrencies) and records the server (:func:`probe_server`: base URL, model, kind, version) and the
+workload, so that :mod:`llminfer.benchmark.report` can put several servers' artifacts side by side.
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+import hashlib
 import json
 import math
 import random
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +31,7 @@ import attrs
 import polars as pl
 
 from llminfer.benchmark import artifacts
-from llminfer.benchmark.environment import environment
-from llminfer.benchmark.metrics import percentile_columns, request_metrics, trace_frame
+from llminfer.benchmark.metrics import itl_ms, percentile_columns, request_metrics, trace_frame
 
 _WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
           "number group problem fact model token cache block batch queue server stream layer kernel page").split()
@@ -79,6 +86,7 @@ class ServingConfig:
         extra_body: extra JSON fields for every request (e.g. ``{"ignore_eos": true}`` for vLLM).
         slo_ttft_ms, slo_tpot_ms: service-level objectives for goodput.
         timeout_s: per-request timeout (s).
+        label: this server's name in the artifact (``bench-report``'s default label).
     """
 
     base_url: str
@@ -91,6 +99,7 @@ class ServingConfig:
     slo_ttft_ms: float = 1000.0
     slo_tpot_ms: float = 200.0
     timeout_s: float = 600.0
+    label: str | None = None
 
 
 @attrs.define
@@ -101,6 +110,7 @@ class ServingResult:
     summary: dict[str, Any]
     settings: dict[str, Any]
     environment: dict[str, Any]
+    server: dict[str, Any] = attrs.field(factory=dict)  #: what :func:`probe_server` found
 
     def print_summary(self) -> str:
         s = self.summary
@@ -118,7 +128,7 @@ class ServingResult:
 
     def to_json_dict(self) -> dict[str, Any]:
         return {"schema_version": 1, "kind": "serving", "settings": self.settings, "environment": self.environment,
-                "summary": self.summary, "requests": self.requests}
+                "server": self.server, "summary": self.summary, "requests": self.requests}
 
     def save_artifacts(self, directory: str | Path = ".", json_out: str | Path | None = None,
                        csv_out: str | Path | None = None) -> dict[str, Path]:
@@ -184,52 +194,266 @@ async def _one(client: Any, cfg: ServingConfig, model: str, prompt: str, max_tok
             "ttft_ms": None if first is None else (first - start) / 1e6, "e2e_ms": (end - start) / 1e6}
 
 
-async def run_serving_benchmark(cfg: ServingConfig, workload: ServingWorkload) -> ServingResult:
-    """Send the workload and measure it.
+
+def _kind_from(*hints: str | None) -> str | None:
+    """The server's kind from ``owned_by`` / the ``server`` header / an ``/info`` router name (lower case)."""
+    text = " ".join(h.lower() for h in hints if h)
+    for needle, kind in _KINDS:
+        if needle in text:
+            return kind
+    return None
+
+
+# Substrings of what each server puts in ``owned_by``, its ``server`` header or ``/info`` (first match wins).
+_KINDS = (("llminfer", "llminfer"), ("vllm", "vllm"), ("llamacpp", "llama.cpp"), ("llama.cpp", "llama.cpp"),
+          ("text-generation", "tgi"), ("tgi", "tgi"), ("sglang", "sglang"), ("ollama", "ollama"))
+
+
+async def _json_get(client: Any, path: str) -> tuple[Any, Any]:
+    """``(json, response)`` of ``GET path``; ``(None, response or None)`` on any failure (a probe, never fatal)."""
+    try:
+        resp = await client.get(path, timeout=5.0)
+    except Exception:  # noqa: BLE001 - an optional endpoint
+        return None, None
+    if resp.status_code != 200:
+        return None, resp
+    try:
+        return resp.json(), resp
+    except ValueError:
+        return None, resp
+
+
+async def probe_server(client: Any, base_url: str, model: str | None) -> dict[str, Any]:
+    """What the server says about itself: its models (``GET /v1/models``), the model to benchmark, its
+    ``server`` header, and its kind and version where an endpoint tells (``/version``: vLLM, llminfer;
+    ``/info``: TGI; ``/props``: llama.cpp). Unknown fields are None.
 
     Raises:
-        httpx.HTTPError: the server cannot be reached to list its models (when ``cfg.model`` is None).
+        httpx.HTTPError: ``model`` is None and ``/v1/models`` cannot be read.
+        ValueError: ``model`` is None and the server lists no model.
     """
-    import httpx
+    info: dict[str, Any] = {"base_url": base_url, "model": model, "models": [], "owned_by": None,
+                            "server_header": None, "kind": None, "version": None}
+    if model is None:
+        resp = await client.get("/v1/models")
+        resp.raise_for_status()
+        listing = resp.json()
+    else:
+        listing, resp = await _json_get(client, "/v1/models")
+    if resp is not None:
+        info["server_header"] = resp.headers.get("server")
+    cards = [c for c in (listing or {}).get("data") or () if isinstance(c, dict) and "id" in c] \
+        if isinstance(listing, dict) else []
+    info["models"] = [str(c["id"]) for c in cards]
+    if model is None:
+        if not cards:
+            raise ValueError(f"{base_url}/v1/models lists no model; pass --model")
+        info["model"] = str(cards[0]["id"])
+    card = next((c for c in cards if c["id"] == info["model"]), cards[0] if cards else {})
+    info["owned_by"] = card.get("owned_by")
+    info["kind"] = _kind_from(info["owned_by"], info["server_header"])
+    version, _ = await _json_get(client, "/version")
+    if isinstance(version, dict) and isinstance(version.get("version"), str):
+        info["version"] = version["version"]
+    if info["version"] is None and info["kind"] in (None, "tgi"):
+        tgi, _ = await _json_get(client, "/info")
+        if isinstance(tgi, dict) and isinstance(tgi.get("version"), str):
+            info["version"] = tgi["version"]
+            info["kind"] = info["kind"] or _kind_from(str(tgi.get("router")), "tgi")
+    if info["version"] is None and info["kind"] == "llama.cpp":
+        props, _ = await _json_get(client, "/props")
+        if isinstance(props, dict) and props.get("build_info"):
+            info["version"] = str(props["build_info"])
+    info["kind"] = info["kind"] or "unknown"
+    return info
 
-    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
-    limits = httpx.Limits(max_connections=cfg.concurrency or 1000, max_keepalive_connections=cfg.concurrency or 1000)
-    async with httpx.AsyncClient(base_url=cfg.base_url.rstrip("/"), headers=headers, limits=limits,
-                                 timeout=httpx.Timeout(cfg.timeout_s)) as client:
-        model = cfg.model
-        if model is None:
-            resp = await client.get("/v1/models")
-            resp.raise_for_status()
-            model = resp.json()["data"][0]["id"]
-        reqs = workload.requests()
-        events: list[tuple] = []
-        rng = random.Random(workload.seed + 1)
-        sem = anyio.Semaphore(cfg.concurrency) if cfg.concurrency else None
-        results: list[dict[str, Any]] = [{} for _ in reqs]
 
-        async def fire(i: int, prompt: str, max_tokens: int) -> None:
-            if sem is None:
+@attrs.frozen
+class LoadPoint:
+    """One load setting of a sweep: Poisson arrivals at ``request_rate`` requests/s (``inf``: all at once),
+    at most ``concurrency`` requests in flight (None: no cap)."""
+
+    request_rate: float = math.inf
+    concurrency: int | None = None
+
+    def label(self) -> str:
+        rate = "inf" if math.isinf(self.request_rate) else f"{self.request_rate:g}/s"
+        return f"rate {rate}, concurrency {'-' if self.concurrency is None else self.concurrency}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"request_rate": None if math.isinf(self.request_rate) else self.request_rate,
+                "concurrency": self.concurrency}
+
+
+def load_points(request_rates: Sequence[float] = (math.inf,),
+                concurrencies: Sequence[int | None] = (None,)) -> list[LoadPoint]:
+    """The sweep: one point per request rate, or one per concurrency (the other value fixed).
+
+    Raises:
+        ValueError: both lists have several values (a report plots one load axis), a rate <= 0 or a
+            concurrency < 1.
+    """
+    rates, concs = list(request_rates) or [math.inf], list(concurrencies) or [None]
+    if len(rates) > 1 and len(concs) > 1:
+        raise ValueError("sweep request rates or concurrencies, not both (give one of them a single value)")
+    if any(not r > 0 for r in rates):  # NaN too
+        raise ValueError(f"request rates must be > 0 (inf: all at once), got {rates}")
+    if any(c is not None and c < 1 for c in concs):
+        raise ValueError(f"concurrencies must be >= 1, got {concs}")
+    return [LoadPoint(r, c) for r in rates for c in concs]
+
+
+def parse_request_rates(text: str) -> list[float]:
+    """``"1,2,4,inf"`` → ``[1.0, 2.0, 4.0, inf]`` (requests/s).
+
+    Raises:
+        ValueError: a value that is not a number or not > 0.
+    """
+    try:
+        rates = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"request rates are comma-separated numbers or inf, got {text!r}") from None
+    if not rates or any(not r > 0 for r in rates):
+        raise ValueError(f"request rates must be > 0 (inf: all at once), got {text!r}")
+    return rates
+
+
+def parse_concurrencies(text: str | None) -> list[int | None]:
+    """``"1,8,32"`` → ``[1, 8, 32]``; None or ``""`` → ``[None]`` (no cap).
+
+    Raises:
+        ValueError: a value that is not an integer >= 1.
+    """
+    if text is None or not text.strip():
+        return [None]
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"concurrencies are comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise ValueError(f"concurrencies must be >= 1 (omit the flag for no limit), got {text!r}")
+    return list(values)
+
+
+@attrs.define
+class SweepProgress:
+    """What a progress callback is told after each finished request (and once when a point starts)."""
+
+    point_index: int  #: 0-based
+    num_points: int
+    point: LoadPoint
+    done: int  #: requests finished at this point (failed ones included)
+    total: int
+    failed: int
+    in_flight: int
+
+
+ProgressFn = Callable[[SweepProgress], None]
+
+
+@attrs.define
+class ServingSweepResult:
+    """A sweep: the server, the workload and one :class:`ServingResult` per load point.
+
+    ``to_json_dict()`` is the ``serving.json`` artifact (schema version 2, ``schemas/serving.schema.json``)
+    that ``llminfer bench-report`` combines across servers.
+    """
+
+    server: dict[str, Any]
+    workload: dict[str, Any]
+    settings: dict[str, Any]
+    environment: dict[str, Any]
+    points: list[ServingResult]
+    created: str  #: ISO 8601 UTC, when the sweep started
+
+    def table(self) -> pl.DataFrame:
+        """One row per load point: ``request_rate`` (None: inf), ``concurrency`` and the point's summary."""
+        return pl.DataFrame([{**p.settings["load"], **p.summary} for p in self.points], infer_schema_length=None)
+
+    def to_json_dict(self) -> dict[str, Any]:
+        return {"schema_version": 2, "kind": "serving", "created": self.created, "server": self.server,
+                "workload": self.workload, "settings": self.settings, "environment": self.environment,
+                "points": [{"load": p.settings["load"], "summary": p.summary, "requests": p.requests}
+                           for p in self.points]}
+
+    def print_summary(self) -> str:
+        """Print (and return) the summary: the single point's figures, or a table of the sweep."""
+        if len(self.points) == 1:
+            return self.points[0].print_summary()
+        from llminfer.benchmark.report import default_label, format_table, point_rows
+
+        text = format_table(point_rows(self.to_json_dict(), default_label(self.server)))
+        print(text)
+        return text
+
+    def save_artifacts(self, directory: str | Path = ".", json_out: str | Path | None = None,
+                       csv_out: str | Path | None = None) -> dict[str, Path]:
+        """``serving.json`` (everything, every request) and ``serving.csv`` (one row per load point)."""
+        return artifacts.write(self.to_json_dict(), self.table(), directory, "serving", json_out, csv_out)
+
+    def write(self, json_path: str | Path | None = None, csv_path: str | Path | None = None) -> dict[str, Path]:
+        """Write only the files asked for: the JSON artifact and / or the per-load-point CSV.
+
+        Raises:
+            OSError: a folder cannot be created or a file written.
+        """
+        out: dict[str, Path] = {}
+        if json_path is not None:
+            out["json"] = Path(json_path)
+            out["json"].parent.mkdir(parents=True, exist_ok=True)
+            out["json"].write_text(json.dumps(artifacts._clean(self.to_json_dict()), indent=2, default=str))
+        if csv_path is not None:
+            out["csv"] = Path(csv_path)
+            out["csv"].parent.mkdir(parents=True, exist_ok=True)
+            self.table().write_csv(out["csv"])
+        return out
+
+
+def _workload_dict(cfg: ServingConfig, workload: ServingWorkload, reqs: list[tuple[str, int]]) -> dict[str, Any]:
+    digest = hashlib.sha256(json.dumps(reqs).encode()).hexdigest()[:16]
+    return {"endpoint": cfg.endpoint, "num_requests": len(reqs), "prompt_len": list(workload.prompt_len),
+            "output_len": list(workload.output_len), "prompts_file": workload.prompts_file, "seed": workload.seed,
+            "extra_body": cfg.extra_body, "fingerprint": digest,
+            "prompt_words_total": sum(len(p.split()) for p, _ in reqs), "max_tokens_total": sum(n for _, n in reqs)}
+
+
+async def _run_point(client: Any, cfg: ServingConfig, model: str, reqs: list[tuple[str, int]], seed: int,
+                     point: LoadPoint, report: Callable[[int, int, int], None] | None) -> tuple:
+    events: list[tuple] = []
+    rng = random.Random(seed + 1)  # the same arrival pattern (scaled) at every rate
+    sem = anyio.Semaphore(point.concurrency) if point.concurrency else None
+    results: list[dict[str, Any]] = [{} for _ in reqs]
+    counts = {"done": 0, "failed": 0, "in_flight": 0}
+
+    async def fire(i: int, prompt: str, max_tokens: int) -> None:
+        async with (sem if sem is not None else contextlib.nullcontext()):
+            counts["in_flight"] += 1
+            try:
                 results[i] = await _one(client, cfg, model, prompt, max_tokens, f"req-{i}", events)
-                return
-            async with sem:
-                results[i] = await _one(client, cfg, model, prompt, max_tokens, f"req-{i}", events)
+            finally:
+                counts["in_flight"] -= 1
+                counts["done"] += 1
+                counts["failed"] += not results[i].get("ok")
+                if report:
+                    report(counts["done"], counts["failed"], counts["in_flight"])
 
-        t0 = time.perf_counter()
-        async with anyio.create_task_group() as tg:
-            for i, (prompt, max_tokens) in enumerate(reqs):
-                tg.start_soon(fire, i, prompt, max_tokens)
-                if math.isfinite(cfg.request_rate) and cfg.request_rate > 0:
-                    await anyio.sleep(rng.expovariate(cfg.request_rate))
-        duration = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for i, (prompt, max_tokens) in enumerate(reqs):
+            tg.start_soon(fire, i, prompt, max_tokens)
+            if math.isfinite(point.request_rate) and point.request_rate > 0:
+                await anyio.sleep(rng.expovariate(point.request_rate))
+    return events, results, time.perf_counter() - t0
 
+
+def _summarize(cfg: ServingConfig, events: list[tuple], results: list[dict[str, Any]],
+               duration: float) -> dict[str, Any]:
     trace = trace_frame(events)
     per_req = request_metrics(trace)
-    summary: dict[str, Any] = {"num_requests": len(reqs), "completed": per_req.height,
+    summary: dict[str, Any] = {"num_requests": len(results), "completed": per_req.height,
                                "failed": sum(1 for r in results if not r.get("ok")), "duration_s": duration}
     for metric in ("ttft_ms", "tpot_ms", "e2e_ms"):
         summary.update(percentile_columns(per_req, metric))
-    from llminfer.benchmark.metrics import itl_ms
-
     summary.update(percentile_columns(pl.DataFrame({"itl_ms": itl_ms(trace)}), "itl_ms"))
     out_tokens = int(per_req["output_tokens"].sum()) if per_req.height else 0
     good = per_req.filter((pl.col("ttft_ms") <= cfg.slo_ttft_ms)
@@ -240,14 +464,76 @@ async def run_serving_benchmark(cfg: ServingConfig, workload: ServingWorkload) -
     tpot = dict(zip(per_req["request_id"].to_list(), per_req["tpot_ms"].to_list())) if per_req.height else {}
     for r in results:
         r["tpot_ms"] = tpot.get(r.get("request_id"))
-    settings = {"base_url": cfg.base_url, "model": model, "endpoint": cfg.endpoint, "num_requests": len(reqs),
-                "request_rate": None if math.isinf(cfg.request_rate) else cfg.request_rate,
-                "concurrency": cfg.concurrency, "prompt_len": list(workload.prompt_len),
-                "output_len": list(workload.output_len), "prompts_file": workload.prompts_file,
-                "seed": workload.seed, "extra_body": cfg.extra_body}
-    return ServingResult(results, summary, settings, environment())
+    return summary
+
+
+async def run_serving_sweep(cfg: ServingConfig, workload: ServingWorkload, points: Sequence[LoadPoint],
+                            progress: ProgressFn | None = None) -> ServingSweepResult:
+    """Send the same workload once per load point, one point after the other, and measure each.
+
+    ``cfg.request_rate`` / ``cfg.concurrency`` are ignored: the points say the load. ``progress`` (if
+    given) is called when a point starts and after every finished request.
+
+    Raises:
+        httpx.HTTPError: the server cannot be reached to list its models (when ``cfg.model`` is None).
+        ValueError: no points, the server lists no model, or a malformed prompts file.
+    """
+    import httpx
+
+    from llminfer.benchmark.environment import environment
+
+    if not points:
+        raise ValueError("no load points to run")
+    reqs = workload.requests()
+    created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    most = max((p.concurrency or len(reqs)) for p in points)
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    limits = httpx.Limits(max_connections=most, max_keepalive_connections=most)
+    results: list[ServingResult] = []
+    async with httpx.AsyncClient(base_url=cfg.base_url.rstrip("/"), headers=headers, limits=limits,
+                                 timeout=httpx.Timeout(cfg.timeout_s)) as client:
+        server = {"label": cfg.label, **await probe_server(client, cfg.base_url, cfg.model)}
+        model = server["model"]
+        for index, point in enumerate(points):
+            def report(done: int, failed: int, in_flight: int, index: int = index, point: LoadPoint = point) -> None:
+                if progress is not None:
+                    progress(SweepProgress(index, len(points), point, done, len(reqs), failed, in_flight))
+
+            report(0, 0, 0)
+            events, per_request, duration = await _run_point(client, cfg, model, reqs, workload.seed, point, report)
+            summary = _summarize(cfg, events, per_request, duration)
+            settings = {"base_url": cfg.base_url, "model": model, "endpoint": cfg.endpoint,
+                        "num_requests": len(reqs), "request_rate": point.to_json()["request_rate"],
+                        "concurrency": point.concurrency, "prompt_len": list(workload.prompt_len),
+                        "output_len": list(workload.output_len), "prompts_file": workload.prompts_file,
+                        "seed": workload.seed, "extra_body": cfg.extra_body, "load": point.to_json()}
+            results.append(ServingResult(per_request, summary, settings, {}, server))
+    env = environment()
+    for r in results:
+        r.environment = env
+    sweep_settings = {"endpoint": cfg.endpoint, "slo_ttft_ms": cfg.slo_ttft_ms, "slo_tpot_ms": cfg.slo_tpot_ms,
+                      "timeout_s": cfg.timeout_s, "extra_body": cfg.extra_body,
+                      "points": [p.to_json() for p in points]}
+    return ServingSweepResult(server, _workload_dict(cfg, workload, reqs), sweep_settings, env, results, created)
+
+
+async def run_serving_benchmark(cfg: ServingConfig, workload: ServingWorkload,
+                                progress: ProgressFn | None = None) -> ServingResult:
+    """Send the workload at ``cfg.request_rate`` / ``cfg.concurrency`` and measure it (one load point).
+
+    Raises:
+        httpx.HTTPError: the server cannot be reached to list its models (when ``cfg.model`` is None).
+    """
+    sweep = await run_serving_sweep(cfg, workload, [LoadPoint(cfg.request_rate, cfg.concurrency)], progress)
+    return sweep.points[0]
 
 
 def run_serving_benchmark_sync(cfg: ServingConfig, workload: ServingWorkload) -> ServingResult:
     """Synchronous wrapper of :func:`run_serving_benchmark` (runs its own event loop)."""
     return anyio.run(run_serving_benchmark, cfg, workload)
+
+
+def run_serving_sweep_sync(cfg: ServingConfig, workload: ServingWorkload, points: Sequence[LoadPoint],
+                           progress: ProgressFn | None = None) -> ServingSweepResult:
+    """Synchronous wrapper of :func:`run_serving_sweep` (runs its own event loop)."""
+    return anyio.run(run_serving_sweep, cfg, workload, list(points), progress)

@@ -16,7 +16,7 @@ try:  # typer >= 0.20 vendors its own click; older versions use click itself
 except ImportError:  # pragma: no cover
     from click import exceptions as click_exc
 
-from llminfer.cli import bench, generate
+from llminfer.cli import bench, generate, report
 from llminfer.errors import LLMInferError
 
 __all__ = ["app", "main"]
@@ -38,6 +38,7 @@ app.command()(generate.serve)
 app.command()(bench.bench)
 app.command()(bench.compare)
 app.command("bench-serve")(bench.bench_serve)
+app.command("bench-report")(report.bench_report)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -164,10 +164,12 @@ def bench_serve(
     "http://127.0.0.1:8000",
     model: Annotated[str | None, typer.Option("--model", help="Model name to send (default: the server's first).")]
     = None,
-    num_requests: Annotated[int, typer.Option("--num-requests", help="Requests to send.")] = 100,
-    request_rate: Annotated[float, typer.Option("--request-rate", help="Poisson arrivals per second (inf: all "
-                                                "at once).")] = float("inf"),
-    concurrency: Annotated[int | None, typer.Option("--concurrency", help="Most requests in flight.")] = None,
+    num_requests: Annotated[int, typer.Option("--num-requests", help="Requests to send (per load point).")] = 100,
+    request_rate: Annotated[str, typer.Option("--request-rate", "--request-rates", help="Poisson arrivals per "
+                                              "second (inf: all at once); a list such as 1,2,4,inf sweeps them.")]
+    = "inf",
+    concurrency: Annotated[str | None, typer.Option("--concurrency", "--max-concurrency", help="Most requests "
+                                                    "in flight; a list such as 1,8,32 sweeps them.")] = None,
     prompt_len: Annotated[str, typer.Option("--prompt-len", help="Prompt words, MIN,MAX.")] = "16,128",
     output_len: Annotated[str, typer.Option("--output-len", help="max_tokens, MIN,MAX.")] = "16,128",
     prompts_file: Annotated[str | None, typer.Option("--prompts-file", help='JSONL of {"prompt", "max_tokens"}.')]
@@ -177,35 +179,68 @@ def bench_serve(
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Send ignore_eos=true (vLLM, llminfer).")] = False,
     slo_ttft_ms: Annotated[float, typer.Option("--slo-ttft-ms", help="TTFT objective for goodput (ms).")] = 1000.0,
     slo_tpot_ms: Annotated[float, typer.Option("--slo-tpot-ms", help="TPOT objective for goodput (ms).")] = 200.0,
+    label: Annotated[str | None, typer.Option("--label", help="Name of this server in the artifact (bench-report's "
+                                              "default label).")] = None,
     seed: Seed = 0, artifacts_dir: ArtifactsDir = None, json_out: JsonOut = None, csv_out: CsvOut = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace earlier artifacts (default: a fresh "
+                                            "timestamped subfolder).")] = False,
 ) -> None:
-    """Load-test an OpenAI-compatible server (llminfer, vLLM, TGI) and report TTFT/TPOT/ITL/E2E and goodput."""
-    from llminfer.benchmark.serving import ServingConfig, ServingWorkload, run_serving_benchmark_sync
+    """Load-test an OpenAI-compatible server (llminfer, vLLM, TGI, llama.cpp) and report TTFT/TPOT/ITL/E2E
+    and goodput, once per load point of a sweep; the JSON artifact feeds bench-report."""
+    from pathlib import Path
+
+    from llminfer.benchmark.report import safe_paths
+    from llminfer.benchmark.serving import (
+        ServingConfig,
+        ServingWorkload,
+        load_points,
+        parse_concurrencies,
+        parse_request_rates,
+        run_serving_sweep_sync,
+    )
+    from llminfer.cli.report import ServeProgress
 
     if num_requests < 1:
         raise typer.BadParameter(f"--num-requests must be >= 1, got {num_requests}")
-    if concurrency is not None and concurrency < 1:
-        raise typer.BadParameter(f"--concurrency must be >= 1 (omit it for no limit), got {concurrency}")
     if endpoint not in ("completions", "chat"):
         raise typer.BadParameter(f"--endpoint must be completions or chat, got {endpoint!r}")
+    try:
+        points = load_points(parse_request_rates(request_rate), parse_concurrencies(concurrency))
+    except ValueError as exc:
+        raise typer.BadParameter(f"--request-rate / --concurrency: {exc}") from None
     p_lo, p_hi = (_int_list(prompt_len, "--prompt-len") * 2)[:2]
     o_lo, o_hi = (_int_list(output_len, "--output-len") * 2)[:2]
-    cfg = ServingConfig(base_url=base_url, model=model, request_rate=request_rate, concurrency=concurrency,
-                        endpoint=endpoint, api_key=api_key, extra_body={"ignore_eos": True} if ignore_eos else {},
-                        slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms)
+    cfg = ServingConfig(base_url=base_url, model=model, endpoint=endpoint, api_key=api_key,
+                        extra_body={"ignore_eos": True} if ignore_eos else {},
+                        slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, label=label)
     workload = ServingWorkload(num_requests=num_requests, prompt_len=(p_lo, p_hi), output_len=(o_lo, o_hi),
                                prompts_file=prompts_file, seed=seed or 0)
     try:
-        result = run_serving_benchmark_sync(cfg, workload)
+        with ServeProgress() as progress:
+            result = run_serving_sweep_sync(cfg, workload, points, progress)
     except (OSError, ValueError) as exc:
         raise typer.BadParameter(str(exc)) from None
     except Exception as exc:  # httpx errors: unreachable server, 401 without --api-key, ...
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise typer.BadParameter(f"request to {base_url} failed: {type(exc).__name__}: {first}") from None
-    if result.summary["completed"] == 0:
-        first = next((r["error"] for r in result.requests if r.get("error")), "unknown error")
-        typer.echo(f"error: all {num_requests} requests failed; first error: {first}", err=True)
+    if all(p.summary["completed"] == 0 for p in result.points):
+        first = next((r["error"] for p in result.points for r in p.requests if r.get("error")), "unknown error")
+        typer.echo(f"error: all {num_requests * len(points)} requests failed; first error: {first}", err=True)
         raise typer.Exit(1)
+    s = result.server
+    typer.echo(f"server: {s['base_url']} ({s['kind']}{' ' + s['version'] if s.get('version') else ''}), "
+               f"model {s['model']}")
     result.print_summary()
-    paths = result.save_artifacts(artifacts_dir or ".", json_out=json_out, csv_out=csv_out)
-    typer.echo(f"artifacts: {paths['json']} {paths['csv']}")
+    if not (artifacts_dir or json_out or csv_out):
+        typer.echo("artifacts: none written (pass --artifacts-dir DIR or --json-out FILE to keep them)")
+        return
+    folder = Path(artifacts_dir) if artifacts_dir else None
+    wanted = {"json": Path(json_out) if json_out else folder / "serving.json" if folder else None,
+              "csv": Path(csv_out) if csv_out else folder / "serving.csv" if folder else None}
+    kinds = [k for k, v in wanted.items() if v is not None]
+    targets = dict(zip(kinds, safe_paths([wanted[k] for k in kinds], overwrite)))
+    try:
+        paths = result.write(json_path=targets.get("json"), csv_path=targets.get("csv"))
+    except OSError as exc:
+        raise typer.BadParameter(f"cannot write the artifacts: {exc}") from None
+    typer.echo("artifacts: " + " ".join(str(p) for p in paths.values()))
