@@ -87,6 +87,8 @@ class ServingConfig:
         slo_ttft_ms, slo_tpot_ms: service-level objectives for goodput.
         timeout_s: per-request timeout (s).
         label: this server's name in the artifact (``bench-report``'s default label).
+        warmup_requests: requests sent one by one before the first load point and left out of every
+            figure (they open a connection and wake the server, as vLLM's benchmark does with its test prompt).
     """
 
     base_url: str
@@ -100,6 +102,7 @@ class ServingConfig:
     slo_tpot_ms: float = 200.0
     timeout_s: float = 600.0
     label: str | None = None
+    warmup_requests: int = 0
 
 
 @attrs.define
@@ -494,6 +497,9 @@ async def run_serving_sweep(cfg: ServingConfig, workload: ServingWorkload, point
                                  timeout=httpx.Timeout(cfg.timeout_s)) as client:
         server = {"label": cfg.label, **await probe_server(client, cfg.base_url, cfg.model)}
         model = server["model"]
+        for i in range(cfg.warmup_requests):
+            prompt, max_tokens = reqs[i % len(reqs)]
+            await _one(client, cfg, model, prompt, max_tokens, f"warmup-{i}", [])
         for index, point in enumerate(points):
             def report(done: int, failed: int, in_flight: int, index: int = index, point: LoadPoint = point) -> None:
                 if progress is not None:
@@ -512,7 +518,7 @@ async def run_serving_sweep(cfg: ServingConfig, workload: ServingWorkload, point
     for r in results:
         r.environment = env
     sweep_settings = {"endpoint": cfg.endpoint, "slo_ttft_ms": cfg.slo_ttft_ms, "slo_tpot_ms": cfg.slo_tpot_ms,
-                      "timeout_s": cfg.timeout_s, "extra_body": cfg.extra_body,
+                      "timeout_s": cfg.timeout_s, "warmup_requests": cfg.warmup_requests, "extra_body": cfg.extra_body,
                       "points": [p.to_json() for p in points]}
     return ServingSweepResult(server, _workload_dict(cfg, workload, reqs), sweep_settings, env, results, created)
 

@@ -181,6 +181,8 @@ def bench_serve(
     slo_tpot_ms: Annotated[float, typer.Option("--slo-tpot-ms", help="TPOT objective for goodput (ms).")] = 200.0,
     label: Annotated[str | None, typer.Option("--label", help="Name of this server in the artifact (bench-report's "
                                               "default label).")] = None,
+    warmup_requests: Annotated[int, typer.Option("--warmup-requests", help="Requests sent first and left out "
+                                                 "of the figures.")] = 1,
     seed: Seed = 0, artifacts_dir: ArtifactsDir = None, json_out: JsonOut = None, csv_out: CsvOut = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace earlier artifacts (default: a fresh "
                                             "timestamped subfolder).")] = False,
@@ -204,6 +206,8 @@ def bench_serve(
         raise typer.BadParameter(f"--num-requests must be >= 1, got {num_requests}")
     if endpoint not in ("completions", "chat"):
         raise typer.BadParameter(f"--endpoint must be completions or chat, got {endpoint!r}")
+    if warmup_requests < 0:
+        raise typer.BadParameter(f"--warmup-requests must be >= 0, got {warmup_requests}")
     try:
         points = load_points(parse_request_rates(request_rate), parse_concurrencies(concurrency))
     except ValueError as exc:
@@ -212,7 +216,8 @@ def bench_serve(
     o_lo, o_hi = (_int_list(output_len, "--output-len") * 2)[:2]
     cfg = ServingConfig(base_url=base_url, model=model, endpoint=endpoint, api_key=api_key,
                         extra_body={"ignore_eos": True} if ignore_eos else {},
-                        slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, label=label)
+                        slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, label=label,
+                        warmup_requests=warmup_requests)
     workload = ServingWorkload(num_requests=num_requests, prompt_len=(p_lo, p_hi), output_len=(o_lo, o_hi),
                                prompts_file=prompts_file, seed=seed or 0)
     try:
