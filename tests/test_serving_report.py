@@ -22,7 +22,13 @@ from llminfer import EngineConfig, InferenceEngine
 from llminfer.api import create_app, serve_in_thread
 from llminfer.benchmark.artifacts import validate
 from llminfer.benchmark.report import ReportError, build_report, load_artifact, safe_paths
-from llminfer.benchmark.serving import LoadPoint, ServingResult, load_points, parse_concurrencies, parse_request_rates
+from llminfer.benchmark.serving import (
+    LoadPoint,
+    ServingResult,
+    load_points,
+    parse_concurrencies,
+    parse_request_rates,
+)
 from llminfer.cli import main
 from llminfer.cli.report import ServeProgress
 from llminfer.logging import reset_logging
@@ -75,8 +81,8 @@ def stub_server():
         proc.wait(10)
 
 
+@pytest.mark.slow
 def test_report_of_two_live_servers(tmp_path, capsys):
-    t = [time.perf_counter()]
     stub_dir = tmp_path / "stub"
     with stub_server() as stub_url:
         code, out, err = _cli(["bench-serve", "--base-url", stub_url, "--num-requests", "4", "--concurrency", "1,4",
@@ -87,8 +93,8 @@ def test_report_of_two_live_servers(tmp_path, capsys):
     ours = tmp_path / "llminfer.json"
     engine = InferenceEngine(EngineConfig(max_batch_size=8, batch_timeout_ms=1))
     with serve_in_thread(create_app(engine)) as our_url:
-        code, out, err = _cli(["bench-serve", "--base-url", our_url, "--num-requests", "4", "--concurrency", "1,4",
-                               "--prompt-len", "4,12", "--output-len", "3,6", "--ignore-eos", "--json-out",
+        code, out, err = _cli(["bench-serve", "--base-url", our_url, "--num-requests", "3", "--concurrency", "1,4",
+                               "--prompt-len", "4,12", "--output-len", "2,4", "--ignore-eos", "--json-out",
                                str(ours)], capsys)
     capsys.readouterr()  # the server's shutdown log line
     assert code == 0, err
@@ -121,7 +127,7 @@ def test_report_of_two_live_servers(tmp_path, capsys):
     assert [s["label"] for s in payload["sources"]] == ["stub", "ours"]
     rows = payload["rows"]
     assert [(r["label"], r["concurrency"]) for r in rows] == [("stub", 1), ("stub", 4), ("ours", 1), ("ours", 4)]
-    assert all(r["completed"] == 4 and r["failed"] == 0 for r in rows)
+    assert [(r["completed"], r["failed"]) for r in rows] == [(4, 0), (4, 0), (3, 0), (3, 0)]
     for r in rows[:2]:  # the stub's injected delays, measured through the whole chain, within 15 %
         assert TTFT_S * 1e3 * 0.85 <= r["ttft_ms_p50"] <= TTFT_S * 1e3 * 1.15, r
         assert TPOT_S * 1e3 * 0.85 <= r["tpot_ms_p50"] <= TPOT_S * 1e3 * 1.15, r
@@ -183,20 +189,14 @@ def test_goodput_is_recomputed_under_the_given_slo(tmp_path):
     validate(report.to_json_dict(), "serving_report")
 
 
-def test_a_one_point_artifact_of_the_python_api_is_read():
+def test_a_one_point_artifact_of_the_python_api_is_read(tmp_path):
     point = ServingResult(requests=[{"ok": True, "ttft_ms": 5.0, "tpot_ms": 1.0, "e2e_ms": 9.0, "output_tokens": 3}],
                           summary={"num_requests": 1, "completed": 1, "failed": 0, "duration_s": 1.0,
                                    "ttft_ms_p50": 5.0, "tpot_ms_p50": 1.0, "e2e_ms_p50": 9.0,
                                    "output_tokens_per_s": 3.0, "goodput_requests_per_s": 1.0},
                           settings={"base_url": "http://x", "model": "m", "num_requests": 1, "request_rate": None,
                                     "concurrency": 2}, environment={})
-    import tempfile
-    from pathlib import Path
-
-    with tempfile.TemporaryDirectory() as d:
-        path = Path(d) / "v1.json"
-        path.write_text(json.dumps(point.to_json_dict()))
-        art = load_artifact(path)
+    art = load_artifact(_write(tmp_path, "v1.json", point.to_json_dict()))
     assert art["points"][0]["load"] == {"request_rate": None, "concurrency": 2}
     assert art["server"]["base_url"] == "http://x"
 
