@@ -1,35 +1,48 @@
-"""nox sessions: tests, lint, bench. Sessions reuse the project's own virtualenv (``-R`` is fine)."""
+"""nox sessions: tests, lint, bench.
+
+Sessions build nothing: they run in the project's own environment, the interpreter that runs nox (e.g.
+``.venv/bin/nox -s bench``, or ``nox`` from an activated venv where ``pip install -e '.[dev]'`` was
+run). ``venv_backend="none"`` gives that; each session checks that llminfer imports there and says
+how to install it when it does not.
+
+    nox -s tests -- -m 'not slow'      # pytest arguments after --
+    nox -s bench -- --quick            # bench/run_all.py arguments after --
+"""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import nox
 
-nox.options.default_venv_backend = "venv"
-nox.options.reuse_existing_virtualenvs = True
 nox.options.sessions = ["lint", "tests"]
+PYTHON = sys.executable  # the project's interpreter: the one running nox
 
 
-def _install(session: nox.Session, extras: str = "dev") -> None:
-    session.install("torch==2.13.0")
-    session.install("-e", f".[{extras}]")
+def _check_installed(session: nox.Session) -> None:
+    probe = subprocess.run([PYTHON, "-c", "import llminfer"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        session.error(f"llminfer does not import in {PYTHON}: run nox from the project's venv after "
+                      "`pip install -e '.[dev]'`")
 
 
-@nox.session
+@nox.session(venv_backend="none")
 def tests(session: nox.Session) -> None:
     """The test suite (slow tests included; ``-- -m 'not slow'`` for the quick part)."""
-    _install(session)
-    session.run("pytest", "-q", *session.posargs)
+    _check_installed(session)
+    session.run(PYTHON, "-m", "pytest", "-q", *session.posargs)
 
 
-@nox.session
+@nox.session(venv_backend="none")
 def lint(session: nox.Session) -> None:
     """ruff over src, tests, bench."""
-    session.install("ruff")
-    session.run("ruff", "check", "src", "tests", "bench", "noxfile.py")
+    session.run(PYTHON, "-m", "ruff", "check", "src", "tests", "bench", "noxfile.py")
 
 
-@nox.session
+@nox.session(venv_backend="none")
 def bench(session: nox.Session) -> None:
-    """The benchmark suite: writes JSON/CSV artifacts under bench/results/ and prints the ratios."""
-    _install(session)
-    session.run("python", "bench/run_all.py", *session.posargs)
+    """The benchmark suite: writes JSON artifacts under bench/results/, prints progress per suite and the
+    ratios (``-- --quick`` for each suite's small workload, minutes in all)."""
+    _check_installed(session)
+    session.run(PYTHON, "bench/run_all.py", *session.posargs)

@@ -6,7 +6,7 @@ scheduler). Both engines are warmed up on the same workload first; the compiled 
 bucket it meets there (the warm-up time and the compile count are reported). The timed runs alternate
 eager / compiled per repetition, and the compile count must not grow during them (``recompiles``).
 
-    python bench/bench_compiled.py [--reps 2] [--new-tokens 64] [--batches 1,32] [--mode default]
+    python bench/bench_compiled.py [--reps 2] [--new-tokens 64] [--batches 1,32] [--mode default] [--quick]
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import argparse
 import statistics
 import time
 
-from common import BENCH_VOCAB, bench_model_path, environment, random_prompts, save, timed
+from common import BENCH_VOCAB, bench_model_path, environment, parse_args, random_prompts, save, timed
 from llminfer import Backend, CacheConfig, EngineConfig, InferenceEngine, SchedulerConfig
 from llminfer.logging import configure_logging
 
@@ -35,7 +35,7 @@ def main() -> dict:
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--mode", default="default", choices=["default", "reduce-overhead", "max-autotune"])
-    args = ap.parse_args()
+    args = parse_args(ap, {"reps": 1, "new_tokens": 8, "batches": "1,4"})
     configure_logging("warning")
     path = bench_model_path()
     batches = [int(b) for b in args.batches.split(",")]

@@ -11,6 +11,7 @@
 3. zero_hit: unique prompts (0% hit rate): throughput with prefix caching on over off.
 
     python bench/bench_scheduler.py [--only mixed,shared_prefix,zero_hit] [--reps 2] [--num-requests 64]
+        [--max-len 256] [--prefix-len 1024] [--prefix-requests 16] [--zero-hit-requests 32] [--quick]
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from common import (
     RESULTS_DIR,
     bench_model_path,
     environment,
+    parse_args,
     peak_rss_bytes,
     random_prompts,
     save,
@@ -89,10 +91,10 @@ def hf_continuous(model, prompts, outputs) -> int:
     return delivered
 
 
-def bench_mixed(path, reps: int, num_requests: int) -> dict:
+def bench_mixed(path, reps: int, num_requests: int, max_len: int = 256) -> dict:
     rng = random.Random(0)
-    lengths = [rng.randint(16, 256) for _ in range(num_requests)]
-    outputs = [rng.randint(16, 256) for _ in range(num_requests)]
+    lengths = [rng.randint(16, max_len) for _ in range(num_requests)]
+    outputs = [rng.randint(16, max_len) for _ in range(num_requests)]
     prompts = random_prompts(num_requests, lengths, BENCH_VOCAB, seed=1)
     requested = sum(outputs)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
@@ -152,9 +154,9 @@ def bench_mixed(path, reps: int, num_requests: int) -> dict:
     return out
 
 
-def bench_shared_prefix(path, reps: int) -> dict:
-    prefix = random_prompts(1, 1024, BENCH_VOCAB, seed=2)[0]
-    suffixes = random_prompts(16, 32, BENCH_VOCAB, seed=3)
+def bench_shared_prefix(path, reps: int, prefix_len: int = 1024, num_requests: int = 16) -> dict:
+    prefix = random_prompts(1, prefix_len, BENCH_VOCAB, seed=2)[0]
+    suffixes = random_prompts(num_requests, 32, BENCH_VOCAB, seed=3)
     prompts = [prefix + s for s in suffixes]
     ttft: dict[str, list[float]] = {"cache_off": [], "warm_cache": []}
     engines = {"cache_off": make_engine(path, prefix_cache=False), "warm_cache": make_engine(path)}
@@ -176,9 +178,9 @@ def bench_shared_prefix(path, reps: int) -> dict:
     return out
 
 
-def bench_zero_hit(path, reps: int, num_requests: int = 32) -> dict:
+def bench_zero_hit(path, reps: int, num_requests: int = 32, new_tokens: int = 64, max_len: int = 256) -> dict:
     rng = random.Random(5)
-    lengths = [rng.randint(64, 256) for _ in range(num_requests)]
+    lengths = [rng.randint(64, max(64, max_len)) for _ in range(num_requests)]
     engines = {"cache_off": make_engine(path, prefix_cache=False), "cache_on": make_engine(path)}
     for eng in engines.values():
         llminfer_workload(eng, random_prompts(4, 32, BENCH_VOCAB, seed=99), [4] * 4)
@@ -191,12 +193,12 @@ def bench_zero_hit(path, reps: int, num_requests: int = 32) -> dict:
         for name, eng in order:
             seed += 1
             prompts = random_prompts(num_requests, lengths, BENCH_VOCAB, seed=seed)  # fresh: 0% hits
-            t, n = timed(llminfer_workload, eng, prompts, [64] * num_requests)
+            t, n = timed(llminfer_workload, eng, prompts, [new_tokens] * num_requests)
             times[name].append(t)
     hits = engines["cache_on"].cache_stats()["hits"]
     for eng in engines.values():
         eng.close()
-    tps = {k: num_requests * 64 / statistics.median(v) for k, v in times.items()}
+    tps = {k: num_requests * new_tokens / statistics.median(v) for k, v in times.items()}
     out = {"output_tokens_per_s": tps, "ratio_on_over_off": tps["cache_on"] / tps["cache_off"],
            "hits_observed": hits, "seconds": times}
     print(f"[zero_hit] tok/s: off {tps['cache_off']:.1f}, on {tps['cache_on']:.1f}; "
@@ -209,7 +211,14 @@ def main() -> dict:
     ap.add_argument("--only", default="mixed,shared_prefix,zero_hit")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--num-requests", type=int, default=64)
-    args = ap.parse_args()
+    ap.add_argument("--max-len", type=int, default=256, help="upper bound of the prompt / output lengths")
+    ap.add_argument("--prefix-len", type=int, default=1024)
+    ap.add_argument("--prefix-requests", type=int, default=16)
+    ap.add_argument("--zero-hit-requests", type=int, default=32)
+    ap.add_argument("--zero-hit-tokens", type=int, default=64)
+    ap.add_argument("--zero-hit-reps", type=int, default=None, help="default: max(2 x reps + 1, 5)")
+    args = parse_args(ap, {"reps": 1, "num_requests": 8, "max_len": 48, "prefix_len": 256, "prefix_requests": 4,
+                           "zero_hit_requests": 8, "zero_hit_tokens": 8, "zero_hit_reps": 3})
     configure_logging("warning")
     path = bench_model_path()
     which = set(args.only.split(","))
@@ -218,11 +227,12 @@ def main() -> dict:
     payload: dict = json.loads(previous.read_text()) if previous.exists() else {}
     payload.update({"benchmark": "scheduler_kv", "model": str(path), "environment": environment()})
     if "mixed" in which:
-        payload["mixed"] = bench_mixed(path, args.reps, args.num_requests)
+        payload["mixed"] = bench_mixed(path, args.reps, args.num_requests, args.max_len)
     if "shared_prefix" in which:
-        payload["shared_prefix"] = bench_shared_prefix(path, args.reps)
+        payload["shared_prefix"] = bench_shared_prefix(path, args.reps, args.prefix_len, args.prefix_requests)
     if "zero_hit" in which:
-        payload["zero_hit"] = bench_zero_hit(path, max(2 * args.reps + 1, 5))
+        payload["zero_hit"] = bench_zero_hit(path, args.zero_hit_reps or max(2 * args.reps + 1, 5),
+                                             args.zero_hit_requests, args.zero_hit_tokens, args.max_len)
     payload["peak_rss_bytes"] = peak_rss_bytes()
     print(f"peak process memory: {payload['peak_rss_bytes'] / 2**30:.2f} GiB (KV budget 1.00 GiB per engine)")
     path_out = save("scheduler_kv", payload)

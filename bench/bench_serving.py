@@ -1,7 +1,7 @@
 """Served vs in-process throughput: 32 concurrent streaming clients against `llminfer serve` (its own
 process) over the same requests run in-process through the engine, measured one after the other in one run.
 
-    python bench/bench_serving.py [--num-requests 64] [--concurrency 32] [--max-tokens 64]
+    python bench/bench_serving.py [--num-requests 64] [--concurrency 32] [--max-tokens 64] [--quick]
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import time
 
 import httpx
 
-from common import bench_model_path, environment, save, timed
+from common import bench_model_path, environment, parse_args, save, timed
 from llminfer import CacheConfig, EngineConfig, InferenceEngine
 from llminfer.benchmark.serving import ServingConfig, ServingWorkload, run_serving_benchmark_sync
 from llminfer.logging import configure_logging
@@ -25,7 +25,7 @@ def main() -> dict:
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
-    args = ap.parse_args()
+    args = parse_args(ap, {"num_requests": 8, "concurrency": 8, "max_tokens": 16})
     configure_logging("warning")
     path = bench_model_path()
     workload = ServingWorkload(num_requests=args.num_requests, prompt_len=(16, 64),

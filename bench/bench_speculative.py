@@ -5,7 +5,7 @@ Target: the ~102M Qwen2-shaped benchmark model (bf16, CPU). Drafts: the target i
 Random weights mean a separate draft agrees with the target only by chance: that row shows the cost of
 speculation when drafts are rejected, the draft = target row its upper bound on acceptance.
 
-    python bench/bench_speculative.py [--reps 2] [--k 4]
+    python bench/bench_speculative.py [--reps 2] [--k 4] [--num-prompts 8] [--new-tokens 64] [--quick]
 """
 
 from __future__ import annotations
@@ -13,7 +13,16 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from common import BENCH_MODEL_SPEC, BENCH_VOCAB, bench_model_path, environment, random_prompts, save, timed
+from common import (
+    BENCH_MODEL_SPEC,
+    BENCH_VOCAB,
+    bench_model_path,
+    environment,
+    parse_args,
+    random_prompts,
+    save,
+    timed,
+)
 from llminfer import CacheConfig, EngineConfig, InferenceEngine
 from llminfer.logging import configure_logging
 from llminfer.models import build_random_model, default_cache_dir
@@ -38,13 +47,15 @@ def main() -> dict:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--k", type=int, default=4)
-    args = ap.parse_args()
+    ap.add_argument("--num-prompts", type=int, default=8)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    args = parse_args(ap, {"reps": 1, "num_prompts": 4, "new_tokens": 16})
     configure_logging("warning")
     target = bench_model_path()
-    prompts = random_prompts(8, 32, BENCH_VOCAB, seed=4)
+    prompts = random_prompts(args.num_prompts, 32, BENCH_VOCAB, seed=4)
     engines = {"plain": engine(target), "draft=target": engine(target, target, args.k),
                "draft=2-layer": engine(target, draft_path(), args.k)}
-    kw = dict(max_new_tokens=64, ignore_eos=True)
+    kw = dict(max_new_tokens=args.new_tokens, ignore_eos=True)
     for e in engines.values():
         e.run_batch_continuous(prompts[:2], max_new_tokens=4)  # warm-up
     times = {k: [] for k in engines}
@@ -59,7 +70,7 @@ def main() -> dict:
             rates[name] = sum(r.stats.spec_accepted_tokens for r in res) / prop if prop else None
     for e in engines.values():
         e.close()
-    tps = {k: 8 * 64 / statistics.median(v) for k, v in times.items()}
+    tps = {k: args.num_prompts * args.new_tokens / statistics.median(v) for k, v in times.items()}
     payload = {
         "benchmark": "speculative_decoding", "k": args.k, "output_tokens_per_s": tps,
         "speed_ratio_vs_plain": {k: v / tps["plain"] for k, v in tps.items()},

@@ -24,6 +24,7 @@
    same tokens and stops where it would not accept one).
 
     python bench/bench_structured.py [--reps 2] [--num-requests 64] [--only throughput,compile,mask,library]
+        [--max-len 256] [--schemas 120] [--quick]
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from common import (
     RESULTS_DIR,
     bench_model_path,
     environment,
+    parse_args,
     peak_rss_bytes,
     random_prompts,
     save,
@@ -71,11 +73,14 @@ def summary_ms(xs_s: list[float]) -> dict[str, float]:
             "n": len(ms)}
 
 
+MAX_LEN = 256  # of the prompt and output lengths (``--max-len``)
+
+
 def workload(num_requests: int) -> tuple[list[list[int]], list[int]]:
     """The mixed workload of bench_scheduler.py (same seeds)."""
     rng = random.Random(0)
-    lengths = [rng.randint(16, 256) for _ in range(num_requests)]
-    outputs = [rng.randint(16, 256) for _ in range(num_requests)]
+    lengths = [rng.randint(16, MAX_LEN) for _ in range(num_requests)]
+    outputs = [rng.randint(16, MAX_LEN) for _ in range(num_requests)]
     return random_prompts(num_requests, lengths, BENCH_VOCAB, seed=1), outputs
 
 
@@ -283,7 +288,12 @@ def main() -> dict:
     ap.add_argument("--only", default="throughput,compile,mask,library")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--num-requests", type=int, default=64)
-    args = ap.parse_args()
+    ap.add_argument("--max-len", type=int, default=256, help="upper bound of the prompt / output lengths")
+    ap.add_argument("--schemas", type=int, default=len(CORPUS), help="corpus schemas for compile / library")
+    args = parse_args(ap, {"reps": 1, "num_requests": 8, "max_len": 48, "schemas": 12})
+    global MAX_LEN
+    MAX_LEN = args.max_len
+    del CORPUS[args.schemas:]  # the first N schemas for the compile and library figures
     configure_logging("warning")
     which = set(args.only.split(","))
     path = bench_model_path()

@@ -1,6 +1,6 @@
 """Tracing overhead: throughput with stage tracing on over off, same prompts, alternating runs.
 
-    python bench/bench_tracing.py [--reps 3]
+    python bench/bench_tracing.py [--reps 3] [--batch 32] [--new-tokens 32] [--quick]
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from common import BENCH_VOCAB, bench_model_path, environment, random_prompts, save, timed
+from common import BENCH_VOCAB, bench_model_path, environment, parse_args, random_prompts, save, timed
 from llminfer import CacheConfig, EngineConfig, InferenceEngine
 from llminfer.logging import configure_logging
 
@@ -16,7 +16,9 @@ from llminfer.logging import configure_logging
 def main() -> dict:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--reps", type=int, default=3)
-    args = ap.parse_args()
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    args = parse_args(ap, {"reps": 2, "batch": 8, "new_tokens": 16})
     configure_logging("warning")
     path = bench_model_path()
     engines = {}
@@ -32,13 +34,13 @@ def main() -> dict:
     for _ in range(args.reps):
         for name, e in engines.items():
             seed += 1
-            prompts = random_prompts(32, 32, BENCH_VOCAB, seed=seed)
-            t, _ = timed(e.run_batch_continuous, prompts, max_new_tokens=32, ignore_eos=True)
+            prompts = random_prompts(args.batch, 32, BENCH_VOCAB, seed=seed)
+            t, _ = timed(e.run_batch_continuous, prompts, max_new_tokens=args.new_tokens, ignore_eos=True)
             times[name].append(t)
             e.tracer.clear()
     for e in engines.values():
         e.close()
-    tps = {k: 32 * 32 / statistics.median(v) for k, v in times.items()}
+    tps = {k: args.batch * args.new_tokens / statistics.median(v) for k, v in times.items()}
     payload = {"benchmark": "tracing_overhead", "output_tokens_per_s": tps, "seconds": times,
                "ratio_on_over_off": tps["on"] / tps["off"], "environment": environment()}
     print(f"[tracing] tok/s off {tps['off']:.1f}, on {tps['on']:.1f}; on/off = {payload['ratio_on_over_off']:.3f}")

@@ -2,7 +2,7 @@
 same process, measured side by side (alternating repetitions, medians). Output tokens/s counts tokens
 actually generated.
 
-    python bench/bench_vs_hf.py [--reps 3] [--batch 32] [--prompt-len 32] [--new-tokens 64]
+    python bench/bench_vs_hf.py [--reps 3] [--batch 32] [--prompt-len 32] [--new-tokens 64] [--quick]
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from common import (
     count_params,
     environment,
     median,
+    parse_args,
     peak_rss_bytes,
     random_prompts,
     save,
@@ -46,7 +47,7 @@ def main() -> dict:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=64)
-    args = ap.parse_args()
+    args = parse_args(ap, {"reps": 1, "batch": 8, "prompt_len": 16, "new_tokens": 16})
     configure_logging("warning")
     path = bench_model_path()
     prompts = random_prompts(args.batch, args.prompt_len, BENCH_VOCAB, seed=0)

@@ -8,9 +8,12 @@ Environment metadata, random prompts and peak memory come from :mod:`llminfer.be
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
+import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +25,7 @@ from llminfer.benchmark.runner import random_token_prompts as random_prompts
 from llminfer.models import build_random_model, default_cache_dir
 
 __all__ = ["BENCH_MODEL_SPEC", "BENCH_VOCAB", "RESULTS_DIR", "bench_model_path", "count_params", "environment",
-           "median", "peak_rss_bytes", "random_prompts", "save", "timed"]
+           "median", "parse_args", "peak_rss_bytes", "random_prompts", "save", "timed"]
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -59,6 +62,20 @@ def timed(fn, *args, **kwargs) -> tuple[float, Any]:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     return time.perf_counter() - t0, out
+
+
+def parse_args(ap: argparse.ArgumentParser, quick: dict[str, Any],
+               argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse a suite's arguments with a ``--quick`` flag added: it switches the defaults to ``quick``
+    (argparse destinations: values), a few repetitions of a small workload, so that ``run_all.py --quick``
+    checks every suite end to end in minutes. Flags given explicitly still win. Quick figures show that a
+    suite runs; they are not the measurements its targets are about."""
+    ap.add_argument("--quick", action="store_true", help="a small workload: " + ", ".join(
+        f"{k.replace('_', '-')}={v}" for k, v in quick.items()))
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--quick" in argv:
+        ap.set_defaults(**quick)
+    return ap.parse_args(argv)
 
 
 def median(xs: list[float]) -> float:

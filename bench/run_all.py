@@ -1,7 +1,15 @@
 """Run every benchmark suite in turn (what ``nox -s bench`` runs), then print a table of the ratios.
 Each suite writes bench/results/<name>.json; each ratio is measured side by side within one suite run.
 
-    python bench/run_all.py [--quick] [--only vs_hf,scheduler,speculative,tracing,compiled,structured,step_metadata]
+    python bench/run_all.py [--quick] [--only vs_hf,scheduler,...] [--list] [--suite-timeout-s S]
+
+``--quick`` passes each suite its own small workload (a few repetitions, small batches, short outputs:
+minutes for the whole suite on 2 cores); its ratios show that every suite runs, not the figures the
+targets are about. Progress goes to stdout per suite: which one, n/N, its time and the total elapsed.
+
+To add a suite: append a :class:`Suite` to :data:`SUITES` (a script in bench/ that writes
+``results/<file>.json`` and understands ``--quick``, e.g. through ``common.parse_args``), and the figures
+the table should show to :data:`RATIOS`.
 """
 
 from __future__ import annotations
@@ -10,98 +18,159 @@ import argparse
 import json
 import subprocess
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 
 
-def suites(quick: bool) -> dict[str, list[str]]:
-    reps = "1" if quick else "2"
-    return {
-        "vs_hf": ["bench_vs_hf.py", "--reps", "2" if quick else "3"],
-        "scheduler": ["bench_scheduler.py", "--reps", reps] + (["--num-requests", "32"] if quick else []),
-        "speculative": ["bench_speculative.py", "--reps", reps],
-        "tracing": ["bench_tracing.py", "--reps", "2" if quick else "3"],
-        "serving": ["bench_serving.py"] + (["--num-requests", "32"] if quick else []),
-        "compiled": ["bench_compiled.py", "--reps", reps],
-        "structured": ["bench_structured.py", "--reps", reps] + (["--num-requests", "32"] if quick else []),
-        "step_metadata": ["bench_step_metadata.py", "--reps", reps] + (["--quick"] if quick else []),
-    }
+@dataclass(frozen=True)
+class Suite:
+    """One benchmark script: ``args`` always, plus ``quick_args`` under ``--quick``."""
+
+    name: str
+    script: str
+    args: tuple[str, ...] = ()
+    quick_args: tuple[str, ...] = ("--quick",)
+
+    def argv(self, quick: bool) -> list[str]:
+        return [self.script, *self.args, *(self.quick_args if quick else ())]
+
+
+@dataclass(frozen=True)
+class Ratio:
+    """A row of the final table: ``keys`` looked up in ``results/<file>`` (a key may be a callable that
+    picks one from the object at that level), with the target the figure is meant to meet."""
+
+    label: str
+    file: str
+    keys: tuple
+    target: str
+
+
+SUITES: list[Suite] = [
+    Suite("vs_hf", "bench_vs_hf.py"),
+    Suite("scheduler", "bench_scheduler.py"),
+    Suite("speculative", "bench_speculative.py"),
+    Suite("tracing", "bench_tracing.py"),
+    Suite("serving", "bench_serving.py"),
+    Suite("compiled", "bench_compiled.py"),
+    Suite("structured", "bench_structured.py"),
+    Suite("step_metadata", "bench_step_metadata.py", quick_args=("--quick", "--reps", "1")),
+]
+
+
+def _largest_batch(results: dict) -> str:
+    return max(results, key=lambda k: int(k.split("_")[1]))
+
+
+RATIOS: list[Ratio] = [
+    Ratio("llminfer / HF generate (batch 32, 32+64 tokens)", "llminfer_vs_hf.json", ("ratio_llminfer_over_hf",),
+          ">= 1.0"),
+    Ratio("mixed workload: llminfer / HF static batches", "scheduler_kv.json", ("mixed", "ratio_vs_hf_static"),
+          ">= 1.6"),
+    Ratio("  same, priority = longest output first", "scheduler_kv.json",
+          ("mixed", "ratio_longest_first_vs_hf_static"), "report"),
+    Ratio("mixed workload: llminfer / transformers CB", "scheduler_kv.json", ("mixed", "ratio_vs_hf_continuous"),
+          ">= 1.5"),
+    Ratio("shared 1k prefix: TTFT warm cache / cache off", "scheduler_kv.json",
+          ("shared_prefix", "ratio_warm_over_off"), "<= 0.25"),
+    Ratio("0% hits: throughput cache on / off", "scheduler_kv.json", ("zero_hit", "ratio_on_over_off"), ">= 0.97"),
+    Ratio("tracing on / off throughput", "tracing.json", ("ratio_on_over_off",), ">= 0.98"),
+    Ratio("served (32 streams) / in-process throughput", "serving.json", ("ratio_served_over_in_process",),
+          ">= 0.9"),
+    Ratio("speculative (draft = target) / plain", "speculative.json", ("speed_ratio_vs_plain", "draft=target"),
+          "report"),
+    Ratio("speculative (draft = 2-layer) / plain", "speculative.json", ("speed_ratio_vs_plain", "draft=2-layer"),
+          "report"),
+    Ratio("compiled / eager tokens/s, batch 1 (CPU)", "compiled_vs_eager.json",
+          ("results", "batch_1", "speed_ratio_compiled_over_eager"), "report"),
+    Ratio("compiled / eager tokens/s, largest batch (CPU)", "compiled_vs_eager.json",
+          ("results", _largest_batch, "speed_ratio_compiled_over_eager"), "report"),
+    Ratio("mixed workload, half JSON Schema / unconstrained", "structured.json",
+          ("throughput", "ratio_constrained_over_unconstrained"), ">= 0.9"),
+    Ratio("grammar mask time / step time (constrained run)", "structured.json", ("mask", "share_of_step"),
+          "report"),
+    Ratio("step metadata: tensor ops / loop, 32 decode rows", "step_metadata.json",
+          ("builder", "decode_32x1k", "ratio_after_over_before"), "< 1.0"),
+    Ratio("step metadata: tensor ops / loop, 2048-token chunk", "step_metadata.json",
+          ("builder", "prefill_2048_over_1k", "ratio_after_over_before"), "< 1.0"),
+    Ratio("CPU step time, tensor-op metadata / loop", "step_metadata.json", ("step", "ratio_after_over_before"),
+          "<= 1.0"),
+]
 
 
 def _get(path: Path, *keys):
     try:
         value = json.loads(path.read_text())
         for k in keys:
-            value = value[k]
+            value = value[k(value) if callable(k) else k]
         return value
     except (OSError, KeyError, TypeError, ValueError):
         return None
 
 
-def summary_table() -> str:
-    rows = [
-        ("llminfer / HF generate (batch 32, 32+64 tokens)", RESULTS / "llminfer_vs_hf.json",
-         ("ratio_llminfer_over_hf",), ">= 1.0"),
-        ("mixed workload: llminfer / HF static batches", RESULTS / "scheduler_kv.json",
-         ("mixed", "ratio_vs_hf_static"), ">= 1.6"),
-        ("  same, priority = longest output first", RESULTS / "scheduler_kv.json",
-         ("mixed", "ratio_longest_first_vs_hf_static"), "report"),
-        ("mixed workload: llminfer / transformers CB", RESULTS / "scheduler_kv.json",
-         ("mixed", "ratio_vs_hf_continuous"), ">= 1.5"),
-        ("shared 1k prefix: TTFT warm cache / cache off", RESULTS / "scheduler_kv.json",
-         ("shared_prefix", "ratio_warm_over_off"), "<= 0.25"),
-        ("0% hits: throughput cache on / off", RESULTS / "scheduler_kv.json",
-         ("zero_hit", "ratio_on_over_off"), ">= 0.97"),
-        ("tracing on / off throughput", RESULTS / "tracing.json", ("ratio_on_over_off",), ">= 0.98"),
-        ("served (32 streams) / in-process throughput", RESULTS / "serving.json",
-         ("ratio_served_over_in_process",), ">= 0.9"),
-        ("speculative (draft = target) / plain", RESULTS / "speculative.json",
-         ("speed_ratio_vs_plain", "draft=target"), "report"),
-        ("speculative (draft = 2-layer) / plain", RESULTS / "speculative.json",
-         ("speed_ratio_vs_plain", "draft=2-layer"), "report"),
-        ("compiled / eager tokens/s, batch 1 (CPU)", RESULTS / "compiled_vs_eager.json",
-         ("results", "batch_1", "speed_ratio_compiled_over_eager"), "report"),
-        ("compiled / eager tokens/s, batch 32 (CPU)", RESULTS / "compiled_vs_eager.json",
-         ("results", "batch_32", "speed_ratio_compiled_over_eager"), "report"),
-        ("mixed workload, half JSON Schema / unconstrained", RESULTS / "structured.json",
-         ("throughput", "ratio_constrained_over_unconstrained"), ">= 0.9"),
-        ("grammar mask time / step time (constrained run)", RESULTS / "structured.json",
-         ("mask", "share_of_step"), "report"),
-        ("step metadata: tensor ops / loop, 32 decode rows", RESULTS / "step_metadata.json",
-         ("builder", "decode_32x1k", "ratio_after_over_before"), "< 1.0"),
-        ("step metadata: tensor ops / loop, 2048-token chunk", RESULTS / "step_metadata.json",
-         ("builder", "prefill_2048_over_1k", "ratio_after_over_before"), "< 1.0"),
-        ("CPU step time, tensor-op metadata / loop", RESULTS / "step_metadata.json",
-         ("step", "ratio_after_over_before"), "<= 1.0"),
-    ]
+def summary_table(results: Path = RESULTS) -> str:
     lines = [f"{'figure':52s} {'ratio':>8s}  target"]
-    for label, path, keys, target in rows:
-        v = _get(path, *keys)
-        lines.append(f"{label:52s} {'-' if v is None else f'{v:8.3f}':>8s}  {target}")
+    for row in RATIOS:
+        v = _get(results / row.file, *row.keys)
+        lines.append(f"{row.label:52s} {'-' if v is None else f'{v:8.3f}':>8s}  {row.target}")
     return "\n".join(lines)
+
+
+def _clock(seconds: float) -> str:
+    m, s = divmod(int(seconds), 60)
+    return f"{m}m{s:02d}s"
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="fewer repetitions and requests")
-    ap.add_argument("--only", default=None, help="comma-separated suites: " + ",".join(suites(False)))
+    ap.add_argument("--quick", action="store_true", help="each suite's small workload (minutes in all)")
+    ap.add_argument("--only", default=None, help="comma-separated suites: " + ",".join(s.name for s in SUITES))
+    ap.add_argument("--list", action="store_true", help="list the suites and their commands, run nothing")
+    ap.add_argument("--suite-timeout-s", type=float, default=None, help="stop a suite that runs longer")
     args = ap.parse_args(argv)
-    quick = args.quick
-    only = set(args.only.split(",")) if args.only else None
-    failed = 0
-    for name, suite in suites(quick).items():
-        if only and name not in only:
+    names = [s.name for s in SUITES]
+    only = args.only.split(",") if args.only else None
+    unknown = sorted(set(only or ()) - set(names))
+    if unknown:
+        ap.error(f"--only: unknown suite(s) {', '.join(unknown)} (known: {', '.join(names)})")
+    chosen = [s for s in SUITES if only is None or s.name in only]
+    if args.list:
+        for s in chosen:
+            print(f"{s.name:14s} python bench/{' '.join(s.argv(args.quick))}")
+        return 0
+    t0 = time.monotonic()
+    outcome: list[tuple[str, str, float]] = []
+    for i, suite in enumerate(chosen, 1):
+        head = f"=== [{i}/{len(chosen)}] {suite.name}"
+        if not (HERE / suite.script).exists():
+            print(f"{head}: {suite.script} not found, skipped", flush=True)
+            outcome.append((suite.name, "missing", 0.0))
             continue
-        if not (HERE / suite[0]).exists():
-            print(f"=== {name}: {suite[0]} not found, skipped", flush=True)
-            continue
-        print(f"=== {name}: {' '.join(suite)}", flush=True)
-        rc = subprocess.call([sys.executable, str(HERE / suite[0]), *suite[1:]], cwd=HERE)
-        failed += rc != 0
+        print(f"{head}: python bench/{' '.join(suite.argv(args.quick))}  (elapsed {_clock(time.monotonic() - t0)})",
+              flush=True)
+        start = time.monotonic()
+        try:
+            rc = subprocess.call([sys.executable, str(HERE / suite.script), *suite.argv(args.quick)[1:]], cwd=HERE,
+                                 timeout=args.suite_timeout_s)
+            status = "ok" if rc == 0 else f"failed (exit {rc})"
+        except subprocess.TimeoutExpired:
+            status = f"timed out after {args.suite_timeout_s:g} s"
+        took = time.monotonic() - start
+        outcome.append((suite.name, status, took))
+        print(f"--- [{i}/{len(chosen)}] {suite.name}: {status} in {took:.1f} s (elapsed {_clock(time.monotonic() - t0)})",
+              flush=True)
+    print(f"\n{'suite':14s} {'seconds':>8s}  status")
+    for name, status, took in outcome:
+        print(f"{name:14s} {took:8.1f}  {status}")
+    print(f"{'total':14s} {time.monotonic() - t0:8.1f}")
     print("\n" + summary_table())
-    return 1 if failed else 0
+    if args.quick:
+        print("(--quick: each suite's small workload; the ratios show the suites run, not the targeted figures)")
+    return 1 if any(status not in ("ok", "missing") for _, status, _ in outcome) else 0
 
 
 if __name__ == "__main__":
