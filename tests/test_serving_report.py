@@ -272,3 +272,21 @@ def test_load_points_and_bench_serve_flag_errors(capsys):
         assert code == 2 and message in err and err.count("\n") == 1, err
     with ServeProgress() as progress:  # stdout is pytest's capture, not a terminal
         assert progress.bar is None
+
+
+def test_progress_shows_each_load_point():
+    import io
+
+    from rich.console import Console
+
+    from llminfer.benchmark.serving import SweepProgress
+
+    points = load_points([1.0, 4.0], [8])
+    with ServeProgress(enabled=True, console=Console(file=io.StringIO(), force_terminal=True)) as progress:
+        progress(SweepProgress(0, 2, points[0], 0, 5, 0, 0))
+        progress(SweepProgress(0, 2, points[0], 3, 5, 1, 2))
+        progress(SweepProgress(1, 2, points[1], 1, 5, 0, 4))
+        tasks = progress.bar.tasks
+        assert [(t.description, t.completed, t.total) for t in tasks] == [
+            ("[1/2] rate 1/s, concurrency 8", 3, 5), ("[2/2] rate 4/s, concurrency 8", 1, 5)]
+        assert tasks[0].fields["extra"] == "in flight 2, 1 failed" and tasks[1].fields["extra"] == "in flight 4"

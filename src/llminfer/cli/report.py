@@ -19,8 +19,9 @@ class ServeProgress:
     failures, requests in flight, the point's request rate / concurrency and the elapsed time.
     Off (a no-op) when stdout is not a terminal."""
 
-    def __init__(self, enabled: bool | None = None) -> None:
+    def __init__(self, enabled: bool | None = None, console: Any = None) -> None:
         self.enabled = sys.stdout.isatty() if enabled is None else enabled
+        self.console = console  # a rich Console (default: stdout's)
         self.bar: Any = None
         self.tasks: dict[int, Any] = {}
 
@@ -29,7 +30,8 @@ class ServeProgress:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
             self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                TextColumn("{task.fields[extra]}"), TimeElapsedColumn(), transient=True)
+                                TextColumn("{task.fields[extra]}"), TimeElapsedColumn(), transient=True,
+                                console=self.console)
             self.bar.__enter__()
         return self
 

@@ -1,0 +1,87 @@
+"""bench/run_all.py (what ``nox -s bench`` runs) without running a benchmark: every registered suite
+understands ``--quick``, ``--quick`` switches a suite's defaults and explicit flags still win, the ratio
+table reads what the suites wrote, and the noxfile runs in the project's own interpreter as it says."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}_under_test", BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def run_all():
+    return _load("run_all")
+
+
+def test_every_suite_exists_and_understands_quick(run_all):
+    assert len({s.name for s in run_all.SUITES}) == len(run_all.SUITES)
+    for suite in run_all.SUITES:
+        text = (BENCH / suite.script).read_text()
+        assert "--quick" in suite.quick_args, suite
+        # Either common.parse_args (which adds --quick) or a --quick flag of its own.
+        assert re.search(r"parse_args\(ap, \{", text) or '"--quick"' in text, suite.script
+    files = {r.file for r in run_all.RATIOS}
+    written = " ".join((BENCH / s.script).read_text() for s in run_all.SUITES)
+    for file in files:  # each table row reads a file some suite saves
+        assert f"save(\"{Path(file).stem}\"" in written or f"save('{Path(file).stem}'" in written, file
+
+
+def test_quick_switches_defaults_and_explicit_flags_win():
+    common = _load("common")
+
+    def parser():
+        ap = argparse.ArgumentParser()
+        ap.add_argument("--reps", type=int, default=3)
+        ap.add_argument("--batch", type=int, default=32)
+        return ap
+
+    quick = {"reps": 1, "batch": 8}
+    assert vars(common.parse_args(parser(), quick, [])) == {"reps": 3, "batch": 32, "quick": False}
+    assert vars(common.parse_args(parser(), quick, ["--quick"])) == {"reps": 1, "batch": 8, "quick": True}
+    assert vars(common.parse_args(parser(), quick, ["--batch", "4", "--quick"])) == {"reps": 1, "batch": 4,
+                                                                                     "quick": True}
+
+
+def test_ratio_table_reads_the_results(run_all, tmp_path):
+    results = {"batch_1": {"speed_ratio_compiled_over_eager": 1.25},
+               "batch_4": {"speed_ratio_compiled_over_eager": 0.5}}  # --quick: no batch 32
+    (tmp_path / "compiled_vs_eager.json").write_text(json.dumps({"results": results}))
+    (tmp_path / "tracing.json").write_text("{not json")
+    rows = {line[:52].strip(): line[52:].split() for line in run_all.summary_table(tmp_path).splitlines()[1:]}
+    assert rows["compiled / eager tokens/s, batch 1 (CPU)"] == ["1.250", "report"]
+    assert rows["compiled / eager tokens/s, largest batch (CPU)"] == ["0.500", "report"]
+    assert rows["tracing on / off throughput"] == ["-", ">=", "0.98"]
+    assert len(rows) == len(run_all.RATIOS)
+
+
+def test_list_and_unknown_suite(run_all, capsys):
+    assert run_all.main(["--list", "--quick", "--only", "tracing,serving"]) == 0
+    assert capsys.readouterr().out.splitlines() == ["tracing        python bench/bench_tracing.py --quick",
+                                                    "serving        python bench/bench_serving.py --quick"]
+    with pytest.raises(SystemExit) as exc:
+        run_all.main(["--only", "nope"])
+    assert exc.value.code == 2 and "unknown suite(s) nope" in capsys.readouterr().err
+
+
+def test_noxfile_builds_no_venv():
+    text = (BENCH.parent / "noxfile.py").read_text()
+    sessions = re.findall(r"@nox\.session\((.*?)\)\ndef (\w+)", text)
+    assert {name for _, name in sessions} == {"tests", "lint", "bench"}
+    assert all(args == 'venv_backend="none"' for args, _ in sessions)
+    assert "session.install" not in text
