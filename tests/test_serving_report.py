@@ -290,3 +290,33 @@ def test_progress_shows_each_load_point():
         assert [(t.description, t.completed, t.total) for t in tasks] == [
             ("[1/2] rate 1/s, concurrency 8", 3, 5), ("[2/2] rate 4/s, concurrency 8", 1, 5)]
         assert tasks[0].fields["extra"] == "in flight 2, 1 failed" and tasks[1].fields["extra"] == "in flight 4"
+
+
+@pytest.mark.parametrize("routes, expected", [
+    ({"/v1/models": ({"data": [{"id": "q", "owned_by": "vllm"}]}, "uvicorn"), "/version": ({"version": "0.9.1"}, None)},
+     ("vllm", "0.9.1", "uvicorn")),
+    ({"/v1/models": ({"data": [{"id": "q", "owned_by": "q"}]}, None),
+      "/info": ({"model_id": "q", "version": "3.3.0", "router": "text-generation-router"}, None)},
+     ("tgi", "3.3.0", None)),
+    ({"/v1/models": ({"data": [{"id": "q", "owned_by": "llamacpp"}]}, "llama.cpp"),
+      "/props": ({"build_info": "b6000-abc"}, None)}, ("llama.cpp", "b6000-abc", "llama.cpp")),
+    ({"/v1/models": ({"data": [{"id": "q", "owned_by": "someone"}]}, None)}, ("unknown", None, None)),
+])
+def test_probe_server_tells_kind_and_version(routes, expected):
+    import anyio
+
+    from llminfer.benchmark.serving import probe_server
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body, server = routes.get(request.url.path, (None, None))
+        if body is None:
+            return httpx.Response(404, text="not found")
+        return httpx.Response(200, json=body, headers={"server": server} if server else {})
+
+    async def probe():
+        async with httpx.AsyncClient(base_url="http://srv", transport=httpx.MockTransport(handler)) as client:
+            return await probe_server(client, "http://srv", None)
+
+    info = anyio.run(probe)
+    assert (info["kind"], info["version"], info["server_header"]) == expected
+    assert info["model"] == "q" and info["models"] == ["q"]

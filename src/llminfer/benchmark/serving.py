@@ -197,10 +197,9 @@ async def _one(client: Any, cfg: ServingConfig, model: str, prompt: str, max_tok
             "ttft_ms": None if first is None else (first - start) / 1e6, "e2e_ms": (end - start) / 1e6}
 
 
-
 def _kind_from(*hints: str | None) -> str | None:
     """The server's kind from ``owned_by`` / the ``server`` header / an ``/info`` router name (lower case)."""
-    text = " ".join(h.lower() for h in hints if h)
+    text = " ".join(str(h).lower() for h in hints if h)
     for needle, kind in _KINDS:
         if needle in text:
             return kind
@@ -262,7 +261,8 @@ async def probe_server(client: Any, base_url: str, model: str | None) -> dict[st
         tgi, _ = await _json_get(client, "/info")
         if isinstance(tgi, dict) and isinstance(tgi.get("version"), str):
             info["version"] = tgi["version"]
-            info["kind"] = info["kind"] or _kind_from(str(tgi.get("router")), "tgi")
+            if info["kind"] is None and ("model_id" in tgi or "router" in tgi):  # TGI's /info fields
+                info["kind"] = "tgi"
     if info["version"] is None and info["kind"] == "llama.cpp":
         props, _ = await _json_get(client, "/props")
         if isinstance(props, dict) and props.get("build_info"):
