@@ -53,9 +53,9 @@ def _cli(args: list[str], capsys) -> tuple[int, str, str]:
     return code, out.out, out.err
 
 
-# Longer than test_benchmark's stub: the 15 % bounds below then leave 60 ms / 12 ms for the loopback,
-# the client and a busy machine's scheduling.
-TTFT_S, TPOT_S, TOKENS = 0.4, 0.08, 5
+# Longer than test_benchmark's stub: the 15 % bounds below then leave 120 ms of TTFT for the loopback, the
+# client and a busy machine's scheduling, and 12 ms x 8 gaps of TPOT for a first token read late.
+TTFT_S, TPOT_S, TOKENS = 0.8, 0.08, 9
 
 
 @contextlib.contextmanager
@@ -108,7 +108,7 @@ def test_report_of_two_live_servers(tmp_path, capsys):
         "label": "stub", "base_url": stub_url, "model": "stub", "models": None, "owned_by": "stub-org",
         "server_header": "stub-sse/1.0", "kind": "unknown", "version": None}
     assert our_art["server"]["kind"] == "llminfer" and our_art["server"]["version"] == llminfer.__version__
-    assert our_art["server"]["model"] == "llminfer/tiny-qwen2"
+    assert our_art["server"]["model"] == "llminfer/tiny-qwen2" and our_art["environment"]["side"] == "client"
     assert stub_art["workload"]["fingerprint"] != our_art["workload"]["fingerprint"]  # other lengths
 
     out_dir = tmp_path / "report"
@@ -270,6 +270,12 @@ def test_load_points_and_bench_serve_flag_errors(capsys):
                           (["--request-rate", "fast"], "comma-separated numbers or inf")):
         code, _, err = _cli(["bench-serve", "--base-url", "http://127.0.0.1:9", *args], capsys)
         assert code == 2 and message in err and err.count("\n") == 1, err
+    code, _, err = _cli(["bench-serve", "--base-url", "http://127.0.0.1:9"], capsys)  # no /v1/models to ask
+    assert code == 2 and "request to http://127.0.0.1:9 failed: ConnectError" in err and err.count("\n") == 1
+    code, out, err = _cli(["bench-serve", "--base-url", "http://127.0.0.1:9", "--model", "m", "--num-requests", "2",
+                           "--concurrency", "1,2", "--json-out", "never.json"], capsys)
+    assert code == 1 and err.startswith("error: all 4 requests failed; first error: ConnectError") and out == ""
+    assert not Path("never.json").exists()
     with ServeProgress() as progress:  # stdout is pytest's capture, not a terminal
         assert progress.bar is None
 

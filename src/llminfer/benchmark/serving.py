@@ -470,6 +470,37 @@ def _summarize(cfg: ServingConfig, events: list[tuple], results: list[dict[str, 
     return summary
 
 
+def client_environment() -> dict[str, Any]:
+    """The load generator's environment, in the fields of :func:`llminfer.benchmark.environment.environment`
+    without importing torch or transformers (the client uses neither: their versions come from the
+    installed packages' metadata, and ``cuda`` / ``gpu`` are None). ``side`` says it is the client's."""
+    import os
+    import platform
+    import subprocess
+    from importlib import metadata
+
+    import llminfer
+
+    def version(name: str) -> str:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.lower().startswith("model name")), cpu)
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=Path(__file__).resolve().parent).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        rev = None
+    return {"side": "client", "python": platform.python_version(), "platform": platform.platform(),
+            "torch": version("torch"), "cuda": None, "gpu": None, "cpu": cpu, "cpu_count": os.cpu_count(),
+            "transformers": version("transformers"), "llminfer": llminfer.__version__, "git_revision": rev}
+
+
 async def run_serving_sweep(cfg: ServingConfig, workload: ServingWorkload, points: Sequence[LoadPoint],
                             progress: ProgressFn | None = None) -> ServingSweepResult:
     """Send the same workload once per load point, one point after the other, and measure each.
@@ -482,8 +513,6 @@ async def run_serving_sweep(cfg: ServingConfig, workload: ServingWorkload, point
         ValueError: no points, the server lists no model, or a malformed prompts file.
     """
     import httpx
-
-    from llminfer.benchmark.environment import environment
 
     if not points:
         raise ValueError("no load points to run")
@@ -514,7 +543,7 @@ async def run_serving_sweep(cfg: ServingConfig, workload: ServingWorkload, point
                         "output_len": list(workload.output_len), "prompts_file": workload.prompts_file,
                         "seed": workload.seed, "extra_body": cfg.extra_body, "load": point.to_json()}
             results.append(ServingResult(per_request, summary, settings, {}, server))
-    env = environment()
+    env = client_environment()
     for r in results:
         r.environment = env
     sweep_settings = {"endpoint": cfg.endpoint, "slo_ttft_ms": cfg.slo_ttft_ms, "slo_tpot_ms": cfg.slo_tpot_ms,
