@@ -217,8 +217,8 @@ def main() -> dict:
     ap.add_argument("--zero-hit-requests", type=int, default=32)
     ap.add_argument("--zero-hit-tokens", type=int, default=64)
     ap.add_argument("--zero-hit-reps", type=int, default=None, help="default: max(2 x reps + 1, 5)")
-    args = parse_args(ap, {"reps": 1, "num_requests": 8, "max_len": 48, "prefix_len": 256, "prefix_requests": 4,
-                           "zero_hit_requests": 8, "zero_hit_tokens": 8, "zero_hit_reps": 3})
+    args = parse_args(ap, {"reps": 1, "num_requests": 8, "max_len": 32, "prefix_len": 256, "prefix_requests": 4,
+                           "zero_hit_requests": 8, "zero_hit_tokens": 8, "zero_hit_reps": 2})
     configure_logging("warning")
     path = bench_model_path()
     which = set(args.only.split(","))

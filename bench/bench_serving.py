@@ -25,7 +25,7 @@ def main() -> dict:
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
-    args = parse_args(ap, {"num_requests": 8, "concurrency": 8, "max_tokens": 16})
+    args = parse_args(ap, {"num_requests": 8, "concurrency": 8, "max_tokens": 8})
     configure_logging("warning")
     path = bench_model_path()
     workload = ServingWorkload(num_requests=args.num_requests, prompt_len=(16, 64),

@@ -49,7 +49,7 @@ def main() -> dict:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=64)
-    args = parse_args(ap, {"reps": 1, "num_prompts": 4, "new_tokens": 16})
+    args = parse_args(ap, {"reps": 1, "num_prompts": 4, "new_tokens": 8})
     configure_logging("warning")
     target = bench_model_path()
     prompts = random_prompts(args.num_prompts, 32, BENCH_VOCAB, seed=4)

@@ -18,7 +18,7 @@ def main() -> dict:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=32)
-    args = parse_args(ap, {"reps": 2, "batch": 8, "new_tokens": 16})
+    args = parse_args(ap, {"reps": 2, "batch": 8, "new_tokens": 8})
     configure_logging("warning")
     path = bench_model_path()
     engines = {}

@@ -47,7 +47,7 @@ def main() -> dict:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=64)
-    args = parse_args(ap, {"reps": 1, "batch": 8, "prompt_len": 16, "new_tokens": 16})
+    args = parse_args(ap, {"reps": 1, "batch": 8, "prompt_len": 16, "new_tokens": 8})
     configure_logging("warning")
     path = bench_model_path()
     prompts = random_prompts(args.batch, args.prompt_len, BENCH_VOCAB, seed=0)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import subprocess
 import sys
 import time
@@ -120,6 +121,12 @@ def summary_table(results: Path = RESULTS) -> str:
     return "\n".join(lines)
 
 
+def _children_cpu_s() -> float:
+    """User + system CPU seconds of the finished child processes so far."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def _clock(seconds: float) -> str:
     m, s = divmod(int(seconds), 60)
     return f"{m}m{s:02d}s"
@@ -148,29 +155,30 @@ def main(argv: list[str] | None = None) -> int:
         head = f"=== [{i}/{len(chosen)}] {suite.name}"
         if not (HERE / suite.script).exists():
             print(f"{head}: {suite.script} not found, skipped", flush=True)
-            outcome.append((suite.name, "missing", 0.0))
+            outcome.append((suite.name, "missing", 0.0, 0.0))
             continue
         print(f"{head}: python bench/{' '.join(suite.argv(args.quick))}  (elapsed {_clock(time.monotonic() - t0)})",
               flush=True)
-        start = time.monotonic()
+        start, cpu0 = time.monotonic(), _children_cpu_s()
         try:
             rc = subprocess.call([sys.executable, str(HERE / suite.script), *suite.argv(args.quick)[1:]], cwd=HERE,
                                  timeout=args.suite_timeout_s)
             status = "ok" if rc == 0 else f"failed (exit {rc})"
         except subprocess.TimeoutExpired:
             status = f"timed out after {args.suite_timeout_s:g} s"
-        took = time.monotonic() - start
-        outcome.append((suite.name, status, took))
-        print(f"--- [{i}/{len(chosen)}] {suite.name}: {status} in {took:.1f} s (elapsed {_clock(time.monotonic() - t0)})",
-              flush=True)
-    print(f"\n{'suite':14s} {'seconds':>8s}  status")
-    for name, status, took in outcome:
-        print(f"{name:14s} {took:8.1f}  {status}")
-    print(f"{'total':14s} {time.monotonic() - t0:8.1f}")
+        took, cpu = time.monotonic() - start, _children_cpu_s() - cpu0
+        outcome.append((suite.name, status, took, cpu))
+        print(f"--- [{i}/{len(chosen)}] {suite.name}: {status} in {took:.1f} s, {cpu:.1f} CPU-s "
+              f"(elapsed {_clock(time.monotonic() - t0)})", flush=True)
+    print(f"\n{'suite':14s} {'seconds':>8s} {'CPU-s':>8s}  status")
+    for name, status, took, cpu in outcome:
+        print(f"{name:14s} {took:8.1f} {cpu:8.1f}  {status}")
+    print(f"{'total':14s} {time.monotonic() - t0:8.1f} {sum(o[3] for o in outcome):8.1f}  "
+          f"(CPU-s: user + system time of the suites, less exposed to other load than seconds)")
     print("\n" + summary_table())
     if args.quick:
         print("(--quick: each suite's small workload; the ratios show the suites run, not the targeted figures)")
-    return 1 if any(status not in ("ok", "missing") for _, status, _ in outcome) else 0
+    return 1 if any(o[1] not in ("ok", "missing") for o in outcome) else 0
 
 
 if __name__ == "__main__":
