@@ -54,7 +54,7 @@ def bench_report(
     files: Annotated[list[str], typer.Argument(help="bench-serve JSON artifacts (serving.json), one per server.",
                                                show_default=False)],
     labels: Annotated[str | None, typer.Option("--labels", help="Comma-separated server names, one per file "
-                                               "(default: the server kind each artifact recorded).")] = None,
+                                               "(default: each artifact's --label, else its server kind).")] = None,
     out_dir: Annotated[str | None, typer.Option("--out-dir", help="Write report.json, report.csv and the "
                                                 "report_*.png plots here (nothing is written without it).")]
     = None,
