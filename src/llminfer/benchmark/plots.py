@@ -36,8 +36,10 @@ def _axes_plot(ax, series: dict[str, pl.DataFrame], panel: str) -> None:
         sizes.update(int(b) for b in x)
         y = df[column].to_list()
         if panel == "throughput" and _has(df, "output_tokens_per_s_min"):
-            lo = [m - a if m is not None and a is not None else 0 for m, a in zip(y, df["output_tokens_per_s_min"])]
-            hi = [a - m if m is not None and a is not None else 0 for m, a in zip(y, df["output_tokens_per_s_max"])]
+            lo = [max(m - a, 0) if m is not None and a is not None else 0
+                  for m, a in zip(y, df["output_tokens_per_s_min"])]
+            hi = [max(a - m, 0) if m is not None and a is not None else 0
+                  for m, a in zip(y, df["output_tokens_per_s_max"])]
             ax.errorbar(x, y, yerr=[lo, hi], marker="o", capsize=3, label=label)
         else:
             (line,) = ax.plot(x, y, marker="o", label=label)
@@ -96,12 +98,14 @@ def footer(meta: dict[str, Any] | None, width: int = 150) -> str:
     return "\n".join(lines)
 
 
-def _save(fig, plt, path: str | Path, meta: dict[str, Any] | None, top: float, fontsize: int) -> Path:
-    fig.suptitle(title(meta), fontsize=fontsize + 2)
+def _save(fig, plt, path: str | Path, meta: dict[str, Any] | None, margins: dict[str, float], fontsize: int) -> Path:
+    # Fixed margins, not tight_layout(): that draws the figure once more and was most of a plot's time.
+    fig.suptitle(textwrap.fill(title(meta), 120 if fontsize >= 9 else 80), fontsize=fontsize + 2)
     foot = footer(meta, width=170 if fontsize >= 9 else 125)
     lines = foot.count("\n") + 1 if foot else 0
     fig.text(0.01, 0.005, foot, fontsize=fontsize - 1, va="bottom", ha="left", color="0.3")
-    fig.tight_layout(rect=(0, 0.025 * lines * (11 / fig.get_figwidth()) ** 0.5, 1, top))
+    line_h = (fontsize + 2) / 72 / fig.get_figheight()  # one footer line, as a fraction of the height
+    fig.subplots_adjust(**{**margins, "bottom": margins["bottom"] + lines * line_h})
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
@@ -117,7 +121,8 @@ def dashboard(series: dict[str, pl.DataFrame], path: str | Path, meta: dict[str,
     fig, axes = plt.subplots(2, 2, figsize=(11, 8))
     for ax, panel in zip(axes.flat, PANELS):
         _axes_plot(ax, series, panel)
-    return _save(fig, plt, path, meta, top=0.95, fontsize=10)
+    return _save(fig, plt, path, meta, dict(left=0.07, right=0.98, top=0.92, bottom=0.07, hspace=0.32, wspace=0.2),
+                 fontsize=10)
 
 
 def single(series: dict[str, pl.DataFrame], panel: str, path: str | Path, meta: dict[str, Any] | None = None) -> Path:
@@ -125,7 +130,7 @@ def single(series: dict[str, pl.DataFrame], panel: str, path: str | Path, meta: 
     plt = _figure()
     fig, ax = plt.subplots(figsize=(6, 4))
     _axes_plot(ax, series, panel)
-    return _save(fig, plt, path, meta, top=0.9, fontsize=7)
+    return _save(fig, plt, path, meta, dict(left=0.12, right=0.97, top=0.79, bottom=0.13), fontsize=7)
 
 
 def suite_names(prefix: str = "benchmark") -> list[str]:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-import gc
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -575,6 +574,5 @@ class BackendComparison:
                 skipped[backend.value] = str(exc)
             finally:
                 engine.close()
-                del engine, bench
-                gc.collect()
+                del engine, bench  # collected by release_freed_memory() before the next backend's baseline
         return ComparisonResult(results, skipped, environment(), notes)
