@@ -216,19 +216,6 @@ def test_description_bench_command(tmp_path, monkeypatch, capsys):
         Path("D").resolve() / "benchmark.json"
 
 
-def test_compare_tp_size_keeps_the_eager_baseline(tmp_path, capsys):
-    rc, out, err = _cli(["compare", "--backends", "eager,vllm", "--tp-size", "2", *SMALL,
-                         "--json-out", str(tmp_path / "c.json")], capsys)
-    assert rc == 0, err
-    assert "note: eager: --tp-size 2 / --pp-size 1 apply to vllm only" in err
-    assert "vllm: skipped" in out
-    payload = json.loads((tmp_path / "c.json").read_text())
-    validate(payload, "comparison")
-    assert list(payload["backends"]) == ["eager"] and payload["backends"]["eager"]["config"]["tp_size"] == 1
-    assert "vllm" in payload["skipped"] and payload["notes"]["eager"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.json"]
-
-
 @pytest.mark.slow
 def test_description_compare_command(tmp_path, monkeypatch, capsys):
     from llminfer.backends.compiled import COMPILE_BACKEND_ENV
@@ -246,24 +233,27 @@ def test_description_compare_command(tmp_path, monkeypatch, capsys):
     assert list(payload["backends"]) == ["eager", "compiled"] and list(payload["skipped"]) == ["vllm"]
     assert payload["backends"]["compiled"]["config"]["compile_cudagraphs"] is True
     assert payload["backends"]["eager"]["config"]["compile_cudagraphs"] is False
+    assert payload["backends"]["eager"]["config"]["tp_size"] == 1  # the baseline runs despite --tp-size 2
     assert pl.read_csv(tmp_path / "comparison.csv")["backend"].to_list() == ["eager", "compiled"]
     assert (tmp_path / "compare.png").exists()
 
 
 def test_description_example_command(tmp_path, monkeypatch, capsys):
     """``examples/benchmark_vs_vllm.py --model M --batch-sizes 1,2,4,8 --runs 5 --continuous --outdir DIR``
-    (smaller: two batch sizes, two runs, two tokens), with the HF loading flags, run as a script."""
+    (smaller: two batch sizes, two runs, two tokens), with the HF loading flags, run as a script; with
+    ``--tp-size 2`` the eager baseline still runs (tp applies to vllm only, which is skipped here)."""
     argv = [str(EXAMPLE), "--model", str(builtin_model_path()), "--batch-sizes", "1,2", "--runs", "2",
             "--continuous", "--outdir", str(tmp_path), "--max-new-tokens", "2", "--prompt-len", "4",
-            "--warmup", "0", "--dtype", "float32", "--device", "cpu", "--revision", "main"]
+            "--warmup", "0", "--dtype", "float32", "--device", "cpu", "--revision", "main", "--tp-size", "2"]
     monkeypatch.setattr(sys, "argv", argv)
     try:
         runpy.run_path(str(EXAMPLE), run_name="__main__")
     finally:
         reset_logging()
     out = capsys.readouterr().out
-    assert "eager" in out and "vllm: skipped" in out
+    assert "vllm: skipped" in out and "note: eager: --tp-size 2 / --pp-size 1 apply to vllm only" in out
     assert sorted(p.name for p in tmp_path.iterdir()) == ["comparison.csv", "comparison.json", "comparison.png"]
     payload = json.loads((tmp_path / "comparison.json").read_text())
     validate(payload, "comparison")
-    assert [r["n_requests"] for r in payload["table"]] == [2, 4]
+    assert list(payload["backends"]) == ["eager"] and payload["backends"]["eager"]["config"]["tp_size"] == 1
+    assert [r["n_requests"] for r in payload["table"]] == [2, 4] and "vllm" in payload["skipped"]
