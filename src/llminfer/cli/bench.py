@@ -200,7 +200,11 @@ def bench(
     plan = _plan_outputs("benchmark", artifacts_dir, json_out, csv_out, plot, plot_suite_dir, overwrite)
 
     from llminfer.benchmark import Benchmarker
-    from llminfer.benchmark.environment import current_rss_bytes, preload_model_libraries, release_freed_memory
+    from llminfer.benchmark.environment import (
+        current_rss_bytes,
+        preload_model_libraries,
+        release_freed_memory,
+    )
 
     preload_model_libraries()
     release_freed_memory()
