@@ -257,3 +257,17 @@ def test_description_example_command(tmp_path, monkeypatch, capsys):
     validate(payload, "comparison")
     assert list(payload["backends"]) == ["eager"] and payload["backends"]["eager"]["config"]["tp_size"] == 1
     assert [r["n_requests"] for r in payload["table"]] == [2, 4] and "vllm" in payload["skipped"]
+
+
+def test_progress_labels_name_the_configuration():
+    from llminfer.benchmark.runner import backend_progress
+    from llminfer.cli.bench import _Progress
+
+    clock, labels = FakeClock(), []
+    Benchmarker(StubEngine([[10.0, 20.0]] * 3, clock), prompt_len=4, clock=clock).run(
+        [2], num_runs=2, max_new_tokens=NEW, warmup=1, progress=backend_progress("compiled", labels.append))
+    assert labels == ["compiled · batch 2 · warm-up 1/1 (compiling on first use)", "compiled · batch 2 · run 1/2",
+                      "compiled · batch 2 · run 2/2"]
+    with _Progress(3, "m") as bar:  # stdout is not a terminal here: no bar at all
+        assert bar.bar.disable
+        bar("eager · loading")

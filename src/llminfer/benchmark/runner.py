@@ -467,6 +467,20 @@ def plot(results: ComparisonResult | Mapping[str, BenchmarkResult], path: str | 
     return dashboard({name: r.summary() for name, r in results.results.items()}, path, meta=results.meta())
 
 
+def backend_progress(backend: str, progress: Callable[[str], None]) -> Callable[[str], None]:
+    """``progress`` with the backend's name before each label; on the compiled backend the first run says it
+    compiles (torch.compile's first call takes seconds to minutes, and would look like a hang)."""
+    first = [backend == Backend.COMPILED.value]
+
+    def label(msg: str) -> None:
+        if first[0]:
+            first[0] = False
+            msg += " (compiling on first use)"
+        progress(f"{backend} · {msg}")
+
+    return label
+
+
 def _cuda_device(device: str) -> bool:
     return device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
 
@@ -567,7 +581,7 @@ class BackendComparison:
             bench = None
             try:
                 bench = Benchmarker(engine, prompt_len=prompt_len, baseline_rss_bytes=baseline)
-                label = (lambda msg, b=backend.value: progress(f"{b} · {msg}")) if progress else None
+                label = backend_progress(backend.value, progress) if progress else None
                 results[backend.value] = bench.run(batch_sizes, num_runs, max_new_tokens, warmup, continuous,
                                                    progress=label)
             except LLMInferError as exc:

@@ -205,6 +205,7 @@ def bench(
         preload_model_libraries,
         release_freed_memory,
     )
+    from llminfer.benchmark.runner import backend_progress
 
     preload_model_libraries()
     release_freed_memory()
@@ -215,7 +216,7 @@ def bench(
             try:
                 result = Benchmarker(engine, prompt_len=prompt_len, baseline_rss_bytes=baseline).run(
                     sizes, runs, max_new_tokens, warmup, continuous,
-                    progress=lambda label: progress(f"{backend.value} · {label}"))
+                    progress=backend_progress(backend.value, progress))
             except ValueError as exc:
                 raise typer.BadParameter(str(exc)) from None
     result.print_summary()
