@@ -271,3 +271,21 @@ def test_progress_labels_name_the_configuration():
     with _Progress(3, "m") as bar:  # stdout is not a terminal here: no bar at all
         assert bar.bar.disable
         bar("eager · loading")
+
+
+def test_bench_page_size_and_its_old_spelling(monkeypatch, capsys):
+    seen = []
+
+    def load(cfg, log_level):  # stands in for the model load: the flags are all checked by then
+        seen.append(cfg.cache.page_size_tokens)
+        raise typer.Exit(0)
+
+    monkeypatch.setattr("llminfer.cli.bench.load_engine", load)
+    monkeypatch.setattr("llminfer.benchmark.environment.preload_model_libraries", lambda: None)
+    for flag in ("--page-size", "--page-size-tokens"):
+        assert _cli(["bench", *SMALL, flag, "8"], capsys)[0] == 0
+    assert seen == [8, 8]
+    rc, out, _ = _cli(["bench", "--help"], capsys)
+    assert rc == 0 and "--page-size" in out and "--page-size-tokens" not in out
+    rc, _, err = _cli(["compare", "--backends", "eager,eager", *SMALL], capsys)
+    assert rc == 2 and "distinct backend names" in err
