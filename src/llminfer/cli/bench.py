@@ -13,6 +13,7 @@ import typer
 
 from llminfer.cli.options import (
     ArtifactsDir,
+    AttnBackend,
     BackendOpt,
     BatchSize,
     BatchSizes,
@@ -96,6 +97,7 @@ def bench(
     max_batch_size: BatchSize = 16, no_prefix_cache: NoPrefix = False, kv_cache_bytes: KVBytes = None,
     artifacts_dir: ArtifactsDir = None, json_out: JsonOut = None, csv_out: CsvOut = None, plot: PlotOpt = None,
     plot_suite_dir: PlotSuite = None, log_level: LogLevel = "warning",
+    attention_backend: AttnBackend = "auto",
 ) -> None:
     """Benchmark one model over batch sizes; print a summary table and write benchmark.json / .csv."""
     from llminfer.benchmark import Benchmarker
@@ -103,7 +105,8 @@ def bench(
     sizes = _int_list(batch_sizes, "--batch-sizes")
     cfg = build_config(model=model, backend=backend, dtype=dtype, device=device,
                        max_batch_size=max(max_batch_size, max(sizes)), page_size=page_size_tokens,
-                       no_prefix_cache=no_prefix_cache, kv_cache_bytes=kv_cache_bytes)
+                       no_prefix_cache=no_prefix_cache, kv_cache_bytes=kv_cache_bytes,
+                       attention_backend=attention_backend)
     cfg.cache.enable_paged_kv = paged_kv
     with load_engine(cfg, log_level) as engine, _Progress(len(sizes) * (runs + warmup)) as progress:
         try:

@@ -109,8 +109,7 @@ def chat_prompt(engine, prompt: str, chat: bool | None, system: str | None) -> t
     from llminfer.chat import ChatRenderer
 
     has_template = bool(getattr(engine.tokenizer, "chat_template", None))
-    use = has_template if chat is None else chat
-    if not use:
+    if not (has_template if chat is None else chat) and system is None:
         return prompt, False
     if not has_template:
         flag = "--chat" if chat else "--system"
@@ -311,14 +310,6 @@ def serve(
 ) -> None:
     """Serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/responses, /v1/models,
     /health, /healthz, /metrics) with uvicorn until Ctrl-C."""
-    try:
-        from llminfer.api import create_app, run_server
-        from llminfer.api.server import ServerLimits
-    except ImportError as exc:  # pragma: no cover - the serve extra is missing
-        from llminfer.errors import BackendUnavailableError
-
-        raise BackendUnavailableError(f"the server needs: pip install 'llminfer[serve]' ({exc})") from None
-    key = _api_key(api_key, api_key_file)
     check_engine_flags(model=model, device=device, log_level=log_level, adapter=adapter, adapter_name=adapter_name)
     cfg = build_config(model=model, backend=backend, dtype=dtype, device=device, max_batch_size=max_batch_size,
                        page_size=page_size, no_prefix_cache=no_prefix_cache, kv_cache_bytes=kv_cache_bytes,
@@ -327,6 +318,14 @@ def serve(
                        tp_size=tp_size, pp_size=pp_size, quant=quant, compile_mode=compile_mode,
                        batch_timeout_ms=batch_timeout_ms, served_model_name=served_model_name,
                        attention_backend=attention_backend)
+    try:  # the server stack (litestar, and the engine with torch) only once the cheap checks passed
+        from llminfer.api import create_app, run_server
+        from llminfer.api.server import ServerLimits
+    except ImportError as exc:  # pragma: no cover - the serve extra is missing
+        from llminfer.errors import BackendUnavailableError
+
+        raise BackendUnavailableError(f"the server needs: pip install 'llminfer[serve]' ({exc})") from None
+    key = _api_key(api_key, api_key_file)
     engine = load_engine(cfg, log_level, adapter, adapter_name)
     if compile_warmup and hasattr(engine.backend, "warmup"):
         warm_up(engine)
