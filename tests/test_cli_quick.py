@@ -164,7 +164,7 @@ def test_the_library_logs_to_stderr_at_warning_and_draws_no_bars(qwen2_dir, capf
 def test_status_lines_are_logged_and_drawn_only_when_enabled(capfd):
     from llminfer.logging import enable_status_lines
 
-    configure_logging("info")
+    configure_logging("debug")
     try:
         with structlog.testing.capture_logs() as logs, status("loading x ..."):
             pass

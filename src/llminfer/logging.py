@@ -125,8 +125,8 @@ def enable_status_lines(enabled: bool = True) -> None:
 def status(message: str) -> Iterator[None]:
     """While the body runs (loading a model, compiling a graph), show ``message`` with a spinner and the
     elapsed time on stderr, erased when it ends. Only when :func:`enable_status_lines` is on and no other
-    status line is showing; ``message`` is always logged at info level (``llminfer.status``)."""
-    _status_log.info(message)
+    status line is showing; ``message`` is always logged at debug level (``llminfer.status``)."""
+    _status_log.debug(message)
     with _status_lock:
         show = _status["enabled"] and not _status["active"]
         if show:

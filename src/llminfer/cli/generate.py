@@ -87,7 +87,8 @@ def _stats_line(stats, finish_reason: str | None = None, chat: bool | None = Non
 
 
 def _check_chat_flags(prompt: str, chat: bool | None, system: str | None) -> None:
-    """Raises typer.BadParameter for ``--system`` with ``--no-chat`` or an empty prompt (before loading)."""
+    """Before loading: raises typer.BadParameter for ``--system`` with ``--no-chat``, InvalidRequestError
+    (``param="prompt"``) for an empty prompt."""
     if system is not None and chat is False:
         raise typer.BadParameter("--system needs the chat template: drop --no-chat")
     if not prompt:
