@@ -279,6 +279,7 @@ class CompiledBackend(HFBackend):
         self.fallback_error: str | None = None
         self.num_compiled_steps = 0
         self.num_eager_steps = 0
+        self._shapes_seen: set[tuple[int, int]] = set()  # graphs run once, (t_pad, k_pad or 0): compiled
         if any(hasattr(getattr(m, "weight", None), "quant_state") or hasattr(getattr(m, "weight", None), "SCB")
                for m in model.modules()):
             reason = RuntimeError("bitsandbytes-quantized layers do not compile (dynamo cannot trace their "
@@ -372,8 +373,16 @@ class CompiledBackend(HFBackend):
         if t_pad is None or k_pad is None:
             self.num_eager_steps += 1
             return super().forward(plan)
+        shape = (t_pad, 0 if self.split_head else k_pad)
         try:
-            logits = self._compiled_forward(plan, total, t_pad, n_keep, k_pad)
+            if shape in self._shapes_seen:
+                logits = self._compiled_forward(plan, total, t_pad, n_keep, k_pad)
+            else:  # the first step of this shape compiles it (seconds on CPU): say so
+                from llminfer.logging import status
+
+                with status(f"compiling the model step for {t_pad} tokens (first request of this size) ..."):
+                    logits = self._compiled_forward(plan, total, t_pad, n_keep, k_pad)
+                self._shapes_seen.add(shape)
         except Exception as exc:
             if not self.fallback_to_eager:
                 raise
@@ -422,11 +431,13 @@ class CompiledBackend(HFBackend):
                     torch.compiler.cudagraph_mark_step_begin()
                 if self.split_head:
                     self._target(self._module, ids, pos)
+                    self._shapes_seen.add((t_pad, 0))
                 else:
                     for k_pad in self.keep_buckets:
                         if k_pad <= t_pad:
                             keep = torch.zeros(k_pad, dtype=torch.long, device=dev)
                             self._target(self._module, ids, pos, keep)
+                            self._shapes_seen.add((t_pad, k_pad))
             except Exception as exc:
                 if not self.fallback_to_eager:
                     raise

@@ -13,6 +13,7 @@ import typer
 
 from llminfer.cli.options import (
     ArtifactsDir,
+    AttnBackend,
     BackendOpt,
     BatchSize,
     BatchSizes,
@@ -183,6 +184,7 @@ def bench(
     revision: Revision = None, trust_remote_code: TrustRemote = False,
     artifacts_dir: ArtifactsDir = None, json_out: JsonOut = None, csv_out: CsvOut = None, plot: PlotOpt = None,
     plot_suite_dir: PlotSuite = None, overwrite: Overwrite = False, log_level: LogLevel = "warning",
+    attention_backend: AttnBackend = "auto",
 ) -> None:
     """Benchmark one model over batch sizes: latency percentiles over every request, throughput spread over
     runs, memory per batch size. Writes files only where asked (--artifacts-dir, --json-out, --csv-out,
@@ -195,7 +197,7 @@ def bench(
     cfg = build_config(model=model, backend=backend, dtype=dtype, device=device,
                        max_batch_size=max(max_batch_size, max(sizes)), page_size=page_size,
                        no_prefix_cache=no_prefix_cache, kv_cache_bytes=kv_cache_bytes, revision=revision,
-                       trust_remote_code=trust_remote_code)
+                       trust_remote_code=trust_remote_code, attention_backend=attention_backend)
     cfg.cache.enable_paged_kv = paged_kv
     plan = _plan_outputs("benchmark", artifacts_dir, json_out, csv_out, plot, plot_suite_dir, overwrite)
 
