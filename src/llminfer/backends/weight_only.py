@@ -116,7 +116,9 @@ class _WeightOnlyLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(self.compute_dtype)
-        if not flat.is_contiguous() or flat.data_ptr() % 64:  # the kernels use aligned vector loads
+        # The AVX kernels use aligned 16-byte loads of the activation rows. Under torch.compile inductor's
+        # buffers are aligned and a data pointer cannot be traced, so only eager checks it.
+        if not flat.is_contiguous() or (not torch.compiler.is_compiling() and flat.data_ptr() % 64):
             flat = flat.clone(memory_format=torch.contiguous_format)
         out = self._kernel(flat).to(x.dtype)
         if self.bias is not None:
@@ -267,14 +269,22 @@ def check_kernels_available() -> str | None:
 
 # ----------------------------------------------------------------------------------------- accuracy
 @torch.inference_mode()
-def logit_agreement(reference: nn.Module, candidate: nn.Module, sequences: list[list[int]]) -> dict[str, float]:
+def sequence_logits(model: nn.Module, sequences: list[list[int]]) -> list[torch.Tensor]:
+    """Float32 logits ``[len(seq), vocab]`` of ``model`` over each whole sequence (one forward pass each)."""
+    return [model(input_ids=torch.tensor([seq], dtype=torch.long)).logits[0].float() for seq in sequences]
+
+
+def logit_agreement(reference: nn.Module | list[torch.Tensor], candidate: nn.Module,
+                    sequences: list[list[int]]) -> dict[str, float]:
     """Teacher-forced comparison of two causal LMs along the same token sequences.
 
     Both models run each whole sequence in one forward pass; at every position the argmax of their logits
     is compared (the token greedy decoding would pick next, given the same history).
 
     Args:
-        reference: e.g. the fp32 model; candidate: e.g. its quantized copy (same vocabulary).
+        reference: e.g. the fp32 model, or its :func:`sequence_logits` over ``sequences`` (computed once
+            when several candidates are compared).
+        candidate: e.g. its quantized copy (same vocabulary).
         sequences: token id lists (each at least one token).
 
     Returns:
@@ -283,13 +293,11 @@ def logit_agreement(reference: nn.Module, candidate: nn.Module, sequences: list[
         ``mean_ref_top2_margin``: the reference's mean top-1 minus top-2 logit (small margins, as random
         weights give, make top-1 flips easy).
     """
-    agree = positions = 0
+    refs = reference if isinstance(reference, list) else sequence_logits(reference, sequences)
+    cands = sequence_logits(candidate, sequences)
+    agree = positions = count = 0
     max_abs = sum_abs = sq_err = sq_ref = margin = 0.0
-    count = 0
-    for seq in sequences:
-        ids = torch.tensor([seq], dtype=torch.long)
-        ref = reference(input_ids=ids).logits[0].float()
-        cand = candidate(input_ids=ids).logits[0].float()
+    for ref, cand in zip(refs, cands):
         diff = (cand - ref).abs()
         agree += int((ref.argmax(-1) == cand.argmax(-1)).sum())
         positions += ref.shape[0]
