@@ -30,8 +30,8 @@ import os
 import statistics
 
 import torch
-from common import BENCH_VOCAB, bench_model_path, environment, random_prompts, save
 
+from common import BENCH_VOCAB, bench_model_path, environment, random_prompts, save
 from llminfer import CacheConfig, EngineConfig, InferenceEngine, QuantConfig
 from llminfer.backends.weight_only import logit_agreement, quantize_model, sequence_logits
 from llminfer.logging import configure_logging

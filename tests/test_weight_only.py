@@ -26,8 +26,8 @@ from llminfer.backends.weight_only import (
     dequantize_int4,
     logit_agreement,
     quantize_int4_groupwise,
-    sequence_logits,
     quantize_model,
+    sequence_logits,
 )
 from llminfer.cli import main
 from llminfer.logging import reset_logging
