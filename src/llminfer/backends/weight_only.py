@@ -270,10 +270,19 @@ def check_kernels_available() -> str | None:
 # ----------------------------------------------------------------------------------------- accuracy
 @torch.inference_mode()
 def sequence_logits(model: nn.Module, sequences: list[list[int]]) -> list[torch.Tensor]:
-    """Float32 logits ``[len(seq), vocab]`` of ``model`` over each whole sequence (one forward pass each)."""
-    return [model(input_ids=torch.tensor([seq], dtype=torch.long)).logits[0].float() for seq in sequences]
+    """Float32 logits ``[len(seq), vocab]`` of ``model`` over each whole sequence (sequences of one length
+    share a forward pass: no padding, so no attention mask is involved)."""
+    out: dict[int, torch.Tensor] = {}
+    by_len: dict[int, list[int]] = {}
+    for i, seq in enumerate(sequences):
+        by_len.setdefault(len(seq), []).append(i)
+    for idx in by_len.values():
+        logits = model(input_ids=torch.tensor([sequences[i] for i in idx], dtype=torch.long)).logits.float()
+        out.update({i: logits[j] for j, i in enumerate(idx)})
+    return [out[i] for i in range(len(sequences))]
 
 
+@torch.inference_mode()
 def logit_agreement(reference: nn.Module | list[torch.Tensor], candidate: nn.Module,
                     sequences: list[list[int]]) -> dict[str, float]:
     """Teacher-forced comparison of two causal LMs along the same token sequences.
@@ -298,14 +307,15 @@ def logit_agreement(reference: nn.Module | list[torch.Tensor], candidate: nn.Mod
     agree = positions = count = 0
     max_abs = sum_abs = sq_err = sq_ref = margin = 0.0
     for ref, cand in zip(refs, cands):
-        diff = (cand - ref).abs()
         agree += int((ref.argmax(-1) == cand.argmax(-1)).sum())
         positions += ref.shape[0]
+        diff = cand.sub_(ref).flatten()  # in place: [T, vocab] logits are large, temporaries cost
+        sq_err += float(torch.dot(diff, diff))
+        diff.abs_()
         max_abs = max(max_abs, float(diff.max()))
         sum_abs += float(diff.sum())
         count += diff.numel()
-        sq_err += float((diff * diff).sum())
-        sq_ref += float((ref * ref).sum())
+        sq_ref += float(torch.dot(ref.flatten(), ref.flatten()))
         top2 = ref.topk(2, dim=-1).values
         margin += float((top2[:, 0] - top2[:, 1]).sum())
     return {"positions": positions, "top1_agreement": agree / max(positions, 1), "max_abs_err": max_abs,
