@@ -1,7 +1,7 @@
 """Run every benchmark suite in turn (what ``nox -s bench`` runs), then print a table of the ratios.
 Each suite writes bench/results/<name>.json; each ratio is measured side by side within one suite run.
 
-    python bench/run_all.py [--quick] [--only vs_hf,scheduler,speculative,tracing,compiled,structured,step_metadata]
+    python bench/run_all.py [--quick] [--only vs_hf,scheduler,speculative,tracing,compiled,quant,structured,step_metadata]
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ def suites(quick: bool) -> dict[str, list[str]]:
         "tracing": ["bench_tracing.py", "--reps", "2" if quick else "3"],
         "serving": ["bench_serving.py"] + (["--num-requests", "32"] if quick else []),
         "compiled": ["bench_compiled.py", "--reps", reps],
+        "quant": ["bench_quant.py"] + (["--quick"] if quick else []),
         "structured": ["bench_structured.py", "--reps", reps] + (["--num-requests", "32"] if quick else []),
         "step_metadata": ["bench_step_metadata.py", "--reps", reps] + (["--quick"] if quick else []),
     }
@@ -65,6 +66,10 @@ def summary_table() -> str:
          ("results", "batch_1", "speed_ratio_compiled_over_eager"), "report"),
         ("compiled / eager tokens/s, batch 32 (CPU)", RESULTS / "compiled_vs_eager.json",
          ("results", "batch_32", "speed_ratio_compiled_over_eager"), "report"),
+        ("int8-wo / fp32 decode speed, batch 1 (CPU)", RESULTS / "quant.json",
+         ("speedup_vs_fp32", "int8-wo"), ">= 1.6"),
+        ("int8-wo top-1 agreement with fp32 (teacher-forced)", RESULTS / "quant.json",
+         ("accuracy_teacher_forced", "int8-wo", "top1_agreement"), ">= 0.95"),
         ("mixed workload, half JSON Schema / unconstrained", RESULTS / "structured.json",
          ("throughput", "ratio_constrained_over_unconstrained"), ">= 0.9"),
         ("grammar mask time / step time (constrained run)", RESULTS / "structured.json",

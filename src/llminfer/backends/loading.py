@@ -201,10 +201,12 @@ def load_tokenizer(path: str, cfg: EngineConfig):
 
 def load_model(path: str, cfg: EngineConfig, dtype: torch.dtype, device: torch.device,
                attn_implementation: str | None = None, quantization_config: Any = None):
-    """Load the causal LM in eval mode on ``device``.
+    """Load the causal LM in eval mode on ``device``; with a weight-only ``cfg.quant.mode`` its linear layers
+    are quantized after loading (:func:`llminfer.backends.quant.apply_weight_only`).
 
     Raises:
         ModelLoadError: loading failed (missing weights, unsupported architecture, ...).
+        ConfigError: a weight-only quantization mode off the CPU.
     """
     from transformers import AutoModelForCausalLM
 
@@ -222,6 +224,10 @@ def load_model(path: str, cfg: EngineConfig, dtype: torch.dtype, device: torch.d
     if quantization_config is None:
         model = model.to(device)
     model.eval()
+    if cfg.quant.mode.weight_only:
+        from llminfer.backends.quant import apply_weight_only
+
+        apply_weight_only(model, cfg.quant)
     return model
 
 

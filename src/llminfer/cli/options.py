@@ -85,8 +85,9 @@ Assistant = Annotated[str | None, typer.Option("--assistant-model", help="Draft 
 SpecK = Annotated[int, typer.Option("--spec-num-assistant-tokens", help="Draft tokens verified per step.")]
 SpecC = Annotated[float, typer.Option("--spec-confidence-threshold",
                                       help="Stop drafting when the draft's top probability is below this.")]
-QuantOpt = Annotated[QuantMode, typer.Option("--quant", help="Weight quantization through bitsandbytes "
-                                             "(none, nf4, fp4, int8).")]
+QuantOpt = Annotated[QuantMode, typer.Option("--quant", help="Weight quantization: bitsandbytes (nf4, fp4, "
+                                             "int8) or weight-only int8/int4 on torch's CPU kernels "
+                                             "(int8-wo, int4-wo); none.")]
 AdapterOpt = Annotated[str | None, typer.Option("--adapter", help="LoRA adapter (PEFT folder or hub id) "
                                                 "loaded on top of the model.")]
 AdapterName = Annotated[str | None, typer.Option("--adapter-name", help="Name of the --adapter (default: "
