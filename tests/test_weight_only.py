@@ -115,7 +115,8 @@ def test_quantize_model_tied_head_keeps_embedding_and_reports_skips(qwen2_dir):
 def test_teacher_forced_agreement_with_fp32(hf_fp32):
     """Random weights give near-flat logits (mean top-1/top-2 margin ~0.04 here), so top-1 flips wherever
     the margin is below the quantization error: int8 (per-channel, bf16 activations) measured 0.957 over
-    these 256 positions, int4 (groups of 32) 0.76. The bounds leave little room on purpose."""
+    these 256 positions on an AVX2 CPU, int4 (groups of 32) 0.76. The bounds leave a few flips of room (a CPU
+with native bf16 runs other kernels, with other rounding); the relative logit error is the steadier check."""
     ref = hf_fp32
     seqs = random_prompts([64, 64, 64, 64], VOCAB, seed=1)
     q8, q4 = copy.deepcopy(ref), copy.deepcopy(ref)
@@ -124,7 +125,7 @@ def test_teacher_forced_agreement_with_fp32(hf_fp32):
     ref_logits = sequence_logits(ref, seqs)
     a8, a4 = logit_agreement(ref_logits, q8, seqs), logit_agreement(ref_logits, q4, seqs)
     assert a8["positions"] == 256
-    assert a8["top1_agreement"] >= 0.95 and a8["rel_err"] < 0.02
+    assert a8["top1_agreement"] >= 0.93 and a8["rel_err"] < 0.02
     assert a4["top1_agreement"] >= 0.65 and a4["rel_err"] < 0.2
     assert a4["mean_abs_err"] > a8["mean_abs_err"] > 0  # 4 bits are coarser than 8; both really quantize
 
