@@ -58,6 +58,7 @@ SUITES: list[Suite] = [
     Suite("tracing", "bench_tracing.py"),
     Suite("serving", "bench_serving.py"),
     Suite("compiled", "bench_compiled.py"),
+    Suite("quant", "bench_quant.py"),
     Suite("structured", "bench_structured.py"),
     Suite("step_metadata", "bench_step_metadata.py", quick_args=("--quick", "--reps", "1")),
 ]
@@ -90,6 +91,9 @@ RATIOS: list[Ratio] = [
           ("results", "batch_1", "speed_ratio_compiled_over_eager"), "report"),
     Ratio("compiled / eager tokens/s, largest batch (CPU)", "compiled_vs_eager.json",
           ("results", _largest_batch, "speed_ratio_compiled_over_eager"), "report"),
+    Ratio("int8-wo / fp32 decode speed, batch 1 (CPU)", "quant.json", ("speedup_vs_fp32", "int8-wo"), ">= 1.6"),
+    Ratio("int8-wo top-1 agreement with fp32 (teacher-forced)", "quant.json",
+          ("accuracy_teacher_forced", "int8-wo", "top1_agreement"), ">= 0.95"),
     Ratio("mixed workload, half JSON Schema / unconstrained", "structured.json",
           ("throughput", "ratio_constrained_over_unconstrained"), ">= 0.9"),
     Ratio("grammar mask time / step time (constrained run)", "structured.json", ("mask", "share_of_step"),

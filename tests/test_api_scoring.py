@@ -256,8 +256,11 @@ def test_refused_and_contradictory_fields(http, served):
     _error(http.post("/completions", json={"prompt": "Hi", "max_tokens": 0}), "max_tokens")
     _error(http.post("/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 0}),
            "max_tokens")
-    _error(http.post("/completions", json={"prompt": "Hi", "max_tokens": 2, "min_tokens": 3}), "min_tokens")
+    err = _error(http.post("/completions", json={"prompt": "Hi", "max_tokens": 2, "min_tokens": 3}), "min_tokens")
+    assert "min_tokens" in err["message"] and "max_tokens" in err["message"] and "new_tokens" not in err["message"]
     _error(http.post("/completions", json={"prompt": "Hi", "stop_token_ids": [10**9]}), "stop_token_ids")
+    err = _error(http.post("/completions", json={"prompt": "Hi", "logit_bias": {"5": 1, "005": -1}}), "logit_bias")
+    assert "token 5" in err["message"]
     _error(http.post("/completions", json={"prompt": "Hi", "truncate_prompt_tokens": 0}), "truncate_prompt_tokens")
     # No field the server refuses is advertised.
     schema = httpx.get(served[0] + "/schema/openapi.json").json()["components"]["schemas"]

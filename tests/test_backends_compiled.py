@@ -15,6 +15,8 @@ from helpers import make_engine, random_prompts
 from llminfer import Backend, ConfigError, EngineConfig, EngineError
 from llminfer.backends import compiled as compiled_mod
 from llminfer.backends.compiled import COMPILE_BACKEND_ENV, CompiledBackend, bucket_for, token_buckets
+from llminfer.cli.generate import warm_up
+from llminfer.logging import configure_logging, reset_logging
 
 VOCAB = 151_000
 LENGTHS = [1, 3, 7, 16, 33, 50, 5, 12]
@@ -24,6 +26,17 @@ NEW = 10
 @pytest.fixture
 def aot_eager(monkeypatch):
     monkeypatch.setenv(COMPILE_BACKEND_ENV, "aot_eager")
+
+
+@pytest.fixture
+def compile_lines():
+    """The status lines of compiles that a request waited for, logged during the test (at debug level)."""
+    configure_logging("debug")
+    try:
+        with structlog.testing.capture_logs() as logs:
+            yield lambda: [e["event"] for e in logs if "(first request of this size)" in e["event"]]
+    finally:
+        reset_logging()
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +66,7 @@ def test_buckets():
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
-def test_compiled_matches_eager(aot_eager, model_dirs, prompts, eager_outputs, arch):
+def test_compiled_matches_eager(aot_eager, model_dirs, prompts, eager_outputs, arch, compile_lines):
     """Chunked prefill (64-token steps), mixed prefill + decode steps, 4 at a time: same greedy tokens."""
     with make_engine(model_dirs[arch], max_batch_size=4, max_num_batched_tokens=64,
                      backend=Backend.COMPILED) as engine:
@@ -64,21 +77,23 @@ def test_compiled_matches_eager(aot_eager, model_dirs, prompts, eager_outputs, a
     assert stats["compiled_steps"] > 0 and stats["eager_steps"] == 0 and not stats["fell_back_to_eager"]
     assert 1 <= stats["num_compiles"] <= len(token_buckets(64))
     assert info["backend"] == "compiled" and info["compile"]["num_compiles"] == stats["num_compiles"]
+    assert len(compile_lines()) == stats["num_compiles"]  # one status line per graph, before it compiles
 
 
-def test_no_recompile_after_warmup(aot_eager, qwen2_dir):
+def test_no_recompile_after_warmup(aot_eager, qwen2_dir, compile_lines):
     """After warm-up of every bucket, batches of 1..8 requests with prompts of varied lengths (prefill,
     decode and mixed steps of every size up to the budget) compile nothing more."""
     with make_engine(qwen2_dir, max_batch_size=8, max_num_batched_tokens=32, backend=Backend.COMPILED) as engine:
         backend = engine.backend
         assert isinstance(backend, CompiledBackend)
-        assert backend.warmup() == len(backend.buckets) == len(token_buckets(32))
+        assert warm_up(engine) == len(backend.buckets) == len(token_buckets(32))  # what `serve` runs
         warm = backend.num_compiles
         for batch in (1, 3, 8, 2, 5):
             ps = random_prompts([(7 * i + batch) % 20 + 1 for i in range(batch)], VOCAB, seed=batch)
             engine.run_batch_continuous(ps, max_new_tokens=6, min_new_tokens=6)
         assert backend.num_compiles == warm
         assert backend.num_compiled_steps > 10 and backend.num_eager_steps == 0
+        assert compile_lines() == []  # the warm-up compiled every shape: no request waits for a compile
 
 
 def _boom_backend(gm, example_inputs):

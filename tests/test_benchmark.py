@@ -166,10 +166,13 @@ def test_benchmarker_artifacts_validate_and_agree(bench_result, tmp_path):
     validate(payload, "benchmark")
     validate(payload["config"], "config")
     csv = pl.read_csv(paths["csv"])
-    assert csv.height == 4  # 2 batch sizes x 2 runs, warm-up excluded
-    for row, run in zip(csv.to_dicts(), payload["runs"]):
-        for key in ("batch_size", "output_tokens", "output_tokens_per_s", "latency_p50_ms"):
-            assert row[key] == pytest.approx(run[key])
+    assert csv.height == 2 and len(payload["runs"]) == 4  # 2 batch sizes x 2 runs, warm-up excluded
+    assert len(payload["requests"]) == (1 + 2) * 2 and [r["n_requests"] for r in payload["summary"]] == [2, 4]
+    for row, summary in zip(csv.to_dicts(), payload["summary"]):
+        for key in ("batch_size", "n_requests", "output_tokens_per_s", "latency_p50_ms", "latency_p99_ms",
+                    "peak_memory_mb"):
+            assert row[key] == pytest.approx(summary[key])
+        assert row["memory_kind"] == summary["memory_kind"] == "rss_peak_minus_loaded"
     assert all(r["output_tokens"] == r["batch_size"] * 6 for r in payload["runs"])  # generated, not requested
 
 
@@ -210,8 +213,10 @@ def test_benchmarker_on_a_core_that_owns_scheduling(fake_vllm, tmp_path):
     (run,) = result.runs
     assert run["batch_size"] == 2 and run["output_tokens"] == 2 * 4
     assert run["output_tokens_per_s"] > 0 and run["wall_s"] > 0
-    assert run["latency_p99_ms"] >= run["latency_p50_ms"] > 0 and run["ttft_mean_ms"] > 0
-    assert run["tpot_mean_ms"] is not None and run["tpot_mean_ms"] > 0  # from the stage trace
+    (row,) = result.summary().to_dicts()
+    assert row["n_requests"] == 2 and row["latency_p99_ms"] >= row["latency_p50_ms"] > 0 and row["ttft_mean_ms"] > 0
+    assert row["tpot_mean_ms"] is not None and row["tpot_mean_ms"] > 0
+    assert row["itl_p50_ms"] is not None  # from the stage trace
     assert result.config["backend"] == "vllm"
     payload = json.loads(result.save_artifacts(tmp_path)["json"].read_text())
     validate(payload, "benchmark")

@@ -56,6 +56,24 @@ def test_padded_static_buffer_decode_matches_hf_generate(model_dirs):
     assert got == hf_greedy(model_dirs["qwen2"], prompts, 3)
 
 
+def test_compiled_backend_replays_decode_from_the_same_static_buffers(model_dirs, monkeypatch):
+    """``compile_cudagraphs`` with Triton attention: the compiled graph runs every pure-decode bucket from
+    the eager backend's static buffers (no capture on CPU) and gives HF's greedy tokens."""
+    from llminfer.backends.compiled import COMPILE_BACKEND_ENV
+
+    monkeypatch.setenv(COMPILE_BACKEND_ENV, "eager")  # dynamo only: the buffer logic, not C++ codegen
+    prompts = random_prompts([3, 6, 9], 151_000, seed=7)
+    with make_engine(model_dirs["qwen2"], max_batch_size=4, block_size=4, attention_backend="triton",
+                     backend="compiled") as engine:
+        runner = engine.backend.attach_decode_graphs(4, engine.max_model_len, capture=False)
+        out = engine.run_batch_continuous(prompts, max_new_tokens=3, min_new_tokens=3)
+        stats = engine.info()["compile"]
+        assert engine.cache_stats()["blocks_used"] == 0
+    assert runner.num_replays >= 2 and runner.forward_fn == engine.backend._graph_forward
+    assert stats["compiled_steps"] > 0 and not stats["fell_back_to_eager"]
+    assert [list(r.token_ids) for r in out] == hf_greedy(model_dirs["qwen2"], prompts, 3)
+
+
 def _run_cuda(model_dir, prompts, cuda_graphs: bool, new_tokens: int):
     cfg = EngineConfig(model_name=str(model_dir), dtype="float32", device="cuda", max_batch_size=8,
                        batch_timeout_ms=0, attention_backend="triton", cuda_graphs=cuda_graphs,
@@ -74,3 +92,19 @@ def test_cuda_graph_replay_matches_eager(model_dirs):
     replayed, graphs = _run_cuda(model_dirs["llama"], prompts, True, 16)
     assert none is None and graphs["captured"] == len(graphs["buckets"]) and graphs["replayed_steps"] > 0
     assert replayed == eager
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_compiled_cuda_graph_replay_matches_eager(model_dirs):
+    """``compile_cudagraphs`` with Triton attention captures the compiled graph per decode bucket."""
+    prompts = random_prompts([3, 17, 40, 5], 151_000, seed=8)
+    eager, _ = _run_cuda(model_dirs["llama"], prompts, False, 8)
+    cfg = EngineConfig(model_name=str(model_dirs["llama"]), dtype="float32", device="cuda", max_batch_size=8,
+                       batch_timeout_ms=0, attention_backend="triton", backend="compiled", compile_cudagraphs=True,
+                       cache=CacheConfig(page_size_tokens=16, num_blocks=256))
+    with InferenceEngine(cfg).load() as engine:
+        out = engine.run_batch_continuous(prompts, max_new_tokens=8, min_new_tokens=8)
+        graphs = engine.info()["cuda_graphs"]
+    assert graphs["captured"] == len(graphs["buckets"]) and graphs["replayed_steps"] > 0
+    assert [list(r.token_ids) for r in out] == eager

@@ -230,7 +230,7 @@ def test_cli_stream_prints_exactly_run_text(engine, cases, monkeypatch, capsys):
     monkeypatch.setattr(generate, "load_engine", lend)
     for kwargs, reason in cases:
         result = engine.run("Hello, my name is", **kwargs)
-        args = ["stream", "Hello, my name is", "-n", str(NEW), "--ignore-eos"]
+        args = ["stream", "Hello, my name is", "-n", str(NEW), "--ignore-eos", "--no-chat"]  # the raw prompt
         for stop in kwargs.get("stop_sequences", []):
             assert "," not in stop and "\\" not in stop  # --stop splits on commas and reads escapes
             args += ["--stop", stop]

@@ -46,10 +46,7 @@ def test_custom_pipeline(tmp_path):
     assert "deltas recorded" in out and (tmp_path / "out.jsonl").exists()
 
 
-def test_benchmark_vs_vllm(tmp_path):
-    out = run_example("benchmark_vs_vllm.py", "--batch-sizes", "1", "--max-new-tokens", "4",
-                      "--artifacts-dir", str(tmp_path)).stdout
-    assert "eager" in out and "vllm: skipped" in out
+# benchmark_vs_vllm.py: tests/test_benchmark_stats.py::test_description_example_command runs it as a script.
 
 
 @pytest.mark.slow

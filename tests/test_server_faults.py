@@ -29,6 +29,7 @@ from llminfer.api import create_app, serve_in_thread
 from llminfer.api.server import ServerLimits
 from llminfer.config import EngineConfig
 from llminfer.engine import InferenceEngine
+from llminfer.logging import configure_logging, reset_logging
 
 GREEDY = {"prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0}
 
@@ -68,6 +69,7 @@ def _recv_all(sock: socket.socket) -> bytes:
 def served():
     """The built-in model behind a live server: two sequences at once, no queue beyond them, 1 s to
     send a request."""
+    configure_logging("info")  # the request-log lines (info level) are asserted on; llminfer's default is warning
     engine = InferenceEngine(EngineConfig(max_batch_size=2)).load()
     app = create_app(engine, max_queue_size=0)
     limits = ServerLimits(read_timeout_s=1.0, keep_alive_timeout_s=1.0, shutdown_grace_s=1.0)
@@ -81,6 +83,7 @@ def served():
         yield url, engine, app.state["llminfer"], _greedy(url)
     finally:
         server.__exit__(None, None, None)
+        reset_logging()
 
 
 class _SmallSendBuffer(socket.socket):

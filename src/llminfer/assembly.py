@@ -46,7 +46,7 @@ def build_backend(rt: Runtime, cfg: EngineConfig) -> Any:
                                max_num_tokens=max(cfg.scheduler.max_num_batched_tokens, 1),
                                max_batch_size=cfg.max_batch_size, mode=cfg.compile_mode,
                                cudagraphs=cfg.compile_cudagraphs, fallback_to_eager=cfg.compile_fallback_to_eager,
-                               attention_backend=rt.attention_backend)
+                               attention_backend=rt.attention_backend, max_model_len=rt.max_model_len)
     from llminfer.backends.hf import HFBackend
 
     return HFBackend(rt.model, rt.kv_cache, rt.eos_token_ids, rt.attention_backend,

@@ -26,12 +26,20 @@ class Backend(str, enum.Enum):
 
 
 class QuantMode(str, enum.Enum):
-    """Weight quantization through bitsandbytes."""
+    """Weight quantization: bitsandbytes (``nf4``, ``fp4``, ``int8``), or weight-only int8 / int4 on torch's
+    CPU kernels (``int8-wo``, ``int4-wo``; see :mod:`llminfer.backends.weight_only`)."""
 
     NONE = "none"
     NF4 = "nf4"
     FP4 = "fp4"
     INT8 = "int8"
+    INT8_WO = "int8-wo"
+    INT4_WO = "int4-wo"
+
+    @property
+    def weight_only(self) -> bool:
+        """Whether this is one of the CPU weight-only modes (not bitsandbytes)."""
+        return self in (QuantMode.INT8_WO, QuantMode.INT4_WO)
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -121,13 +129,34 @@ class CacheConfig:
     num_blocks: int | None = attrs.field(default=None, validator=[_opt_int, _positive])
 
 
+def _int4_group(instance: Any, attribute: attrs.Attribute, value: int) -> None:
+    if value not in (32, 64, 128, 256):
+        raise ConfigError(f"{attribute.name} must be one of 32, 64, 128, 256 (torch's int4 kernel); got {value!r}")
+
+
 @attrs.define(kw_only=True)
 class QuantConfig:
-    """Weight quantization through bitsandbytes (``QuantConfig(mode=QuantMode.NF4, double_quant=True)``)."""
+    """Weight quantization (``QuantConfig(mode=QuantMode.NF4, double_quant=True)``,
+    ``QuantConfig(mode="int8-wo")``).
+
+    Attributes:
+        mode: see :class:`QuantMode`.
+        double_quant: bitsandbytes 4-bit only: quantize the block statistics again.
+        compute_dtype: the matmuls' activation dtype. Weight-only modes: torch's CPU kernels are vectorized
+            for bfloat16 activations only (float32 is exact but takes a scalar loop).
+        int4_group_size: ``int4-wo``: input columns per scale/zero point (32, 64, 128, 256; 32 as
+            llama.cpp's Q4_0). Layers whose ``in_features`` it does not divide stay unquantized.
+        quantize_lm_head: weight-only modes: quantize the LM head too (default on: in small models it is
+            the largest matrix read every decode step, e.g. 78M of the bench model's 102M parameters). With
+            tied embeddings the input embedding keeps its float weight; the head gets a quantized copy.
+            bitsandbytes modes never quantize it (as transformers does).
+    """
 
     mode: QuantMode = attrs.field(default=QuantMode.NONE, converter=_enum(QuantMode))
     double_quant: bool = attrs.field(default=False, validator=_bool)
     compute_dtype: str = attrs.field(default="bfloat16", validator=_one_of(DTYPES[1:]))
+    int4_group_size: int = attrs.field(default=32, validator=[_int, _int4_group])
+    quantize_lm_head: bool = attrs.field(default=True, validator=_bool)
 
 
 @attrs.define(kw_only=True)

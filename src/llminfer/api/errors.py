@@ -9,6 +9,7 @@ server is a 500 (``type: "server_error"``).
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import msgspec
@@ -114,6 +115,14 @@ def api_param(engine_param: str | None, prompt_param: str = "prompt") -> str | N
     return _ENGINE_TO_API_PARAM.get(engine_param, engine_param)
 
 
+def api_message(text: str) -> str:
+    """An engine message in the API's words: engine field names (``max_new_tokens``) become the request
+    fields that set them (``max_tokens``)."""
+    for engine_name, api_name in _ENGINE_TO_API_PARAM.items():
+        text = re.sub(rf"\b{engine_name}\b", api_name, text)
+    return text
+
+
 def from_engine_error(exc: LLMInferError, *, prompt_param: str = "prompt") -> APIError:
     """Map an llminfer exception to the error the client gets, by its type and fields, never its text.
 
@@ -125,7 +134,7 @@ def from_engine_error(exc: LLMInferError, *, prompt_param: str = "prompt") -> AP
         param = api_param(exc.param, prompt_param)
         if exc.code == UNSUPPORTED_PARAMETER:
             return bad_request(f"'{param}' is not supported by this server's engine", param, exc.code)
-        return bad_request(str(exc), param, exc.code)
+        return bad_request(api_message(str(exc)), param, exc.code)
     if isinstance(exc, RequestAbortedError):
         return APIError(503, f"the request was aborted: {exc}", type=SERVER_ERROR, code="aborted")
     return APIError(500, f"the engine failed: {exc}", type=SERVER_ERROR)

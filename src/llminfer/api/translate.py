@@ -150,7 +150,11 @@ def check_vocab_ids(inputs: InputProcessor, body: Body) -> None:
     Raises:
         APIError: 400 ``invalid_value`` naming the field.
     """
-    named = (("logit_bias", [int(k) for k in body.logit_bias or {}]), ("stop_token_ids", body.stop_token_ids or ()))
+    bias_ids = [int(k) for k in body.logit_bias or {}]
+    if len(set(bias_ids)) < len(bias_ids):  # "5" and "005" name one token: which bias would win is arbitrary
+        dup = next(i for i in bias_ids if bias_ids.count(i) > 1)
+        raise bad_request(f"logit_bias names token {dup} more than once", "logit_bias", "invalid_value")
+    named = (("logit_bias", bias_ids), ("stop_token_ids", body.stop_token_ids or ()))
     for field, ids in named:
         try:
             inputs.check_token_ids(ids, field)

@@ -10,8 +10,12 @@ value, layer_idx, scaling)``, that reads the step's metadata from a thread-local
 before the compiled call (the design vLLM uses for its ``unified_attention`` op). Everything else, the
 embedding, every decoder layer's projections, rotary embedding, norms and MLP, compiles as **one graph**
 (``fullgraph=True``, no graph breaks), whose only inputs are ``input_ids`` and ``position_ids`` of shape
-``[1, T]``. The op is tagged ``cudagraph_unsafe``, so with CUDA graphs inductor partitions the graph
-around it: the dense pieces replay as CUDA graphs, the attention runs eagerly between them.
+``[1, T]``. The op is tagged ``cudagraph_unsafe``, so with CUDA graphs on the torch attention path inductor
+partitions the graph around it: the dense pieces replay as CUDA graphs, the attention runs eagerly between
+them. With the Triton attention path (fixed-grid kernels reading device metadata) ``compile_cudagraphs``
+instead captures whole pure-decode steps of the compiled graph in the eager backend's
+:class:`~llminfer.backends.cuda_graphs.DecodeGraphRunner`: the same static buffers, batch buckets and
+memory pool, so the two backends replay decode the same way.
 
 Shapes never vary inside the graph except ``T``, and ``T`` is padded up to a bucket (powers of two by
 default, see :func:`token_buckets`), so each bucket compiles once and nothing recompiles in steady state
@@ -159,17 +163,18 @@ def bucket_for(n: int, buckets: Sequence[int]) -> int | None:
 
 
 # ----------------------------------------------------------------------------------------------- options
-def inductor_options(mode: str, cudagraphs: bool, device: torch.device) -> dict[str, Any]:
+def inductor_options(mode: str, cudagraphs: bool, device: torch.device, own_graphs: bool = False) -> dict[str, Any]:
     """Inductor config patches for ``compile_mode`` and the CUDA-graph toggle.
 
     ``"reduce-overhead"`` means CUDA graphs; ``"max-autotune"`` means GEMM autotuning, with CUDA graphs
     only when ``cudagraphs`` is set; ``"default"`` uses CUDA graphs only when ``cudagraphs`` is set.
-    CUDA graphs are never used off CUDA.
+    CUDA graphs are never used off CUDA, and inductor's own are off when llminfer captures whole decode
+    steps itself (``own_graphs``: a graph captured inside another's capture is not allowed).
     """
     import torch._inductor
 
     opts = dict(torch._inductor.list_mode_options(mode))
-    use_cg = device.type == "cuda" and (cudagraphs or mode == "reduce-overhead")
+    use_cg = device.type == "cuda" and (cudagraphs or mode == "reduce-overhead") and not own_graphs
     opts["triton.cudagraphs"] = use_cg
     if use_cg:
         opts["graph_partition"] = True  # run the cudagraph-unsafe attention op between captured pieces
@@ -230,6 +235,7 @@ class CompiledBackend(HFBackend):
             or ``"inductor"``.
         buckets: padded step sizes in tokens (default :func:`token_buckets` of ``max_num_tokens``).
         attention_backend: the attention kernels inside the opaque op (``"torch"`` or ``"triton"``).
+        max_model_len: sizes the decode graphs' block tables (with Triton attention and CUDA graphs).
     """
 
     name = "compiled"
@@ -238,7 +244,7 @@ class CompiledBackend(HFBackend):
                  max_num_tokens: int = 2048, max_batch_size: int = 16, mode: str = "default",
                  cudagraphs: bool = False, fallback_to_eager: bool = True,
                  compile_backend: str | Callable | None = None, buckets: Sequence[int] | None = None,
-                 attention_backend: str = "torch") -> None:
+                 attention_backend: str = "torch", max_model_len: int = 2048) -> None:
         super().__init__(model, cache, eos_token_ids, attention_backend)
         register_paged_attention_op()
         text_cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -248,9 +254,12 @@ class CompiledBackend(HFBackend):
         self.fallback_to_eager = fallback_to_eager
         self.buckets = tuple(sorted(set(buckets))) if buckets else token_buckets(max_num_tokens)
         self.keep_buckets = token_buckets(max(max_batch_size, 1))
-        self.use_cudagraphs = self.device.type == "cuda" and (cudagraphs or mode == "reduce-overhead")
+        wants_graphs = self.device.type == "cuda" and (cudagraphs or mode == "reduce-overhead")
+        own_graphs = wants_graphs and attention_backend == "triton"
+        self.use_cudagraphs = wants_graphs and not own_graphs  # inductor's own (partitioned) graphs
         self.compile_backend_name = compile_backend or os.environ.get(COMPILE_BACKEND_ENV) or "inductor"
-        self._counter = _CountingBackend(self.compile_backend_name, inductor_options(mode, cudagraphs, self.device))
+        self._counter = _CountingBackend(self.compile_backend_name,
+                                         inductor_options(mode, cudagraphs, self.device, own_graphs))
         self.split_head = not any(getattr(text_cfg, a, None) not in (None, 1, 1.0)
                                   for a in _HEAD_POSTPROCESSING_ATTRS)
         tag = f"{id(self):x}"
@@ -262,11 +271,15 @@ class CompiledBackend(HFBackend):
             self._module = model
             fn = _fresh_function(_full_forward, tag)
         self._target: Callable = torch.compile(fn, backend=self._counter, fullgraph=True, dynamic=False)
-        _raise_recompile_limit(len(self.buckets) * (1 if self.split_head else len(self.keep_buckets)))
+        from llminfer.backends.cuda_graphs import batch_buckets
+
+        _raise_recompile_limit((len(self.buckets) + len(batch_buckets(max(max_batch_size, 1))))
+                               * (1 if self.split_head else len(self.keep_buckets)))
         self.compiled_ok = True
         self.fallback_error: str | None = None
         self.num_compiled_steps = 0
         self.num_eager_steps = 0
+        self._shapes_seen: set[tuple[int, int]] = set()  # graphs run once, (t_pad, k_pad or 0): compiled
         if any(hasattr(getattr(m, "weight", None), "quant_state") or hasattr(getattr(m, "weight", None), "SCB")
                for m in model.modules()):
             reason = RuntimeError("bitsandbytes-quantized layers do not compile (dynamo cannot trace their "
@@ -277,6 +290,40 @@ class CompiledBackend(HFBackend):
                 raise BackendUnavailableError(f"the compiled backend cannot run this model: {reason}; use "
                                               "--backend eager or allow compile_fallback_to_eager")
             self.disable_compiled(reason)
+        if own_graphs and self.compiled_ok:
+            try:
+                self.attach_decode_graphs(max_batch_size, max_model_len, capture=True)
+            except Exception as exc:
+                if not fallback_to_eager:
+                    raise
+                self.disable_compiled(exc)
+
+    def attach_decode_graphs(self, max_batch_size: int, max_model_len: int, capture: bool = True) -> Any:
+        """Replay pure-decode steps of the compiled graph from the eager backend's
+        :class:`~llminfer.backends.cuda_graphs.DecodeGraphRunner` (``capture=False``: run each bucket on
+        the static buffers without capturing, which is how CPU tests exercise this path).
+
+        Returns:
+            The runner (also ``self.graphs``), its graphs captured.
+        """
+        from llminfer.backends.cuda_graphs import DecodeGraphRunner
+
+        self.graphs = DecodeGraphRunner(self.model, self.cache, max_batch_size, max_model_len, capture=capture,
+                                        forward_fn=self._graph_forward)
+        self.graphs.capture_all()
+        return self.graphs
+
+    def _graph_forward(self, ids: torch.Tensor, pos: torch.Tensor, meta: Any) -> torch.Tensor:
+        """One decode bucket through the compiled graph: ``ids``, ``pos`` ``[1, B]`` → ``[B, V]`` logits."""
+        b = ids.shape[1]
+        _step.meta, _step.num_tokens = meta, b
+        try:
+            if self.split_head:
+                return self._head(self._target(self._module, ids, pos)[0])
+            keep = torch.arange(b, device=ids.device)
+            return self._target(self._module, ids, pos, keep)[0]
+        finally:
+            _step.meta = None
 
     @property
     def num_compiles(self) -> int:
@@ -289,7 +336,7 @@ class CompiledBackend(HFBackend):
             "compile_backend": self.compile_backend_name if isinstance(self.compile_backend_name, str)
             else getattr(self.compile_backend_name, "__name__", "custom"),
             "compile_mode": self.mode,
-            "cudagraphs": self.use_cudagraphs,
+            "cudagraphs": self.use_cudagraphs or self.graphs is not None,
             "num_compiles": self.num_compiles,
             "compiled_steps": self.num_compiled_steps,
             "eager_steps": self.num_eager_steps,
@@ -315,6 +362,9 @@ class CompiledBackend(HFBackend):
         if not self.compiled_ok or extra_rows:  # prompt-logprob rows: their count fits no keep bucket
             self.num_eager_steps += 1
             return super().forward(plan, extra_rows)
+        if (logits := self.graph_step(plan)) is not None:
+            self.num_compiled_steps += 1
+            return logits
         seqs = plan.sequences
         total = sum(len(s.token_ids) for s in seqs)
         t_pad = bucket_for(total, self.buckets)
@@ -323,8 +373,16 @@ class CompiledBackend(HFBackend):
         if t_pad is None or k_pad is None:
             self.num_eager_steps += 1
             return super().forward(plan)
+        shape = (t_pad, 0 if self.split_head else k_pad)
         try:
-            logits = self._compiled_forward(plan, total, t_pad, n_keep, k_pad)
+            if shape in self._shapes_seen:
+                logits = self._compiled_forward(plan, total, t_pad, n_keep, k_pad)
+            else:  # the first step of this shape compiles it (seconds on CPU): say so
+                from llminfer.logging import status
+
+                with status(f"compiling the model step for {t_pad} tokens (first request of this size) ..."):
+                    logits = self._compiled_forward(plan, total, t_pad, n_keep, k_pad)
+                self._shapes_seen.add(shape)
         except Exception as exc:
             if not self.fallback_to_eager:
                 raise
@@ -340,6 +398,7 @@ class CompiledBackend(HFBackend):
         if not self.compiled_ok:
             return
         self.compiled_ok = False
+        self.graphs = None  # they replay the compiled graph
         self.fallback_error = _describe(exc) if exc is not None else "disabled"
         _set_attn_implementation(self.model, self._eager_attn_implementation)
         log.warning("torch.compile path disabled; continuing on the eager path", error=self.fallback_error)
@@ -372,11 +431,13 @@ class CompiledBackend(HFBackend):
                     torch.compiler.cudagraph_mark_step_begin()
                 if self.split_head:
                     self._target(self._module, ids, pos)
+                    self._shapes_seen.add((t_pad, 0))
                 else:
                     for k_pad in self.keep_buckets:
                         if k_pad <= t_pad:
                             keep = torch.zeros(k_pad, dtype=torch.long, device=dev)
                             self._target(self._module, ids, pos, keep)
+                            self._shapes_seen.add((t_pad, k_pad))
             except Exception as exc:
                 if not self.fallback_to_eager:
                     raise

@@ -20,7 +20,7 @@ forward on the static buffers), so the padding and buffer logic is tested where 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -106,14 +106,21 @@ class DecodeGraphRunner:
         max_model_len: sizes the block tables and the fixed decode split.
         capture: capture CUDA graphs (CUDA only); False runs each bucket's forward eagerly on the static
             buffers (CPU tests).
+        forward_fn: what one bucket runs: ``forward_fn(input_ids [1, B], position_ids [1, B], metadata)``
+            returning ``[B, V]`` logits. Default: ``model`` called with the metadata keyword (the eager
+            backend); the compiled backend passes its compiled graph plus head, so
+            ``compile_cudagraphs`` captures the same static buffers and buckets.
 
     Raises:
         ValueError: ``capture`` on a non-CUDA device.
     """
 
     def __init__(self, model: torch.nn.Module, cache: PagedKVCache, max_batch_size: int, max_model_len: int,
-                 capture: bool = True) -> None:
+                 capture: bool = True,
+                 forward_fn: Callable[[torch.Tensor, torch.Tensor, PagedAttentionMetadata], torch.Tensor] | None = None
+                 ) -> None:
         self.model = model
+        self.forward_fn = forward_fn or self._model_forward
         self.cache = cache
         self.device = cache.k[0].device
         if capture and self.device.type != "cuda":
@@ -143,11 +150,14 @@ class DecodeGraphRunner:
         return PagedAttentionMetadata(cache=self.cache, slot_mapping=inp.slots[:bucket], decode=None, prefills=[],
                                       all_decode=False, triton=tm)
 
+    def _model_forward(self, ids: torch.Tensor, pos: torch.Tensor, meta: PagedAttentionMetadata) -> torch.Tensor:
+        out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=0,
+                         **{METADATA_KWARG: meta})
+        return out.logits[0]  # [bucket, V]
+
     def _forward(self, bucket: int) -> torch.Tensor:
         inp = self.inputs
-        out = self.model(input_ids=inp.ids[None, :bucket], position_ids=inp.positions[None, :bucket],
-                         use_cache=False, logits_to_keep=0, **{METADATA_KWARG: self.metas[bucket]})
-        return out.logits[0]  # [bucket, V]
+        return self.forward_fn(inp.ids[None, :bucket], inp.positions[None, :bucket], self.metas[bucket])
 
     @torch.inference_mode()
     def capture_all(self) -> int:

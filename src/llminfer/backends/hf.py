@@ -164,12 +164,8 @@ class HFBackend:
             order, then the extra rows.
         """
         seqs = plan.sequences
-        if (self.graphs is not None and seqs and self.graphs.fits(len(seqs))
-                and all(len(s.token_ids) == 1 and s.start_position > 0 for s in seqs)):
-            logits = self.graphs.run([s.token_ids[0] for s in seqs], [s.start_position for s in seqs],
-                                     [s.block_table for s in seqs])
-            rows = [i for i, s in enumerate(seqs) if s.sample]
-            return logits if len(rows) == len(seqs) else logits[rows]
+        if not extra_rows and (logits := self.graph_step(plan)) is not None:
+            return logits
         keep = []
         offset = 0
         for s in seqs:
@@ -179,6 +175,21 @@ class HFBackend:
         keep.extend(extra_rows)
         return run_packed(self.model, self.cache, [s.token_ids for s in seqs], [s.start_position for s in seqs],
                           [s.block_table for s in seqs], keep, self.device, self.attention_backend)
+
+    def graph_step(self, plan: SchedulerOutput) -> torch.Tensor | None:
+        """Replay the plan from a captured decode graph when it is a pure-decode step that fits a bucket.
+
+        Returns:
+            ``[S, V]`` float32 logits of the sampling sequences, or None (the step runs another way).
+        """
+        seqs = plan.sequences
+        if (self.graphs is None or not seqs or not self.graphs.fits(len(seqs))
+                or not all(len(s.token_ids) == 1 and s.start_position > 0 for s in seqs)):
+            return None
+        logits = self.graphs.run([s.token_ids[0] for s in seqs], [s.start_position for s in seqs],
+                                 [s.block_table for s in seqs])
+        rows = [i for i, s in enumerate(seqs) if s.sample]
+        return logits if len(rows) == len(seqs) else logits[rows]
 
     def release(self, request_ids: Sequence[str]) -> None:
         """Drop the sampling state of finished requests."""

@@ -1,7 +1,16 @@
-"""Loading models and tokenizers through ``from_pretrained``, with the Hugging Face loading controls."""
+"""Loading models and tokenizers through ``from_pretrained``, with the Hugging Face loading controls.
+
+Transformers' own warnings and its weight-loading progress bar are off while llminfer loads (a library
+should not draw on its user's terminal); they show when llminfer logs at debug level
+(``LLMINFER_LOG_LEVEL=debug`` or ``--log-level debug``). See :func:`quiet_transformers`.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +62,41 @@ def hf_kwargs(cfg: EngineConfig) -> dict[str, Any]:
     return {k: v for k, v in kw.items() if v is not None}
 
 
+_quiet_lock = threading.Lock()
+_quiet_depth = [0]
+_quiet_saved: list = []
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """Inside the block transformers logs errors only and draws no progress bar (its settings are put back
+    after it; nested and concurrent blocks restore once, when the last one ends). Does nothing when
+    llminfer logs at debug level."""
+    from llminfer.logging import current_level
+
+    if current_level() <= logging.DEBUG:
+        yield
+        return
+    from transformers.utils import logging as hf_logging
+
+    with _quiet_lock:
+        if _quiet_depth[0] == 0:
+            _quiet_saved[:] = [hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()]
+            hf_logging.set_verbosity_error()
+            hf_logging.disable_progress_bar()
+        _quiet_depth[0] += 1
+    try:
+        yield
+    finally:
+        with _quiet_lock:
+            _quiet_depth[0] -= 1
+            if _quiet_depth[0] == 0:
+                verbosity, bar = _quiet_saved
+                hf_logging.set_verbosity(verbosity)
+                if bar:
+                    hf_logging.enable_progress_bar()
+
+
 def load_config(path: str, cfg: EngineConfig):
     """Load the model's ``PretrainedConfig``.
 
@@ -64,7 +108,8 @@ def load_config(path: str, cfg: EngineConfig):
     if (path.startswith(("/", ".", "~")) and not Path(path).expanduser().exists()):
         raise ModelLoadError(f"model folder {path!r} does not exist")
     try:
-        return AutoConfig.from_pretrained(path, **hf_kwargs(cfg))
+        with quiet_transformers():
+            return AutoConfig.from_pretrained(path, **hf_kwargs(cfg))
     except Exception as exc:  # noqa: BLE001 - transformers raises many kinds; one clear message
         raise ModelLoadError(f"cannot load model {path!r}: {_first_line(exc)}") from exc
 
@@ -148,17 +193,20 @@ def load_tokenizer(path: str, cfg: EngineConfig):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(path, **hf_kwargs(cfg))
+        with quiet_transformers():
+            return AutoTokenizer.from_pretrained(path, **hf_kwargs(cfg))
     except Exception as exc:  # noqa: BLE001
         raise ModelLoadError(f"cannot load the tokenizer of {path!r}: {_first_line(exc)}") from exc
 
 
 def load_model(path: str, cfg: EngineConfig, dtype: torch.dtype, device: torch.device,
                attn_implementation: str | None = None, quantization_config: Any = None):
-    """Load the causal LM in eval mode on ``device``.
+    """Load the causal LM in eval mode on ``device``; with a weight-only ``cfg.quant.mode`` its linear layers
+    are quantized after loading (:func:`llminfer.backends.quant.apply_weight_only`).
 
     Raises:
         ModelLoadError: loading failed (missing weights, unsupported architecture, ...).
+        ConfigError: a weight-only quantization mode off the CPU.
     """
     from transformers import AutoModelForCausalLM
 
@@ -169,12 +217,17 @@ def load_model(path: str, cfg: EngineConfig, dtype: torch.dtype, device: torch.d
         kw["quantization_config"] = quantization_config
         kw["device_map"] = {"": device}
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw)
+        with quiet_transformers():
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw)
     except Exception as exc:  # noqa: BLE001
         raise ModelLoadError(f"cannot load model {path!r}: {_first_line(exc)}") from exc
     if quantization_config is None:
         model = model.to(device)
     model.eval()
+    if cfg.quant.mode.weight_only:
+        from llminfer.backends.quant import apply_weight_only
+
+        apply_weight_only(model, cfg.quant)
     return model
 
 

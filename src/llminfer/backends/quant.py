@@ -1,9 +1,13 @@
-"""Weight quantization through bitsandbytes, and weight-footprint accounting.
+"""Weight quantization through bitsandbytes or torch's CPU weight-only kernels, and weight-footprint accounting.
 
 ``QuantConfig(mode=NF4 | FP4)`` loads every linear layer but the LM head as a bitsandbytes ``Linear4bit``
 (4-bit blocks of 64 weights with one absmax each, ``double_quant`` quantizing those absmax values again),
 computing in ``compute_dtype``; ``INT8`` loads ``Linear8bitLt`` (LLM.int8(): int8 rows with a float32
 scale each). Embeddings, norms and the LM head stay in the model dtype, as transformers does.
+
+``INT8_WO`` / ``INT4_WO`` replace the linear layers after loading by the weight-only modules of
+:mod:`llminfer.backends.weight_only` (CPU only; the LM head too unless ``quantize_lm_head`` is off), see
+:func:`apply_weight_only`.
 
 With bitsandbytes >= 0.45 all three modes run on CPU as well as CUDA (checked at load by a tiny
 quantize/dequantize round trip on the target device, so an unsupported combination fails at once with one
@@ -15,10 +19,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import structlog
 import torch
 
 from llminfer.config import QuantConfig, QuantMode
-from llminfer.errors import BackendUnavailableError
+from llminfer.errors import BackendUnavailableError, ConfigError
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -68,13 +73,59 @@ def check_mode_supported(mode: QuantMode, device: torch.device) -> None:
             f"{device.type}: {first}") from None
 
 
+def check_weight_only_supported(quant: QuantConfig, device: torch.device) -> None:
+    """Fail at load, in one line, where the weight-only modes cannot run.
+
+    Raises:
+        ConfigError: ``device`` is not the CPU (the kernels are torch's CPU ones).
+        BackendUnavailableError: this torch build lacks the kernels.
+    """
+    from llminfer.backends.weight_only import check_kernels_available
+
+    if device.type != "cpu":
+        raise ConfigError(f"quant.mode {quant.mode.value} runs on CPU only (torch's CPU weight-only kernels); "
+                          f"on {device.type} use --quant nf4|int8 (bitsandbytes) or --device cpu")
+    problem = check_kernels_available()
+    if problem:
+        raise BackendUnavailableError(f"quant.mode {quant.mode.value} needs torch's CPU weight-only kernels "
+                                      f"(torch {torch.__version__}): {problem}")
+
+
+def apply_weight_only(model: torch.nn.Module, quant: QuantConfig) -> dict[str, Any]:
+    """Quantize ``model``'s linear layers in place for a weight-only ``quant.mode`` (a no-op otherwise).
+
+    Returns:
+        :func:`llminfer.backends.weight_only.quantize_model`'s report (empty for other modes).
+
+    Raises:
+        ConfigError, BackendUnavailableError: as :func:`check_weight_only_supported`.
+    """
+    if not quant.mode.weight_only:
+        return {}
+    from llminfer.backends.weight_only import quantize_model
+
+    device = next(model.parameters()).device
+    check_weight_only_supported(quant, device)
+    report = quantize_model(model, quant.mode.value, group_size=quant.int4_group_size,
+                            compute_dtype=_DTYPES[quant.compute_dtype], quantize_lm_head=quant.quantize_lm_head)
+    structlog.get_logger("llminfer.quant").info(
+        "weight-only quantization", mode=quant.mode.value, quantized_layers=len(report["quantized"]),
+        skipped={k: v for k, v in report["skipped"].items()} or None)
+    return report
+
+
 def bnb_config(quant: QuantConfig, device: torch.device) -> Any:
-    """The transformers ``BitsAndBytesConfig`` for ``quant`` (None when ``mode`` is NONE).
+    """The transformers ``BitsAndBytesConfig`` for ``quant`` (None when ``mode`` is NONE or weight-only:
+    those are applied after loading, by :func:`apply_weight_only`, and only checked here).
 
     Raises:
         BackendUnavailableError: bitsandbytes is missing or cannot run the mode on ``device``.
+        ConfigError: a weight-only mode on a device other than the CPU.
     """
     if quant.mode is QuantMode.NONE:
+        return None
+    if quant.mode.weight_only:
+        check_weight_only_supported(quant, device)
         return None
     check_mode_supported(quant.mode, device)
     from transformers import BitsAndBytesConfig
@@ -144,23 +195,31 @@ def weight_footprint(model: torch.nn.Module) -> dict[str, int]:
 
     Returns:
         ``weight_bytes``: bytes of every parameter and buffer plus bitsandbytes quantization state
-        (shared tensors counted once); ``parameters``: logical parameter count (a packed 4-bit weight
+        (shared tensors counted once; weight-only layers' int8/int4 buffers and scales included; a quantized
+        tied LM head adds its copy); ``parameters``: logical parameter count (a packed 4-bit weight
         counts its unpacked elements); ``quantized_linear_bytes``: bytes of the quantized linear layers'
         weights, quantization state included (biases excluded); ``quantized_linear_bf16_bytes``: what those
         weights take in bfloat16 (2 bytes per logical element). Both linear figures are 0 for an unquantized model.
     """
+    from llminfer.backends.weight_only import WEIGHT_ONLY_TYPES
+
     params = list(model.parameters())
     extra: list[torch.Tensor] = [t for p in params for t in _quant_state_tensors(p)]
     total = _tensor_bytes(params + list(model.buffers()) + extra)
-    lin_bytes = lin_bf16 = 0
+    lin_bytes = lin_bf16 = wo_params = 0
     for module in model.modules():
         w = getattr(module, "weight", None)
-        if isinstance(w, torch.Tensor) and (hasattr(w, "quant_state") or hasattr(w, "SCB")):
+        if isinstance(module, WEIGHT_ONLY_TYPES):
+            lin_bytes += module.quantized_bytes()
+            lin_bf16 += 2 * module.in_features * module.out_features
+            # A quantized tied LM head is a copy of the input embedding: its parameters are counted there.
+            wo_params += 0 if module.tied_to_input_embedding else module.in_features * module.out_features
+        elif isinstance(w, torch.Tensor) and (hasattr(w, "quant_state") or hasattr(w, "SCB")):
             lin_bytes += _tensor_bytes([w, *_quant_state_tensors(w)])
             lin_bf16 += 2 * _logical_numel(w)
     return {
         "weight_bytes": total,
-        "parameters": sum(_logical_numel(p) for p in params),
+        "parameters": sum(_logical_numel(p) for p in params) + wo_params,
         "quantized_linear_bytes": lin_bytes,
         "quantized_linear_bf16_bytes": lin_bf16,
     }

@@ -1,25 +1,31 @@
 """Benchmarking: metrics over stage traces (polars), offline benchmarks, backend comparison, the serving
-load generator, artifacts and plots."""
+load generator, artifacts and plots.
 
-from llminfer.benchmark.metrics import itl_ms, request_metrics, summarize, trace_frame
-from llminfer.benchmark.runner import (
-    BackendComparison,
-    Benchmarker,
-    BenchmarkResult,
-    ComparisonResult,
-    plot,
-    print_table,
-)
+The names below load on first use, so that ``llminfer.benchmark.settings`` or ``.artifacts`` can be
+imported without torch.
+"""
 
-__all__ = [
-    "BackendComparison",
-    "BenchmarkResult",
-    "Benchmarker",
-    "ComparisonResult",
-    "itl_ms",
-    "plot",
-    "print_table",
-    "request_metrics",
-    "summarize",
-    "trace_frame",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {
+    "itl_ms": "metrics", "request_metrics": "metrics", "summarize": "metrics", "trace_frame": "metrics",
+    "BackendComparison": "runner", "BenchmarkResult": "runner", "Benchmarker": "runner",
+    "ComparisonResult": "runner", "plot": "runner", "print_table": "runner",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f"llminfer.benchmark.{_LAZY[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'llminfer.benchmark' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])

@@ -1,14 +1,36 @@
-"""Environment metadata recorded in every benchmark artifact."""
+"""Environment metadata recorded in every benchmark artifact, and memory measurement per configuration.
+
+Memory (:class:`MemoryProbe`): on CUDA, torch's peak allocated device memory, reset before each
+configuration; on CPU, the process's resident-set high-water mark (Linux ``VmHWM``, reset before each
+configuration through ``/proc/self/clear_refs``) minus a baseline taken before the engine was loaded, so
+that each backend of a comparison reports its own memory and not what an earlier one left behind. Every
+figure says which it is (:data:`MEMORY_KINDS`).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import gc
 import os
 import platform
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
 
-import torch
+#: What ``peak_memory_mb`` measures (the artifacts' ``memory_kind``).
+MEMORY_KINDS = {
+    "cuda_peak_allocated": "peak device memory allocated by torch during the configuration (reset before it)",
+    "cuda_device_used": "device memory in use on the whole device after the configuration (vLLM allocates "
+                        "in its own worker processes, which torch's counters of this process do not see)",
+    "rss_peak_minus_preload": "peak resident memory of the process during the configuration minus its "
+                              "resident memory before this backend's engine was loaded",
+    "rss_peak_minus_loaded": "peak resident memory of the process during the configuration minus its "
+                             "resident memory when the benchmark started (the engine already loaded)",
+    "rss_lifetime_peak": "peak resident memory of the process since it started (this system cannot reset "
+                         "the high-water mark, so configurations are not separated)",
+}
 
 
 def _cpu_model() -> str:
@@ -33,6 +55,7 @@ def git_revision() -> str | None:
 
 def environment() -> dict[str, Any]:
     """Python, torch, CUDA, device model, transformers and llminfer versions, git revision."""
+    import torch
     import transformers
 
     import llminfer
@@ -64,11 +87,121 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def peak_memory_bytes(device: torch.device | str | None = None) -> dict[str, int | None]:
+def peak_memory_bytes(device: Any = None) -> dict[str, int | None]:
     """Peak resident memory of this process (bytes, :func:`peak_rss_bytes`) and, on CUDA, peak
     allocated device memory."""
+    import torch
+
     rss = peak_rss_bytes()
     dev = None
     if device is not None and torch.device(device).type == "cuda":
         dev = int(torch.cuda.max_memory_allocated(device))
     return {"peak_rss_bytes": rss, "peak_device_bytes": dev}
+
+
+def _status_kib(field: str) -> int | None:
+    """A ``kB`` field of ``/proc/self/status`` (``VmRSS``, ``VmHWM``) in KiB, None where there is none."""
+    try:
+        text = Path("/proc/self/status").read_text()
+    except OSError:
+        return None
+    m = re.search(rf"^{field}:\s+(\d+)\s+kB", text, re.MULTILINE)
+    return int(m.group(1)) if m else None
+
+
+def current_rss_bytes() -> int | None:
+    """Resident memory of this process now (bytes, Linux ``VmRSS``), None where it cannot be read."""
+    kib = _status_kib("VmRSS")
+    return None if kib is None else kib * 1024
+
+
+def reset_peak_rss() -> bool:
+    """Reset this process's resident-set high-water mark to its current resident memory (Linux >= 4.0:
+    ``5`` written to ``/proc/self/clear_refs``, see proc(5)). Returns False where that is not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return _status_kib("VmHWM") is not None
+
+
+def release_freed_memory() -> None:
+    """Collect garbage and hand freed heap pages back to the OS (glibc ``malloc_trim``), so that a
+    baseline taken next does not count memory an earlier engine freed but the allocator kept."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def preload_model_libraries() -> None:
+    """Import what loading any model imports (llminfer's engine, transformers' modelling stack: about
+    200 MiB resident), so that a baseline taken next does not charge those libraries to the first backend."""
+    import transformers.modeling_utils  # noqa: F401
+
+    import llminfer.engine  # noqa: F401
+
+
+class MemoryProbe:
+    """Memory of one benchmark configuration: :meth:`start` before its first run, :meth:`stop` after its last.
+
+    Args:
+        device: the engine's device (``"cpu"``, ``"cuda:0"``, a ``torch.device``).
+        baseline_rss_bytes: resident memory before the engine was loaded (see :func:`current_rss_bytes`);
+            None: the resident memory at :meth:`start` is the baseline (kind ``rss_peak_minus_loaded``).
+        device_wide: on CUDA, measure the whole device's used memory (for backends such as vLLM that
+            allocate in other processes) instead of this process's torch allocations.
+    """
+
+    def __init__(self, device: Any, baseline_rss_bytes: int | None = None, device_wide: bool = False) -> None:
+        import torch
+
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.baseline_rss_bytes = baseline_rss_bytes
+        self.device_wide = device_wide
+        self._start_rss: int | None = None
+        self._resettable = False
+
+    @property
+    def cuda(self) -> bool:
+        import torch
+
+        return self.device.type == "cuda" and torch.cuda.is_available()
+
+    def start(self) -> None:
+        """Reset the peaks (device, and resident memory where the system allows it)."""
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self._start_rss = current_rss_bytes()
+        self._resettable = reset_peak_rss()
+
+    def stop(self) -> dict[str, Any]:
+        """The configuration's figures (MiB): ``peak_memory_mb`` of kind ``memory_kind`` (a key of
+        :data:`MEMORY_KINDS`), ``peak_rss_mb`` (the process's resident peak during the configuration, or its
+        lifetime peak where that cannot be reset), ``baseline_rss_mb`` and ``peak_device_mb`` (None off CUDA)."""
+        import torch
+
+        mib = 2**20
+        device_mb = None
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            if self.device_wide:
+                free, total = torch.cuda.mem_get_info(self.device)
+                device_mb = (total - free) / mib
+            else:
+                device_mb = torch.cuda.max_memory_allocated(self.device) / mib
+        hwm = _status_kib("VmHWM") if self._resettable else None
+        peak_rss = hwm * 1024 if hwm is not None else peak_rss_bytes()
+        baseline = self.baseline_rss_bytes if self.baseline_rss_bytes is not None else self._start_rss
+        if self.cuda:
+            kind, peak = ("cuda_device_used" if self.device_wide else "cuda_peak_allocated"), device_mb
+        elif hwm is not None and baseline is not None:
+            kind = "rss_peak_minus_preload" if self.baseline_rss_bytes is not None else "rss_peak_minus_loaded"
+            peak = max(peak_rss - baseline, 0) / mib
+        else:
+            kind, peak = "rss_lifetime_peak", peak_rss / mib
+        return {"memory_kind": kind, "peak_memory_mb": peak, "peak_rss_mb": peak_rss / mib,
+                "baseline_rss_mb": None if baseline is None else baseline / mib, "peak_device_mb": device_mb}

@@ -2,7 +2,11 @@
 
 The commands live in :mod:`llminfer.cli.generate` (run, stream, info, serve) and :mod:`llminfer.cli.bench`
 (bench, compare, bench-serve); the flags they share, and how those become an ``EngineConfig``, in
-:mod:`llminfer.cli.options`. This module registers the commands, in the order ``--help`` lists them.
+:mod:`llminfer.cli.options`. This module registers the commands, in the order ``--help`` lists them, and maps the old spellings of renamed
+flags to the new ones (:data:`ALIASES`; they work but ``--help`` no longer shows them).
+
+Importing it costs no torch, transformers, polars or litestar: the commands import those in their bodies,
+so ``--help`` and flag errors answer at once.
 """
 
 from __future__ import annotations
@@ -41,8 +45,33 @@ app.command("bench-serve")(bench.bench_serve)
 app.command("bench-report")(report.bench_report)
 
 
+ALIASES: dict[str, dict[str, str]] = {
+    "run": {"--n": "--num-samples", "--page-size-tokens": "--page-size"},
+    "stream": {"--page-size-tokens": "--page-size"},
+    "info": {"--page-size-tokens": "--page-size"},
+    "serve": {"--page-size-tokens": "--page-size"},
+}
+"""Per command, old flag spelling → its current name (hidden from ``--help``, still accepted)."""
+
+
+def resolve_aliases(argv: list[str]) -> list[str]:
+    """``argv`` with each old flag spelling of :data:`ALIASES` (``--n 3`` or ``--n=3``) replaced by the
+    current one; the command is the first word, nothing after a ``--`` is touched."""
+    if not argv or argv[0] not in ALIASES:
+        return argv
+    table = ALIASES[argv[0]]
+    out = [argv[0]]
+    for i, arg in enumerate(argv[1:], 1):
+        if arg == "--":
+            return out + argv[i:]
+        name, eq, value = arg.partition("=")
+        out.append(table[name] + eq + value if name in table else arg)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: runs the Typer app; any user error becomes one line on stderr and exit code 1 or 2."""
+    argv = resolve_aliases(list(sys.argv[1:] if argv is None else argv))
     try:
         rc = app(args=argv, standalone_mode=False)  # returns the code of a typer.Exit
         if isinstance(rc, int) and rc:

@@ -13,6 +13,7 @@ import typer
 
 from llminfer.cli.options import (
     ArtifactsDir,
+    AttnBackend,
     BackendOpt,
     BatchSize,
     BatchSizes,
@@ -25,20 +26,23 @@ from llminfer.cli.options import (
     MaxNew,
     Model,
     NoPrefix,
+    PageSize,
     PlotOpt,
     PlotSuite,
     PPSize,
     PromptLen,
+    Revision,
     Runs,
     Seed,
     TPSize,
+    TrustRemote,
     Warmup,
     build_config,
     check_log_level,
     load_engine,
     split_csv,
 )
-from llminfer.config import Backend, EngineConfig
+from llminfer.config import Backend
 
 
 def _int_list(value: str, flag: str) -> list[int]:
@@ -52,13 +56,32 @@ def _int_list(value: str, flag: str) -> list[int]:
 
 
 class _Progress:
-    """A rich progress bar driven by the benchmark's ``progress(label)`` callback."""
+    """A rich progress bar driven by the benchmark's ``progress(label)`` callback: what runs now (backend,
+    batch size, run), steps done of the total and the elapsed time. Nothing at all when stdout is not a
+    terminal (pipes, CI logs, tests).
 
-    def __init__(self, total: int) -> None:
-        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    Args:
+        total: steps (each call of the callback starts one: a model load or a run).
+        title: shown before the label (the model).
+    """
 
-        self.bar = Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), transient=True)
-        self.task = self.bar.add_task("benchmark", total=total)
+    def __init__(self, total: int, title: str = "") -> None:
+        import sys
+
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            SpinnerColumn,
+            TextColumn,
+            TimeElapsedColumn,
+        )
+
+        self.bar = Progress(SpinnerColumn(), TextColumn(title, markup=False), TextColumn("{task.description}", markup=False),
+                            BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), transient=True,
+                            disable=not sys.stdout.isatty())
+        self.task = self.bar.add_task("starting", total=total)
+        self._steps = 0
 
     def __enter__(self):
         self.bar.__enter__()
@@ -68,95 +91,199 @@ class _Progress:
         self.bar.__exit__(*exc)
 
     def __call__(self, label: str) -> None:
-        self.bar.update(self.task, advance=1, description=label)
+        """Mark the step before as done and show ``label`` as the one running now."""
+        self.bar.update(self.task, completed=self._steps, description=label)
+        self._steps += 1
 
 
-def _write_outputs(result, artifacts_dir, json_out, csv_out, plot, plot_suite_dir, prefix: str) -> None:
-    paths = result.save_artifacts(artifacts_dir or ".", json_out=json_out, csv_out=csv_out)
-    typer.echo(f"artifacts: {paths['json']} {paths['csv']}")
-    if plot:
-        typer.echo(f"plot: {result.plot(plot)}")
+def _plan_outputs(stem: str, artifacts_dir: str | None, json_out: str | None, csv_out: str | None,
+                  plot: str | None, plot_suite_dir: str | None, overwrite: bool) -> dict:
+    """Where each asked-for output goes, decided before the model loads: explicit paths that exist are
+    refused without ``--overwrite``; a folder that holds earlier outputs gets a fresh timestamped subfolder.
+
+    Returns ``{"json", "csv", "plot", "suite"}`` (only what was asked) and ``"moved"`` (notes).
+
+    Raises:
+        typer.BadParameter: an explicit path exists and ``--overwrite`` was not given.
+    """
+    from pathlib import Path
+
+    from llminfer.benchmark import artifacts
+    from llminfer.benchmark.plots import suite_names
+
+    plan: dict = {"moved": []}
+    try:
+        for key, flag, value in (("json", "--json-out", json_out), ("csv", "--csv-out", csv_out),
+                                 ("plot", "--plot", plot)):
+            if value:
+                plan[key] = artifacts.check_new(value, overwrite, flag)
+    except FileExistsError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    stamp = artifacts.timestamp()
+    art_names = [f"{stem}.{k}" for k in ("json", "csv") if k not in plan]
+    folders = {}  # folder -> the names it will get
+    if artifacts_dir and art_names:
+        folders.setdefault(Path(artifacts_dir).resolve(), []).extend(art_names)
     if plot_suite_dir:
-        from llminfer.benchmark.plots import suite
+        folders.setdefault(Path(plot_suite_dir).resolve(), []).extend(suite_names(stem))
+    chosen = {}
+    for folder, names in folders.items():
+        chosen[folder] = artifacts.fresh_folder(folder, names, overwrite, stamp)
+        if chosen[folder] != folder:
+            plan["moved"].append(f"{folder} already holds {stem} outputs; writing into {chosen[folder]} "
+                                 "(--overwrite replaces them instead)")
+    if artifacts_dir and art_names:
+        folder = chosen[Path(artifacts_dir).resolve()]
+        for name in art_names:
+            plan[name.rsplit(".", 1)[1]] = folder / name
+    if plot_suite_dir:
+        plan["suite"] = chosen[Path(plot_suite_dir).resolve()]
+    return plan
 
-        series = ({"llminfer": result.summary()} if hasattr(result, "summary")
-                  else {n: r.summary() for n, r in result.results.items()})
-        typer.echo("plots: " + " ".join(str(p) for p in suite(series, plot_suite_dir, prefix)))
 
+def _write_outputs(result, plan: dict, prefix: str) -> None:
+    """Write what :func:`_plan_outputs` decided, and say where."""
+    for note in plan["moved"]:
+        typer.echo(f"note: {note}")
+    if "json" in plan or "csv" in plan:
+        paths = result.save_artifacts(None, json_out=plan.get("json"), csv_out=plan.get("csv"), overwrite=True)
+        typer.echo("artifacts: " + " ".join(str(p) for p in paths.values()))
+    if "plot" in plan:
+        typer.echo(f"plot: {result.plot(plan['plot'])}")
+    if "suite" in plan:
+        typer.echo("plots: " + " ".join(str(p) for p in result.plot_suite(plan["suite"], prefix)))
+    if not {"json", "csv", "plot", "suite"} & set(plan):
+        typer.echo("no files written (--artifacts-dir, --json-out, --csv-out, --plot or --plot-suite-dir "
+                   "writes them)")
+
+
+def _check_settings(sizes: list[int], runs: int, max_new_tokens: int, warmup: int, prompt_len: int) -> None:
+    from llminfer.benchmark.settings import check_settings
+
+    try:
+        check_settings(sizes, runs, max_new_tokens, warmup, prompt_len)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+
+Continuous = Annotated[bool, typer.Option("--continuous/--static", help="Continuous or static batching.")]
+Overwrite = Annotated[bool, typer.Option("--overwrite", help="Replace existing output files (else a folder gets a "
+                                         "fresh timestamped subfolder and an existing explicit path is an error).")]
+#: The old spelling of ``--page-size`` (hidden; it counts when ``--page-size`` is left at its default).
+PageSizeTokens = Annotated[int | None, typer.Option("--page-size-tokens", hidden=True)]
 
 
 def bench(
     model: Model = None, batch_sizes: BatchSizes = "1,2,4,8", runs: Runs = 3, warmup: Warmup = 1,
-    max_new_tokens: MaxNew = 64, prompt_len: PromptLen = 32,
-    continuous: Annotated[bool, typer.Option("--continuous/--static", help="Continuous or static batching.")] = True,
+    max_new_tokens: MaxNew = 64, prompt_len: PromptLen = 32, continuous: Continuous = True,
     paged_kv: Annotated[bool, typer.Option("--paged-kv/--no-paged-kv", help="Paged KV blocks, or one "
                                            "max_model_len region per sequence.")] = True,
-    page_size_tokens: Annotated[int, typer.Option("--page-size-tokens", help="KV block size in tokens.")] = 16,
+    page_size: PageSize = 16, page_size_tokens: PageSizeTokens = None,
     backend: BackendOpt = Backend.EAGER, dtype: Dtype = "auto", device: Device = "auto",
     max_batch_size: BatchSize = 16, no_prefix_cache: NoPrefix = False, kv_cache_bytes: KVBytes = None,
+    revision: Revision = None, trust_remote_code: TrustRemote = False,
     artifacts_dir: ArtifactsDir = None, json_out: JsonOut = None, csv_out: CsvOut = None, plot: PlotOpt = None,
-    plot_suite_dir: PlotSuite = None, log_level: LogLevel = "warning",
+    plot_suite_dir: PlotSuite = None, overwrite: Overwrite = False, log_level: LogLevel = "warning",
+    attention_backend: AttnBackend = "auto",
 ) -> None:
-    """Benchmark one model over batch sizes; print a summary table and write benchmark.json / .csv."""
-    from llminfer.benchmark import Benchmarker
-
+    """Benchmark one model over batch sizes: latency percentiles over every request, throughput spread over
+    runs, memory per batch size. Writes files only where asked (--artifacts-dir, --json-out, --csv-out,
+    --plot, --plot-suite-dir)."""
     sizes = _int_list(batch_sizes, "--batch-sizes")
+    _check_settings(sizes, runs, max_new_tokens, warmup, prompt_len)
+    check_log_level(log_level)
+    if page_size_tokens is not None and page_size == 16:
+        page_size = page_size_tokens
     cfg = build_config(model=model, backend=backend, dtype=dtype, device=device,
-                       max_batch_size=max(max_batch_size, max(sizes)), page_size=page_size_tokens,
-                       no_prefix_cache=no_prefix_cache, kv_cache_bytes=kv_cache_bytes)
+                       max_batch_size=max(max_batch_size, max(sizes)), page_size=page_size,
+                       no_prefix_cache=no_prefix_cache, kv_cache_bytes=kv_cache_bytes, revision=revision,
+                       trust_remote_code=trust_remote_code, attention_backend=attention_backend)
     cfg.cache.enable_paged_kv = paged_kv
-    with load_engine(cfg, log_level) as engine, _Progress(len(sizes) * (runs + warmup)) as progress:
-        try:
-            result = Benchmarker(engine, prompt_len=prompt_len).run(sizes, runs, max_new_tokens, warmup,
-                                                                    continuous, progress=progress)
-        except ValueError as exc:
-            raise typer.BadParameter(str(exc)) from None
+    plan = _plan_outputs("benchmark", artifacts_dir, json_out, csv_out, plot, plot_suite_dir, overwrite)
+
+    from llminfer.benchmark import Benchmarker
+    from llminfer.benchmark.environment import (
+        current_rss_bytes,
+        preload_model_libraries,
+        release_freed_memory,
+    )
+    from llminfer.benchmark.runner import backend_progress
+
+    preload_model_libraries()
+    release_freed_memory()
+    baseline = current_rss_bytes()
+    with _Progress(1 + len(sizes) * (runs + warmup), model or "built-in model") as progress:
+        progress(f"{backend.value} · loading")
+        with load_engine(cfg, log_level) as engine:
+            try:
+                result = Benchmarker(engine, prompt_len=prompt_len, baseline_rss_bytes=baseline).run(
+                    sizes, runs, max_new_tokens, warmup, continuous,
+                    progress=backend_progress(backend.value, progress))
+            except ValueError as exc:
+                raise typer.BadParameter(str(exc)) from None
     result.print_summary()
-    _write_outputs(result, artifacts_dir, json_out, csv_out, plot, plot_suite_dir, "benchmark")
+    _write_outputs(result, plan, "benchmark")
 
 
 def compare(
     model: Model = None,
     backends: Annotated[str, typer.Option("--backends", help="Comma-separated: eager,compiled,vllm.")] = "eager",
     batch_sizes: BatchSizes = "1,4", runs: Runs = 2, warmup: Warmup = 1, max_new_tokens: MaxNew = 32,
-    prompt_len: PromptLen = 32, dtype: Dtype = "auto", device: Device = "auto", tp_size: TPSize = 1,
-    pp_size: PPSize = 1,
+    prompt_len: PromptLen = 32, continuous: Continuous = True, dtype: Dtype = "auto", device: Device = "auto",
+    max_batch_size: BatchSize = 16, page_size: PageSize = 16, page_size_tokens: PageSizeTokens = None,
+    no_prefix_cache: NoPrefix = False, kv_cache_bytes: KVBytes = None, revision: Revision = None,
+    trust_remote_code: TrustRemote = False, tp_size: TPSize = 1, pp_size: PPSize = 1,
     compile_cudagraphs: Annotated[bool, typer.Option("--compile-cudagraphs", help="CUDA graphs for the "
-                                                     "compiled backend.")] = False,
+                                                     "compiled backend (ignored, with a note, for the others).")]
+    = False,
     artifacts_dir: ArtifactsDir = None, json_out: JsonOut = None, csv_out: CsvOut = None, plot: PlotOpt = None,
-    plot_suite_dir: PlotSuite = None, log_level: LogLevel = "warning",
+    plot_suite_dir: PlotSuite = None, overwrite: Overwrite = False, log_level: LogLevel = "warning",
 ) -> None:
-    """Run the same benchmark on several backends; a backend that cannot run here is reported as skipped."""
-    from llminfer.benchmark import BackendComparison
-    from llminfer.logging import configure_logging
+    """Run the same benchmark on several backends, one engine at a time, each with its own memory figures.
+    --tp-size / --pp-size apply to vllm and --compile-cudagraphs to compiled; the others ignore them with a
+    note. A backend that cannot run here is reported as skipped."""
+    import attrs
 
-    check_log_level(log_level)
-    configure_logging(log_level)
     names = split_csv(backends)
     for name in names:
         try:
             Backend(name)
         except ValueError:
             raise typer.BadParameter(f"--backends: unknown backend {name!r} (eager, compiled, vllm)") from None
+    if not names or len(set(names)) != len(names):
+        raise typer.BadParameter(f"--backends takes distinct backend names, got {backends!r}")
     sizes = _int_list(batch_sizes, "--batch-sizes")
-    base = EngineConfig(model_name=model, dtype=dtype, device=device, max_batch_size=max(16, max(sizes)),
+    _check_settings(sizes, runs, max_new_tokens, warmup, prompt_len)
+    check_log_level(log_level)
+    if page_size_tokens is not None and page_size == 16:
+        page_size = page_size_tokens
+    base = build_config(model=model, dtype=dtype, device=device, max_batch_size=max(max_batch_size, max(sizes)),
+                        page_size=page_size, no_prefix_cache=no_prefix_cache, kv_cache_bytes=kv_cache_bytes,
+                        revision=revision, trust_remote_code=trust_remote_code,
                         compile_cudagraphs=compile_cudagraphs)
-    if tp_size > 1 or pp_size > 1:
-        base = EngineConfig(**{**{f: getattr(base, f) for f in ("model_name", "dtype", "device", "max_batch_size",
-                                                              "compile_cudagraphs")},
-                               "tp_size": tp_size, "pp_size": pp_size, "backend": Backend.VLLM})
-    with _Progress(len(names) * len(sizes) * (runs + warmup)) as progress:
+    # Each backend gets the settings that mean it (BackendComparison.config_for), so no validate() here.
+    base = attrs.evolve(base, tp_size=tp_size, pp_size=pp_size)
+    plan = _plan_outputs("comparison", artifacts_dir, json_out, csv_out, plot, plot_suite_dir, overwrite)
+
+    from llminfer.benchmark import BackendComparison
+    from llminfer.logging import configure_logging
+
+    configure_logging(log_level)
+    comparison = BackendComparison(model, names, base)
+    for name, notes in comparison.notes().items():
+        for note in notes:
+            typer.echo(f"note: {name}: {note}", err=True)
+    with _Progress(len(names) * (1 + len(sizes) * (runs + warmup)), model or "built-in model") as progress:
         try:
-            result = BackendComparison(model, names, base).run(sizes, runs, max_new_tokens, warmup, prompt_len,
-                                                               progress=progress)
+            result = comparison.run(sizes, runs, max_new_tokens, warmup, prompt_len, progress=progress,
+                                    continuous=continuous)
         except ValueError as exc:
             raise typer.BadParameter(str(exc)) from None
     result.print_table()
-    if result.results:
-        _write_outputs(result, artifacts_dir, json_out, csv_out, plot, plot_suite_dir, "comparison")
-    else:
+    if not result.results:
         raise typer.BadParameter("no backend could run here: " + "; ".join(f"{k}: {v}" for k, v in
                                                                            result.skipped.items()))
+    _write_outputs(result, plan, "comparison")
 
 
 def bench_serve(

@@ -1,8 +1,13 @@
 """The generation commands: ``run`` (one prompt, then a stats line), ``stream`` (tokens as they arrive),
 ``info`` (environment, model and KV capacity) and ``serve`` (the OpenAI-compatible HTTP API).
 
-The functions are plain; :mod:`llminfer.cli` registers them on the Typer app. Bad flag values raise
-typer.BadParameter or ConfigError; ``serve`` raises BackendUnavailableError without the serve extra.
+The functions are plain; :mod:`llminfer.cli` registers them on the Typer app. Every flag is checked before
+the model loads: bad values raise typer.BadParameter, ConfigError or InvalidRequestError; ``serve`` raises
+BackendUnavailableError without the serve extra.
+
+``run`` and ``stream`` send the prompt through the model's chat template (as one user message, after the
+``--system`` message if given) when the tokenizer has one, as the HTTP server's chat endpoint does;
+``--no-chat`` sends the raw text. The stats line says which (``chat template: on``).
 """
 
 from __future__ import annotations
@@ -18,10 +23,12 @@ from llminfer.cli.options import (
     AdapterName,
     AdapterOpt,
     Assistant,
+    AttnBackend,
     BackendOpt,
     BadWords,
     BatchSize,
     CacheDir,
+    ChatOpt,
     ChoiceOpt,
     CompileMode,
     Device,
@@ -53,26 +60,68 @@ from llminfer.cli.options import (
     SpecC,
     SpecK,
     Stop,
+    SystemOpt,
     Temp,
     TopK,
     TopP,
     TPSize,
     TrustRemote,
     build_config,
+    check_engine_flags,
+    check_sampling,
     load_engine,
     sampling_kwargs,
 )
 from llminfer.config import Backend, QuantMode
 
 
-def _stats_line(stats, finish_reason: str | None = None) -> str:
+def _stats_line(stats, finish_reason: str | None = None, chat: bool | None = None) -> str:
     spec = ""
     if stats.spec_acceptance_rate is not None:
         spec = f" | draft acceptance {stats.spec_acceptance_rate:.0%}"
+    template = "" if chat is None else f" | chat template: {'on' if chat else 'off'}"
     return (f"[latency {stats.total_latency_ms:.1f} ms | TTFT {stats.ttft_ms:.1f} ms | "
             f"{stats.throughput_tokens_per_sec:.1f} tok/s | prompt {stats.prompt_tokens} tok | "
-            f"completion {stats.completion_tokens} tok | cached {stats.cached_tokens} tok{spec}"
+            f"completion {stats.completion_tokens} tok | cached {stats.cached_tokens} tok{spec}{template}"
             f"{f' | finish {finish_reason}' if finish_reason else ''}]")
+
+
+def _check_chat_flags(prompt: str, chat: bool | None, system: str | None) -> None:
+    """Before loading: raises typer.BadParameter for ``--system`` with ``--no-chat``, InvalidRequestError
+    (``param="prompt"``) for an empty prompt."""
+    if system is not None and chat is False:
+        raise typer.BadParameter("--system needs the chat template: drop --no-chat")
+    if not prompt:
+        from llminfer.errors import InvalidRequestError
+
+        raise InvalidRequestError("prompt is empty", param="prompt")
+
+
+def chat_prompt(engine, prompt: str, chat: bool | None, system: str | None) -> tuple[str | list[int], bool]:
+    """What ``run`` / ``stream`` generate from, and whether the chat template was applied.
+
+    With the template (``chat`` True, or None and the tokenizer has one): ``[system,] user`` messages
+    rendered by :class:`llminfer.chat.ChatRenderer` (the server's rendering) and tokenized with one BOS, as
+    token ids. Otherwise ``prompt`` itself.
+
+    Raises:
+        typer.BadParameter: ``--chat`` or ``--system`` for a model without a chat template.
+    """
+    from llminfer.chat import ChatRenderer
+
+    has_template = bool(getattr(engine.tokenizer, "chat_template", None))
+    if not (has_template if chat is None else chat) and system is None:
+        return prompt, False
+    if not has_template:
+        flag = "--chat" if chat else "--system"
+        raise typer.BadParameter(f"{flag}: this model's tokenizer has no chat template (use --no-chat without "
+                                 "--system)")
+    messages = ([{"role": "system", "content": system}] if system is not None else []) + [
+        {"role": "user", "content": prompt}]
+    renderer = ChatRenderer(engine.tokenizer)
+    text = renderer.render(messages, param="prompt")
+    ids = renderer.fix_bos(list(engine.inputs.encode(text, param="prompt", add_special_tokens=False)))
+    return ids, True
 
 
 def run(
@@ -80,7 +129,8 @@ def run(
     model: Model = None, max_new_tokens: MaxNew = 64, temp: Temp = 0.0, top_p: TopP = 1.0, top_k: TopK = 0,
     seed: Seed = None, stop: Stop = None, ignore_eos: IgnoreEos = False, min_p: MinP = 0.0,
     repetition_penalty: RepPen = 1.0, no_repeat_ngram_size: NoRepeat = 0, bad_words: BadWords = None,
-    force_words: ForceWords = None, n: NSamples = 1, logprobs: Logprobs = None,
+    force_words: ForceWords = None, num_samples: NSamples = 1, logprobs: Logprobs = None,
+    chat: ChatOpt = None, system: SystemOpt = None,
     json_schema: JsonSchemaOpt = None, json_object: JsonObjectOpt = False, regex: RegexOpt = None,
     choice: ChoiceOpt = None, grammar: GrammarOpt = None,
     assistant_model: Assistant = None, spec_num_assistant_tokens: SpecK = 5, spec_confidence_threshold: SpecC = 0.4,
@@ -90,25 +140,32 @@ def run(
     hf_token: HFToken = None, local_files_only: LocalOnly = False, cache_dir: CacheDir = None,
     trust_remote_code: TrustRemote = False, tp_size: TPSize = 1, pp_size: PPSize = 1,
     quant: QuantOpt = QuantMode.NONE, adapter: AdapterOpt = None, adapter_name: AdapterName = None,
-    compile_mode: CompileMode = "default",
-    as_json: Annotated[bool, typer.Option("--json", help="Print the result as one JSON object.")] = False,
+    compile_mode: CompileMode = "default", attention_backend: AttnBackend = "auto",
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as one JSON object (a list with "
+                                          "--num-samples > 1).")] = False,
     log_level: LogLevel = "warning",
 ) -> None:
     """Generate for one prompt; print the text, then one stats line."""
+    n = num_samples
+    _check_chat_flags(prompt, chat, system)
+    check_engine_flags(model=model, device=device, log_level=log_level, adapter=adapter, adapter_name=adapter_name)
     cfg = build_config(model=model, backend=backend, dtype=dtype, device=device, max_batch_size=max_batch_size,
                        page_size=page_size, no_prefix_cache=no_prefix_cache, kv_cache_bytes=kv_cache_bytes,
                        max_model_len=max_model_len, revision=revision, hf_token=hf_token,
                        local_files_only=local_files_only, cache_dir=cache_dir, trust_remote_code=trust_remote_code,
                        tp_size=tp_size, pp_size=pp_size, quant=quant,
                        assistant_model=assistant_model, spec_num_assistant_tokens=spec_num_assistant_tokens,
-                       spec_confidence_threshold=spec_confidence_threshold, compile_mode=compile_mode)
+                       spec_confidence_threshold=spec_confidence_threshold, compile_mode=compile_mode,
+                       attention_backend=attention_backend)
     kw = sampling_kwargs(max_new_tokens=max_new_tokens, temp=temp, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
                          ignore_eos=ignore_eos, min_p=min_p, repetition_penalty=repetition_penalty,
                          no_repeat_ngram_size=no_repeat_ngram_size, bad_words=bad_words, force_words=force_words,
                          logprobs=logprobs, json_schema=json_schema, json_object=json_object, regex=regex,
                          choice=choice, grammar=grammar)
+    check_sampling(kw, n)
     with load_engine(cfg, log_level, adapter, adapter_name) as engine:
-        results = engine.run_n(prompt, n=n, **kw)
+        source, templated = chat_prompt(engine, prompt, chat, system)
+        results = engine.run_n(source, n=n, **kw)
         tokenizer = engine.tokenizer
     if as_json:
         import attrs
@@ -124,7 +181,7 @@ def run(
             for lp in result.logprobs:
                 alts = "  ".join(f"{tokenizer.decode([t])!r}:{v:.3f}" for t, v in lp.top)
                 typer.echo(f"  {tokenizer.decode([lp.token_id])!r:>20} {lp.logprob:8.3f}   {alts}")
-        typer.echo(_stats_line(result.stats, result.finish_reason))
+        typer.echo(_stats_line(result.stats, result.finish_reason, templated))
 
 
 def stream(
@@ -134,30 +191,37 @@ def stream(
     repetition_penalty: RepPen = 1.0, no_repeat_ngram_size: NoRepeat = 0, bad_words: BadWords = None,
     force_words: ForceWords = None, json_schema: JsonSchemaOpt = None, json_object: JsonObjectOpt = False,
     regex: RegexOpt = None, choice: ChoiceOpt = None, grammar: GrammarOpt = None,
+    chat: ChatOpt = None, system: SystemOpt = None,
     assistant_model: Assistant = None, spec_num_assistant_tokens: SpecK = 5, spec_confidence_threshold: SpecC = 0.4,
     backend: BackendOpt = Backend.EAGER, dtype: Dtype = "auto", device: Device = "auto",
     page_size: PageSize = 16, no_prefix_cache: NoPrefix = False, kv_cache_bytes: KVBytes = None,
     max_model_len: MaxLen = None, revision: Revision = None, hf_token: HFToken = None,
     local_files_only: LocalOnly = False, cache_dir: CacheDir = None, trust_remote_code: TrustRemote = False,
     tp_size: TPSize = 1, pp_size: PPSize = 1, quant: QuantOpt = QuantMode.NONE, adapter: AdapterOpt = None,
-    adapter_name: AdapterName = None, compile_mode: CompileMode = "default", log_level: LogLevel = "warning",
+    adapter_name: AdapterName = None, compile_mode: CompileMode = "default", attention_backend: AttnBackend = "auto",
+    log_level: LogLevel = "warning",
 ) -> None:
     """Print tokens as they arrive, then one stats line."""
+    _check_chat_flags(prompt, chat, system)
+    check_engine_flags(model=model, device=device, log_level=log_level, adapter=adapter, adapter_name=adapter_name)
     cfg = build_config(model=model, backend=backend, dtype=dtype, device=device, max_batch_size=16,
                        page_size=page_size, no_prefix_cache=no_prefix_cache, kv_cache_bytes=kv_cache_bytes,
                        max_model_len=max_model_len, revision=revision, hf_token=hf_token,
                        local_files_only=local_files_only, cache_dir=cache_dir, trust_remote_code=trust_remote_code,
                        tp_size=tp_size, pp_size=pp_size, quant=quant,
                        assistant_model=assistant_model, spec_num_assistant_tokens=spec_num_assistant_tokens,
-                       spec_confidence_threshold=spec_confidence_threshold, compile_mode=compile_mode)
+                       spec_confidence_threshold=spec_confidence_threshold, compile_mode=compile_mode,
+                       attention_backend=attention_backend)
     kw = sampling_kwargs(max_new_tokens=max_new_tokens, temp=temp, top_p=top_p, top_k=top_k, seed=seed,
                          stop=stop, ignore_eos=ignore_eos, min_p=min_p, repetition_penalty=repetition_penalty,
                          no_repeat_ngram_size=no_repeat_ngram_size, bad_words=bad_words,
                          force_words=force_words, json_schema=json_schema, json_object=json_object,
                          regex=regex, choice=choice, grammar=grammar)
+    check_sampling(kw)
     with load_engine(cfg, log_level, adapter, adapter_name) as engine:
+        source, templated = chat_prompt(engine, prompt, chat, system)
         final = None
-        for chunk in engine.stream(prompt, **kw):
+        for chunk in engine.stream(source, **kw):
             if not chunk.is_final:  # the final chunk has no text, only the finish reason and stats
                 sys.stdout.write(chunk.token)
                 sys.stdout.flush()
@@ -165,7 +229,7 @@ def stream(
                 final = chunk
     typer.echo("")
     if final is not None and final.stats is not None:
-        typer.echo(_stats_line(final.stats, final.finish_reason))
+        typer.echo(_stats_line(final.stats, final.finish_reason, templated))
 
 
 def info(
@@ -174,17 +238,18 @@ def info(
     max_model_len: MaxLen = None, revision: Revision = None, hf_token: HFToken = None,
     local_files_only: LocalOnly = False, cache_dir: CacheDir = None, trust_remote_code: TrustRemote = False,
     tp_size: TPSize = 1, pp_size: PPSize = 1, quant: QuantOpt = QuantMode.NONE, adapter: AdapterOpt = None,
-    adapter_name: AdapterName = None,
+    adapter_name: AdapterName = None, attention_backend: AttnBackend = "auto",
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     log_level: LogLevel = "warning",
 ) -> None:
     """Print the environment, the model (architecture, parameters, dtype, weight bytes before and after
     quantization) and KV capacity."""
+    check_engine_flags(model=model, device=device, log_level=log_level, adapter=adapter, adapter_name=adapter_name)
     cfg = build_config(model=model, backend=backend, dtype=dtype, device=device, max_batch_size=max_batch_size,
                        page_size=page_size, no_prefix_cache=False, kv_cache_bytes=kv_cache_bytes,
                        max_model_len=max_model_len, revision=revision, hf_token=hf_token,
                        local_files_only=local_files_only, cache_dir=cache_dir, trust_remote_code=trust_remote_code,
-                       tp_size=tp_size, pp_size=pp_size, quant=quant)
+                       tp_size=tp_size, pp_size=pp_size, quant=quant, attention_backend=attention_backend)
     engine = load_engine(cfg, log_level, adapter, adapter_name)
     facts = engine.info()
     if as_json:
@@ -232,7 +297,11 @@ def serve(
     hf_token: HFToken = None, local_files_only: LocalOnly = False, cache_dir: CacheDir = None,
     trust_remote_code: TrustRemote = False, tp_size: TPSize = 1, pp_size: PPSize = 1,
     quant: QuantOpt = QuantMode.NONE, adapter: AdapterOpt = None, adapter_name: AdapterName = None,
-    compile_mode: CompileMode = "default", log_level: LogLevel = "info",
+    compile_mode: CompileMode = "default", attention_backend: AttnBackend = "auto",
+    compile_warmup: Annotated[bool, typer.Option("--compile-warmup/--no-compile-warmup", help="With --backend "
+                              "compiled: compile every step shape before accepting requests, so no client waits "
+                              "for a compile.")] = True,
+    log_level: LogLevel = "info",
     reject_unknown_fields: Annotated[bool, typer.Option(
         "--reject-unknown-fields", help="Answer request fields the API does not define with HTTP 400 naming "
         "them (default: ignore them and log a warning, as vLLM does).")] = False,
@@ -242,7 +311,15 @@ def serve(
 ) -> None:
     """Serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/responses, /v1/models,
     /health, /healthz, /metrics) with uvicorn until Ctrl-C."""
-    try:
+    check_engine_flags(model=model, device=device, log_level=log_level, adapter=adapter, adapter_name=adapter_name)
+    cfg = build_config(model=model, backend=backend, dtype=dtype, device=device, max_batch_size=max_batch_size,
+                       page_size=page_size, no_prefix_cache=no_prefix_cache, kv_cache_bytes=kv_cache_bytes,
+                       max_model_len=max_model_len, revision=revision, hf_token=hf_token,
+                       local_files_only=local_files_only, cache_dir=cache_dir, trust_remote_code=trust_remote_code,
+                       tp_size=tp_size, pp_size=pp_size, quant=quant, compile_mode=compile_mode,
+                       batch_timeout_ms=batch_timeout_ms, served_model_name=served_model_name,
+                       attention_backend=attention_backend)
+    try:  # the server stack (litestar, and the engine with torch) only once the cheap checks passed
         from llminfer.api import create_app, run_server
         from llminfer.api.server import ServerLimits
     except ImportError as exc:  # pragma: no cover - the serve extra is missing
@@ -250,19 +327,29 @@ def serve(
 
         raise BackendUnavailableError(f"the server needs: pip install 'llminfer[serve]' ({exc})") from None
     key = _api_key(api_key, api_key_file)
-    cfg = build_config(model=model, backend=backend, dtype=dtype, device=device, max_batch_size=max_batch_size,
-                       page_size=page_size, no_prefix_cache=no_prefix_cache, kv_cache_bytes=kv_cache_bytes,
-                       max_model_len=max_model_len, revision=revision, hf_token=hf_token,
-                       local_files_only=local_files_only, cache_dir=cache_dir, trust_remote_code=trust_remote_code,
-                       tp_size=tp_size, pp_size=pp_size, quant=quant, compile_mode=compile_mode,
-                       batch_timeout_ms=batch_timeout_ms, served_model_name=served_model_name)
     engine = load_engine(cfg, log_level, adapter, adapter_name)
+    if compile_warmup and hasattr(engine.backend, "warmup"):
+        warm_up(engine)
     asgi_app = create_app(engine, api_key=key, max_queue_size=max_queue_size, max_prompt_chars=max_prompt_chars,
                           reject_unknown_fields=reject_unknown_fields, sse_keepalive_s=sse_keepalive_s or None)
     limits = ServerLimits(read_timeout_s=read_timeout_s, keep_alive_timeout_s=keep_alive_timeout_s,
                           limit_concurrency=limit_concurrency or max_batch_size + max_queue_size + 64,
                           shutdown_grace_s=shutdown_grace_s)
     run_server(asgi_app, host=host, port=port, log_level=log_level, limits=limits)
+
+
+def warm_up(engine) -> int:
+    """Compile the compiled backend's graph for every step shape before serving (a status line on a
+    terminal; one stderr line with the count and the seconds after). Returns the graphs compiled."""
+    import time
+
+    from llminfer.logging import status
+
+    start = time.perf_counter()
+    with status("compiling the model step for every batch shape (warm-up before serving) ..."):
+        count = engine.backend.warmup()
+    typer.echo(f"compiled {count} graph(s) in {time.perf_counter() - start:.1f} s before serving", err=True)
+    return count
 
 
 def _api_key(api_key: str | None, api_key_file: str | None) -> str | None:

@@ -2,17 +2,32 @@
 
 Holds the ``Annotated[...]`` option types (one per flag, so each flag's name and help text is written
 once), :func:`build_config` (engine flags → a validated :class:`EngineConfig`), :func:`sampling_kwargs`
-(sampling flags → ``InferenceEngine.make_request`` keyword arguments) and the small helpers every command
-uses: :func:`split_csv`, :func:`check_log_level` and :func:`load_engine`.
+(sampling flags → ``InferenceEngine.make_request`` keyword arguments, checked by :func:`check_sampling`) and
+the small helpers every command uses: :func:`split_csv`, :func:`check_log_level`, :func:`check_engine_flags` and
+:func:`load_engine`.
+
+Nothing here imports torch or transformers at module level: ``llminfer --help`` and every flag error must
+answer at once, so every flag is checked before :func:`load_engine` pays for the model.
 """
 
 from __future__ import annotations
 
+import os
+import re
+import sys
 from typing import Annotated, Any
 
 import typer
 
-from llminfer.config import Backend, CacheConfig, EngineConfig, QuantConfig, QuantMode, SchedulerConfig
+from llminfer.config import (
+    ATTENTION_BACKENDS,
+    Backend,
+    CacheConfig,
+    EngineConfig,
+    QuantConfig,
+    QuantMode,
+    SchedulerConfig,
+)
 
 # ---------------------------------------------------------------------------- engine and sampling options
 Model = Annotated[str | None, typer.Option("--model", "-m", help="Hugging Face model id or local folder "
@@ -46,7 +61,16 @@ RepPen = Annotated[float, typer.Option("--repetition-penalty", help="> 0; 1 = of
 NoRepeat = Annotated[int, typer.Option("--no-repeat-ngram-size", help="Never repeat an n-gram of this size.")]
 BadWords = Annotated[str | None, typer.Option("--bad-words", help='Comma-separated words never generated.')]
 ForceWords = Annotated[str | None, typer.Option("--force-words", help='Comma-separated phrases that must appear.')]
-NSamples = Annotated[int, typer.Option("--n", help="Number of samples of the prompt.")]
+NSamples = Annotated[int, typer.Option("--num-samples", help="Number of samples of the prompt (their prompt KV "
+                                        "blocks are shared).")]
+AttnBackend = Annotated[str, typer.Option("--attention-backend", help="Paged-attention kernels: "
+                                          f"{', '.join(ATTENTION_BACKENDS)} (auto: Triton on CUDA when "
+                                          "installed, else torch).")]
+ChatOpt = Annotated[bool | None, typer.Option("--chat/--no-chat", show_default=False, help="Apply the model's "
+                                              "chat template to the prompt (a user message). Default: on when "
+                                              "the model has a chat template.")]
+SystemOpt = Annotated[str | None, typer.Option("--system", help="System message put before the prompt "
+                                               "(needs the chat template).")]
 JsonSchemaOpt = Annotated[str | None, typer.Option("--json-schema", help="Constrain the output to this JSON "
                                                  "Schema: JSON text, or @path to a .json file.")]
 JsonObjectOpt = Annotated[bool, typer.Option("--json-object", help="Constrain the output to any JSON object.")]
@@ -61,8 +85,9 @@ Assistant = Annotated[str | None, typer.Option("--assistant-model", help="Draft 
 SpecK = Annotated[int, typer.Option("--spec-num-assistant-tokens", help="Draft tokens verified per step.")]
 SpecC = Annotated[float, typer.Option("--spec-confidence-threshold",
                                       help="Stop drafting when the draft's top probability is below this.")]
-QuantOpt = Annotated[QuantMode, typer.Option("--quant", help="Weight quantization through bitsandbytes "
-                                             "(none, nf4, fp4, int8).")]
+QuantOpt = Annotated[QuantMode, typer.Option("--quant", help="Weight quantization: bitsandbytes (nf4, fp4, "
+                                             "int8) or weight-only int8/int4 on torch's CPU kernels "
+                                             "(int8-wo, int4-wo); none.")]
 AdapterOpt = Annotated[str | None, typer.Option("--adapter", help="LoRA adapter (PEFT folder or hub id) "
                                                 "loaded on top of the model.")]
 AdapterName = Annotated[str | None, typer.Option("--adapter-name", help="Name of the --adapter (default: "
@@ -91,7 +116,7 @@ def build_config(
     hf_token: str | None = None, local_files_only: bool = False, cache_dir: str | None = None,
     trust_remote_code: bool = False, tp_size: int = 1, pp_size: int = 1, assistant_model: str | None = None,
     spec_num_assistant_tokens: int = 5, spec_confidence_threshold: float = 0.4,
-    quant: QuantMode | str = QuantMode.NONE, **extra: Any,
+    quant: QuantMode | str = QuantMode.NONE, attention_backend: str = "auto", **extra: Any,
 ) -> EngineConfig:
     """Turn the engine flags (keyword arguments named like the command parameters; the defaults are the
     flags' defaults) into a validated :class:`EngineConfig`. ``extra`` goes to ``EngineConfig`` as is.
@@ -107,8 +132,52 @@ def build_config(
         hf_revision=revision, hf_token=hf_token, hf_local_files_only=local_files_only, hf_cache_dir=cache_dir,
         hf_trust_remote_code=trust_remote_code, tp_size=tp_size, pp_size=pp_size,
         assistant_model_name=assistant_model, speculative_num_assistant_tokens=spec_num_assistant_tokens,
-        speculative_confidence_threshold=spec_confidence_threshold, **extra,
+        speculative_confidence_threshold=spec_confidence_threshold, attention_backend=attention_backend, **extra,
     ).validate()
+
+
+def check_engine_flags(*, model: str | None = None, device: str = "auto", log_level: str = "warning",
+                       adapter: str | None = None, adapter_name: str | None = None) -> None:
+    """The engine flags that :class:`EngineConfig` cannot check without loading anything: ``--device``'s
+    form, a ``--model`` written as a path that is no folder, ``--log-level``, ``--adapter-name`` alone.
+
+    Raises:
+        typer.BadParameter: naming the flag.
+    """
+    check_log_level(log_level)
+    if not _DEVICE.fullmatch(device):
+        raise typer.BadParameter(f"--device must be auto, cpu, cuda or cuda:N, got {device!r}")
+    if model and (model.startswith(("/", "./", "../", "~")) or os.path.isfile(model)):
+        path = os.path.expanduser(model)
+        if not os.path.isdir(path):
+            what = "is a file, not a model folder" if os.path.exists(path) else "does not exist"
+            raise typer.BadParameter(f"--model: {model!r} {what}")
+    if adapter_name and not adapter:
+        raise typer.BadParameter("--adapter-name needs --adapter")
+
+
+_DEVICE = re.compile(r"auto|(cpu|cuda|mps|xpu)(:\d+)?")
+
+
+def check_sampling(kwargs: dict[str, Any], n: int = 1) -> None:
+    """Build the :class:`~llminfer.sampling.params.SamplingParams` that ``kwargs`` (from
+    :func:`sampling_kwargs`) and ``n`` describe, only to check them before the model loads.
+
+    Raises:
+        typer.BadParameter: a value out of range, as ``--flag: message``.
+    """
+    from llminfer.errors import InvalidRequestError
+    from llminfer.sampling.params import SamplingParams
+
+    try:
+        SamplingParams(**kwargs, n=n)
+    except InvalidRequestError as exc:
+        param = exc.param or ""
+        flag = _SAMPLING_FLAGS.get(param, "--" + param.replace("_", "-"))
+        raise typer.BadParameter(f"{flag}: {exc}" if param else str(exc)) from None
+
+
+_SAMPLING_FLAGS = {"n": "--num-samples", "temperature": "--temp", "stop_sequences": "--stop"}
 
 
 def sampling_kwargs(
@@ -171,22 +240,32 @@ def check_log_level(level: str) -> None:
         raise typer.BadParameter(f"--log-level must be debug, info, warning or error, got {level!r}")
 
 
-def load_engine(cfg: EngineConfig, log_level: str, adapter: str | None = None, adapter_name: str | None = None):
-    """Configure logging, load an :class:`InferenceEngine` for ``cfg`` and the ``--adapter``, if any.
+def setup_output(log_level: str) -> None:
+    """The CLI's logging (stderr at ``--log-level``) and status lines (on when stderr is a terminal).
 
-    Raises typer.BadParameter for a bad ``--log-level``, ConfigError for ``--adapter-name`` without
-    ``--adapter``, and whatever loading the model or the adapter raises.
+    Raises typer.BadParameter for a bad ``--log-level``.
     """
-    from llminfer.engine import InferenceEngine
-    from llminfer.logging import configure_logging
+    from llminfer.logging import configure_logging, enable_status_lines
 
     check_log_level(log_level)
     configure_logging(log_level)
-    engine = InferenceEngine(cfg).load()
-    if adapter:
-        engine.load_adapter(adapter, adapter_name)
-    elif adapter_name:
-        from llminfer.errors import ConfigError
+    enable_status_lines(sys.stderr.isatty())
 
-        raise ConfigError("--adapter-name needs --adapter")
+
+def load_engine(cfg: EngineConfig, log_level: str, adapter: str | None = None, adapter_name: str | None = None):
+    """Configure logging, load an :class:`InferenceEngine` for ``cfg`` and the ``--adapter``, if any, with a
+    status line on stderr while it loads (when stderr is a terminal).
+
+    Raises typer.BadParameter for a bad ``--log-level`` or ``--adapter-name`` without ``--adapter``, and
+    whatever loading the model or the adapter raises.
+    """
+    check_engine_flags(log_level=log_level, adapter=adapter, adapter_name=adapter_name)
+    setup_output(log_level)
+    from llminfer.engine import InferenceEngine
+    from llminfer.logging import status
+
+    with status(f"loading {cfg.model_name or 'the built-in model'} ..."):
+        engine = InferenceEngine(cfg).load()
+        if adapter:
+            engine.load_adapter(adapter, adapter_name)
     return engine

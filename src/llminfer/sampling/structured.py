@@ -33,10 +33,12 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
-import torch
+
+if TYPE_CHECKING:  # torch is imported where a tensor is made: the CLI checks StructuredOutput before loading
+    import torch
 
 from llminfer.errors import InvalidRequestError, one_line
 
@@ -441,6 +443,8 @@ class GrammarMatcher:
 
 def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
     """``[rows, ceil(vocab_size / 32)]`` int32, every token allowed."""
+    import torch
+
     return torch.full((rows, math.ceil(vocab_size / 32)), -1, dtype=torch.int32)
 
 

@@ -1,0 +1,141 @@
+"""Weight-only quantization on CPU: batch-1 decode ms/token of fp32 vs int8-wo vs int4-wo, side by side in
+one run, with weight bytes and the accuracy against fp32.
+
+Model: the ~102M Qwen2-shaped benchmark model (random weights, tied embeddings: 78M parameters in the
+embedding, read every step as the LM head) loaded in float32; the quantized rows quantize every linear
+layer and the LM head (``quantize_lm_head``, the default), activations in bfloat16 for the kernels.
+
+Speed: one request at a time (batch 1), a 32-token prompt, greedy, EOS ignored; ms/token is the engine's
+time per output token after the first (``(total_latency_ms - ttft_ms) / (tokens - 1)``), the median over ``--reps`` rounds that
+visit the modes in turn (so a load change on the machine hits all of them alike).
+
+Accuracy (``llminfer.backends.weight_only.logit_agreement``): teacher-forced over the bench prompts, the
+fraction of positions where the quantized model's argmax equals fp32's, and the logit error. Random
+weights give nearly flat logits, so top-1 flips wherever the fp32 top-1/top-2 margin is below the
+quantization error (``mean_ref_top2_margin`` against ``mean_abs_err`` shows how close that is); the
+``bf16`` row (the unquantized model in bfloat16) is the yardstick of a precision change users accept.
+
+Weight bytes: with tied embeddings the input embedding keeps its fp32 weight for the token lookup, and the
+quantized head is an extra copy, so the footprint barely shrinks; what a decode step reads
+(``weight_bytes_read_per_step``) drops by ~4x (int8) and ~6x (int4).
+
+    nice python bench/bench_quant.py [--quick] [--reps 3] [--new-tokens 48]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+
+import torch
+
+from common import BENCH_VOCAB, bench_model_path, environment, random_prompts, save
+from llminfer import CacheConfig, EngineConfig, InferenceEngine, QuantConfig
+from llminfer.backends.weight_only import logit_agreement, quantize_model, sequence_logits
+from llminfer.logging import configure_logging
+
+MODES = ("none", "int8-wo", "int4-wo")
+
+
+def _engine(path, mode: str, group_size: int) -> InferenceEngine:
+    cfg = EngineConfig(model_name=str(path), dtype="float32", device="cpu", max_batch_size=1, batch_timeout_ms=0,
+                       cache=CacheConfig(page_size_tokens=16, kv_cache_memory_bytes=64 << 20),
+                       quant=QuantConfig(mode=mode, int4_group_size=group_size))
+    return InferenceEngine(cfg).load()
+
+
+def step_weight_bytes(model, weight_bytes: int) -> int:
+    """Weight bytes one decode step reads: all of them, less the input embedding when the LM head does not
+    share it (a lookup reads one row; a quantized tied head is a separate, smaller copy)."""
+    emb = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    if getattr(head, "weight", None) is emb:
+        return weight_bytes
+    return weight_bytes - emb.numel() * emb.element_size()
+
+
+def accuracy(path, prompts: list[list[int]], group_size: int) -> dict[str, dict[str, float]]:
+    """Teacher-forced agreement and logit error of each quantized mode against fp32, over ``prompts``."""
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="sdpa").eval()
+    ref_logits = sequence_logits(ref, prompts)
+    out = {"bf16": logit_agreement(ref_logits, copy.deepcopy(ref).to(torch.bfloat16), prompts)}
+    for mode in MODES[1:]:
+        model = copy.deepcopy(ref)
+        quantize_model(model, mode, group_size=group_size)
+        out[mode] = logit_agreement(ref_logits, model, prompts)
+        del model
+    return out
+
+
+def main() -> dict:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--quick", action="store_true", help="2 rounds of 16 tokens, 2 accuracy prompts")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--group-size", type=int, default=32, help="int4 group size")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    args = ap.parse_args()
+    reps, new = (2, 16) if args.quick else (args.reps, args.new_tokens)
+    configure_logging("warning")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()
+    path = bench_model_path()
+    prompt = random_prompts(1, 32, BENCH_VOCAB, seed=11)[0]
+    engines = {m: _engine(path, m, args.group_size) for m in MODES}
+    facts = {m: e.info() for m, e in engines.items()}
+    read_bytes = {m: step_weight_bytes(e.model, facts[m]["weight_bytes"]) for m, e in engines.items()}
+    for e in engines.values():
+        e.run(prompt, max_new_tokens=4, ignore_eos=True)  # warm-up
+    tpot: dict[str, list[float]] = {m: [] for m in MODES}
+    tokens: dict[str, list[int]] = {}
+    for _ in range(reps):
+        for m, e in engines.items():
+            r = e.run(prompt, max_new_tokens=new, ignore_eos=True)
+            st = r.stats
+            tpot[m].append((st.total_latency_ms - st.ttft_ms) / max(st.completion_tokens - 1, 1))
+            tokens[m] = list(r.token_ids)
+    for e in engines.values():
+        e.close()
+    ms = {m: statistics.median(v) for m, v in tpot.items()}
+    acc_prompts = random_prompts(2 if args.quick else 4, 64, BENCH_VOCAB, seed=12)
+    acc = accuracy(path, acc_prompts, args.group_size)
+
+    def same_prefix(a: list[int], b: list[int]) -> int:
+        return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+    payload = {
+        "benchmark": "weight_only_quant", "model": str(path), "dtype": "float32", "batch_size": 1,
+        "prompt_tokens": len(prompt), "new_tokens": new, "reps": reps, "int4_group_size": args.group_size,
+        "torch_threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "decode_ms_per_token": ms, "decode_ms_per_token_runs": tpot,
+        "speedup_vs_fp32": {m: ms["none"] / v for m, v in ms.items()},
+        "weight_bytes": {m: f["weight_bytes"] for m, f in facts.items()},
+        "quantized_linear_bytes": {m: f.get("quantized_linear_bytes", 0) for m, f in facts.items()},
+        "weight_bytes_read_per_step": read_bytes,
+        "accuracy_teacher_forced": acc,
+        "greedy_tokens_identical_to_fp32": {m: same_prefix(tokens[m], tokens["none"]) for m in MODES[1:]},
+        "load_average_before": load_before, "load_average_after": os.getloadavg(),
+        "environment": environment(),
+    }
+    b = acc["bf16"]
+    print(f"[quant] (unquantized bf16 vs fp32: top-1 agree {b['top1_agreement']:.1%}, rel err {b['rel_err']:.3f}; "
+          f"fp32 mean top-1/top-2 margin {b['mean_ref_top2_margin']:.3f})")
+    for m in MODES:
+        a = acc.get(m)
+        extra = (f"  top-1 agree {a['top1_agreement']:.1%} over {a['positions']}  rel err {a['rel_err']:.3f}  "
+                 f"greedy same for {payload['greedy_tokens_identical_to_fp32'][m]}/{new}") if a else ""
+        print(f"[quant] {m:8s} {ms[m]:7.2f} ms/token  x{payload['speedup_vs_fp32'][m]:.2f}  "
+              f"weights {facts[m]['weight_bytes'] / 1e6:6.1f} MB (read per step {read_bytes[m] / 1e6:6.1f} MB){extra}")
+    print(f"[quant] load average before {load_before[0]:.2f}, after {payload['load_average_after'][0]:.2f}; "
+          f"{payload['torch_threads']} torch threads, {payload['cpu_capability']}")
+    print(f"-> {save('quant', payload)}")
+    return payload
+
+
+if __name__ == "__main__":
+    main()
