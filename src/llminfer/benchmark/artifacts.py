@@ -120,12 +120,12 @@ def write_files(payload: dict[str, Any], table: pl.DataFrame, json_path: str | P
 
 
 def schema_dir() -> Path:
-    """The ``schemas/`` folder: in a source checkout next to ``src/``, else the packaged copy."""
-    here = Path(__file__).resolve()
-    for candidate in (here.parents[3] / "schemas", here.parent / "schemas"):
-        if candidate.is_dir():
-            return candidate
-    raise FileNotFoundError("schemas/ folder not found")
+    """The JSON Schemas, shipped in the package (``llminfer/benchmark/schemas``; the repository's top-level
+    ``schemas/`` links there), so an installed wheel validates too."""
+    here = Path(__file__).resolve().parent / "schemas"
+    if not here.is_dir():
+        raise FileNotFoundError(f"the packaged JSON Schemas are missing ({here})")
+    return here
 
 
 def validate(payload: dict[str, Any], kind: str) -> None:
