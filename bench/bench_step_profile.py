@@ -37,9 +37,9 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from gpu_check import copy_bandwidth, decode_bytes_per_step
 
 from common import BENCH_VOCAB, bench_model_path, environment, random_prompts, save
-from gpu_check import copy_bandwidth, decode_bytes_per_step
 from llminfer import CacheConfig, EngineConfig, InferenceEngine
 from llminfer.backends import hf as hf_backend
 from llminfer.backends.attention import ATTN_IMPLEMENTATION, paged_attention_forward
@@ -221,7 +221,7 @@ def print_table(results: dict[str, Any]) -> None:
 
 
 def _loadavg() -> str:
-    return "%.2f %.2f %.2f" % os.getloadavg()
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def run(quick: bool, reps: int, plain_only: bool = False) -> dict[str, Any]:
