@@ -137,6 +137,7 @@ def test_native_half_needs_both_onednn_and_the_instructions(monkeypatch):
 def test_info_says_which_dtype_and_why(qwen2_dir):
     engine = make_engine(qwen2_dir)
     assert engine.info()["dtype_reason"] == "float32 (set)"
+    assert engine.info()["cpu_isa"].startswith(torch.backends.cpu.get_cpu_capability())
 
 
 @pytest.mark.parametrize(
