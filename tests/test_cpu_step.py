@@ -53,6 +53,13 @@ def test_column_major_head_keeps_values_and_ties():
     assert not transpose_linear_weight(head)      # already column-major: left alone
 
 
+def test_fp32_engine_runs_a_column_major_head(qwen2_dir):
+    from helpers import make_engine
+
+    with make_engine(qwen2_dir) as engine:  # float32 on CPU
+        assert engine.model.get_output_embeddings().weight.t().is_contiguous()
+
+
 def _load(name: str):
     sys.path.insert(0, str(BENCH))
     spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")

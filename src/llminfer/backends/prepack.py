@@ -12,8 +12,8 @@ In float32 the head is instead stored column-major: the ``[V, d]`` weight become
 contiguous ``[d, V]`` tensor (same bytes, no copy kept), so ``F.linear`` multiplies by a contiguous
 ``[d, V]`` matrix. MKL's fp32 GEMV/GEMM runs that layout much faster for a few rows (measured on the 2-core
 AVX2 machine, 151,000 x 512: 107 -> 31 ms at 1 row, 616 -> 520 ms at 32 rows, loaded machine). A tied input
-embedding shares the parameter; its lookups then read strided rows (one row per token, negligible next to
-the head).
+embedding shares the parameter; its lookups then read strided rows: 32 tokens 0.09 -> 0.23 ms, a 2048-token
+prefill 19 -> 55 ms, next to that prefill's seconds of matmuls.
 """
 
 from __future__ import annotations
