@@ -23,6 +23,7 @@ of the batch's mean context) over the copy bandwidth measured in the same run (`
 buffer, read + written bytes per second, as ``bench/gpu_check.py`` measures it).
 
     python bench/bench_step_profile.py [--quick] [--reps 3] [--json-out]   (--json-out: bench/results/step_profile.json)
+    python bench/bench_step_profile.py --before-after [--quick] [--reps 5]  (the step changes, side by side)
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import statistics
 import time
 from collections import defaultdict
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -174,6 +175,43 @@ def timers(engine: InferenceEngine, split: bool) -> Iterator[StepTimers]:
         t.remove()
 
 
+@contextmanager
+def before_changes(engine: InferenceEngine) -> Iterator[None]:
+    """The step as it was before this suite's changes, for side-by-side runs in one process: the LM head's
+    weight row-major (as loaded) and greedy rows through torch's ``argmax``."""
+    from llminfer.sampling import sampler
+
+    weight = engine.backend.model.get_output_embeddings().weight
+    column_major, argmax = weight.t().is_contiguous(), sampler.argmax_rows
+    with torch.no_grad():
+        weight.data = weight.data.contiguous()
+    sampler.argmax_rows = lambda x: x.argmax(dim=-1).tolist()
+    try:
+        yield
+    finally:
+        sampler.argmax_rows = argmax
+        if column_major:
+            with torch.no_grad():
+                weight.data = weight.data.t().contiguous().t()
+
+
+def compare_before_after(engine: InferenceEngine, batch: int, prompt_len: int, new_tokens: int, reps: int,
+                         seed: int) -> dict[str, Any]:
+    """Median decode period (ms/step) before and after, alternating runs of the same workload."""
+    periods: dict[str, list[float]] = {"before": [], "after": []}
+    for rep in range(reps):
+        for label in ("before", "after"):
+            prompts = random_prompts(batch, prompt_len, BENCH_VOCAB, seed=seed + rep)
+            ctx = before_changes(engine) if label == "before" else nullcontext()
+            with ctx, timers(engine, False) as t:
+                engine.run_batch_continuous(prompts, max_new_tokens=new_tokens, ignore_eos=True)
+            rows = t.decode_rows(batch)
+            periods[label].append(statistics.median(r["period_ms"] for r in rows))
+    before, after = (statistics.median(periods[k]) for k in ("before", "after"))
+    return {"batch": batch, "ms_per_step_before": before, "ms_per_step_after": after,
+            "ratio_after_over_before": after / before, "runs_ms": periods}
+
+
 def _medians(rows: list[dict[str, float]]) -> dict[str, float]:
     return {k: statistics.median(r[k] for r in rows) for k in rows[0]} if rows else {}
 
@@ -224,7 +262,7 @@ def _loadavg() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def run(quick: bool, reps: int, plain_only: bool = False) -> dict[str, Any]:
+def run(quick: bool, reps: int, plain_only: bool = False, compare: bool = False) -> dict[str, Any]:
     configure_logging("warning")
     torch.set_num_threads(int(os.environ.get("LLMINFER_BENCH_THREADS", "2")))
     load_before = _loadavg()
@@ -234,9 +272,18 @@ def run(quick: bool, reps: int, plain_only: bool = False) -> dict[str, Any]:
     engine = InferenceEngine(cfg).load().start()
     try:
         engine.run_batch_continuous(random_prompts(2, 16, BENCH_VOCAB, seed=99), max_new_tokens=4)  # warm-up
-        bw = copy_bandwidth("cpu", False, nbytes=256 << 20, reps=4 if quick else 10)
         shapes = [(1, 128, 16 if quick else 48), (32, 128, 8 if quick else 24)]
         cases = []
+        if compare:
+            out = [compare_before_after(engine, b, p, n, reps, seed=1000 * (i + 1))
+                   for i, (b, p, n) in enumerate(shapes)]
+            for c in out:
+                print(f"batch {c['batch']}: before {c['ms_per_step_before']:.1f} ms/step, after "
+                      f"{c['ms_per_step_after']:.1f} ms/step, after/before {c['ratio_after_over_before']:.2f} "
+                      f"(runs {c['runs_ms']})")
+            return {"benchmark": "step_profile_before_after", "cases": out, "reps": reps, "quick": quick,
+                    "loadavg_before": load_before, "loadavg_after": _loadavg(), "environment": environment()}
+        bw = copy_bandwidth("cpu", False, nbytes=256 << 20, reps=4 if quick else 10)
         for i, (batch, prompt_len, new_tokens) in enumerate(shapes):
             case = profile_batch(engine, batch, prompt_len, new_tokens, reps, seed=100 * (i + 1),
                                  plain_only=plain_only)
@@ -264,9 +311,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--json-out", action="store_true", help="write bench/results/step_profile.json")
     ap.add_argument("--plain-only", action="store_true", help="no split runs: the step period alone "
                     "(for before/after comparisons of two source trees)")
+    ap.add_argument("--before-after", action="store_true", help="instead: the decode period before this "
+                    "suite's step changes (row-major fp32 LM head, torch argmax) and after, alternating")
     args = ap.parse_args(argv)
-    results = run(args.quick, args.reps, args.plain_only)
-    print_table(results)
+    results = run(args.quick, args.reps, args.plain_only, args.before_after)
+    if args.before_after:
+        print(f"load average before {results['loadavg_before']}, after {results['loadavg_after']}")
+    else:
+        print_table(results)
     if args.json_out:
         print(f"-> {save('step_profile', results)}")
     return results
