@@ -23,7 +23,8 @@ of the batch's mean context) over the copy bandwidth measured in the same run (`
 buffer, read + written bytes per second, as ``bench/gpu_check.py`` measures it).
 
     python bench/bench_step_profile.py [--quick] [--reps 3] [--json-out]   (--json-out: bench/results/step_profile.json)
-    python bench/bench_step_profile.py --before-after [--quick] [--reps 5]  (the step changes, side by side)
+    python bench/bench_step_profile.py --before-after [--quick] [--reps 5] [--json-out]
+        (the step changes side by side; --json-out: bench/results/step_profile_before_after.json)
 """
 
 from __future__ import annotations
@@ -320,7 +321,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     else:
         print_table(results)
     if args.json_out:
-        print(f"-> {save('step_profile', results)}")
+        print(f"-> {save(results['benchmark'], results)}")
     return results
 
 
