@@ -195,14 +195,15 @@ def nano_vllm_workload(dry: bool) -> tuple[list[list[int]], list[int]]:
 
 
 # ------------------------------------------------------------------------------------------- bandwidth
-def copy_bandwidth(device: str, dry: bool) -> float:
-    """Bytes read + written per second by ``Tensor.copy_`` of a 1 GiB buffer (16 MiB in a dry run)."""
-    n = (16 << 20) if dry else (1 << 30)
+def copy_bandwidth(device: str, dry: bool, nbytes: int | None = None, reps: int | None = None) -> float:
+    """Bytes read + written per second by ``Tensor.copy_`` of a 1 GiB buffer (16 MiB in a dry run; or
+    ``nbytes``, ``reps`` times)."""
+    n = nbytes or ((16 << 20) if dry else (1 << 30))
     src = torch.empty(n, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     for _ in range(3):
         dst.copy_(src)
-    reps = 3 if dry else 20
+    reps = reps or (3 if dry else 20)
     if device == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()

@@ -137,3 +137,37 @@ def test_native_half_needs_both_onednn_and_the_instructions(monkeypatch):
 def test_info_says_which_dtype_and_why(qwen2_dir):
     engine = make_engine(qwen2_dir)
     assert engine.info()["dtype_reason"] == "float32 (set)"
+    assert engine.info()["cpu_isa"].startswith(torch.backends.cpu.get_cpu_capability())
+
+
+@pytest.mark.parametrize(
+    ("flags", "onednn", "expected", "named"),
+    [
+        ({"avx2", "fma"}, (False, False), torch.float32, "no avx512_bf16/amx_bf16 CPU flag"),   # AVX2 only
+        ({"avx512f", "avx512_bf16"}, (True, True), torch.bfloat16, "CPU flag avx512_bf16"),     # Cooper Lake+
+        ({"amx_bf16", "amx_fp16", "avx512_fp16"}, (True, True), torch.bfloat16, "CPU flag amx_bf16"),
+        ({"avx512_fp16"}, (False, True), torch.float16, "CPU flag avx512_fp16"),
+        ({"avx512_bf16"}, (False, False), torch.float32, "oneDNN bfloat16 no"),  # flag, but oneDNN disagrees
+    ],
+)
+def test_auto_dtype_reason_names_the_deciding_cpu_flags(monkeypatch, flags, onednn, expected, named):
+    from llminfer.backends import loading
+
+    monkeypatch.setattr(loading, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: onednn[0])
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_fp16_supported", lambda: onednn[1])
+    dtype, reason = resolve_dtype(EngineConfig(), _Config("bfloat16"), torch.device("cpu"))
+    assert dtype == expected and named in reason, reason
+    support = loading.cpu_half_support()
+    assert support["half_flags"] == sorted(f for f in flags if f in {"avx512_bf16", "amx_bf16", "avx512_fp16",
+                                                                     "amx_fp16"})
+
+
+def test_benchmark_environment_records_the_auto_dtype_choice(monkeypatch):
+    from llminfer.backends import loading
+    from llminfer.benchmark.environment import environment
+
+    monkeypatch.setattr(loading, "cpu_flags", lambda: frozenset({"avx2"}))
+    facts = environment()["cpu_dtype"]
+    assert facts["auto_for_bf16_checkpoint"] == "float32" and facts["half_flags"] == []
+    assert "no native bf16/fp16" in facts["auto_reason"] and facts["cpu_capability"] in facts["auto_reason"]

@@ -60,7 +60,7 @@ def test_engine_prepacks_bf16_cpu_head_only():
     with make_engine(builtin_model_path(), dtype="bfloat16") as bf16, \
             make_engine(builtin_model_path()) as fp32:
         assert bf16.lm_head_prepacked and isinstance(bf16.model.get_output_embeddings(), PrepackedLinear)
-        assert not fp32.lm_head_prepacked  # fp32 keeps the exact Hugging Face path
+        assert not fp32.lm_head_prepacked  # fp32: no oneDNN packing; its head is column-major instead
         assert bf16.run("Hello there", max_new_tokens=5).stats.completion_tokens == 5
 
 

@@ -227,7 +227,7 @@ class EngineConfig:
     #: batch-size buckets (:mod:`llminfer.backends.cuda_graphs`). Ignored on CPU.
     cuda_graphs: bool = attrs.field(default=True, validator=_bool)
     #: On CPU in bf16/fp16 (eager backend), keep the LM head's weight prepacked in oneDNN's blocked layout
-    #: (one extra copy of the head; see :mod:`llminfer.backends.prepack`).
+    #: (one extra copy of the head); in fp32, store it column-major (no copy). See :mod:`llminfer.backends.prepack`.
     cpu_prepack_lm_head: bool = attrs.field(default=True, validator=_bool)
 
     tp_size: int = attrs.field(default=1, validator=[_int, _positive])

@@ -250,6 +250,7 @@ def describe_runtime(rt: Runtime, cfg: EngineConfig) -> dict[str, Any]:
         "parameters": base_params,
         "dtype": str(rt.dtype).replace("torch.", ""),
         "dtype_reason": rt.dtype_reason,
+        "cpu_isa": _cpu_isa_line(),
         "quant": cfg.quant.mode.value,
         "weight_bytes_unquantized": base_bytes,
         "max_model_len": rt.max_model_len,
@@ -269,3 +270,13 @@ def describe_runtime(rt: Runtime, cfg: EngineConfig) -> dict[str, Any]:
     if rt.kv_sizing is not None:
         facts.update({f"kv_sizing_{k}": v for k, v in rt.kv_sizing.items()})
     return facts
+
+
+def _cpu_isa_line() -> str:
+    """``llminfer info``'s CPU line: torch's ISA level and the flags that decide ``dtype="auto"``."""
+    from llminfer.backends.loading import cpu_half_support
+
+    support = cpu_half_support()
+    return (f"{support['cpu_capability']}, native bf16 {'yes' if support['native']['bfloat16'] else 'no'}, "
+            f"native fp16 {'yes' if support['native']['float16'] else 'no'} "
+            f"(half-precision CPU flags: {', '.join(support['half_flags']) or 'none'})")

@@ -126,16 +126,21 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-def cpu_native_half(flags: frozenset[str] | None = None) -> dict[str, bool]:
-    """Whether this CPU computes bf16 / fp16 matmuls natively (oneDNN reports the type usable *and* the
-    CPU has the instructions: AVX-512 BF16 or AMX-BF16; AVX-512 FP16 or AMX-FP16). Without them oneDNN
-    emulates the type through fp32 conversions, which is much slower than fp32 itself.
+#: The CPU flags (``/proc/cpuinfo`` names) that make each half type native: without one, oneDNN emulates it
+#: through fp32 conversions, which is much slower than fp32 itself.
+HALF_FLAGS = {"bfloat16": ("avx512_bf16", "amx_bf16"), "float16": ("avx512_fp16", "amx_fp16")}
+
+
+def cpu_half_support(flags: frozenset[str] | None = None) -> dict[str, Any]:
+    """What decides ``dtype="auto"`` on this CPU, for ``llminfer info`` and benchmark artifacts.
 
     Args:
         flags: CPU flags (default: :func:`cpu_flags`); where none are known, oneDNN's answer alone counts.
 
     Returns:
-        ``{"bfloat16": bool, "float16": bool}``.
+        ``{"cpu_capability": torch's ISA level (e.g. "AVX2"), "half_flags": the flags of :data:`HALF_FLAGS`
+        present (sorted), "onednn": {"bfloat16": bool, "float16": bool}, "native": {"bfloat16": bool,
+        "float16": bool}}``: native when oneDNN reports the type usable *and* the CPU has the instructions.
     """
     flags = cpu_flags() if flags is None else flags
     ops = torch.ops.mkldnn
@@ -143,10 +148,29 @@ def cpu_native_half(flags: frozenset[str] | None = None) -> dict[str, bool]:
         onednn = {"bfloat16": bool(ops._is_mkldnn_bf16_supported()), "float16": bool(ops._is_mkldnn_fp16_supported())}
     except (AttributeError, RuntimeError):
         onednn = {"bfloat16": False, "float16": False}
-    if not flags:
-        return onednn
-    return {"bfloat16": onednn["bfloat16"] and bool(flags & {"avx512_bf16", "amx_bf16"}),
-            "float16": onednn["float16"] and bool(flags & {"avx512_fp16", "amx_fp16"})}
+    native = dict(onednn) if not flags else {
+        half: onednn[half] and bool(flags & set(names)) for half, names in HALF_FLAGS.items()}
+    present = sorted(f for names in HALF_FLAGS.values() for f in names if f in flags)
+    return {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "half_flags": present,
+            "onednn": onednn, "native": native}
+
+
+def cpu_native_half(flags: frozenset[str] | None = None) -> dict[str, bool]:
+    """Whether this CPU computes bf16 / fp16 matmuls natively (``cpu_half_support(flags)["native"]``):
+    oneDNN reports the type usable *and* the CPU has the instructions (AVX-512 BF16 or AMX-BF16; AVX-512
+    FP16 or AMX-FP16).
+
+    Returns:
+        ``{"bfloat16": bool, "float16": bool}``.
+    """
+    return cpu_half_support(flags)["native"]
+
+
+def _why_half(support: dict[str, Any], half: str) -> str:
+    """One clause naming what made ``half`` native or not, e.g. ``"CPU flag avx512_bf16, oneDNN bf16 yes"``."""
+    have = [f for f in HALF_FLAGS[half] if f in support["half_flags"]]
+    flags = f"CPU flag {'/'.join(have)}" if have else f"no {'/'.join(HALF_FLAGS[half])} CPU flag"
+    return f"{flags}, oneDNN {half} {'yes' if support['onednn'][half] else 'no'}"
 
 
 def resolve_dtype(cfg: EngineConfig, model_config: Any, device: torch.device,
@@ -176,12 +200,20 @@ def resolve_dtype(cfg: EngineConfig, model_config: Any, device: torch.device,
     name = str(dt).replace("torch.", "")
     if device.type != "cpu" or dt == torch.float32:
         return dt, f"auto: the checkpoint's {name}"
-    native = cpu_native_half() if native_half is None else native_half
+    if native_half is None:
+        support = cpu_half_support()
+    else:  # injected: the flags are implied by the answer
+        support = {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "onednn": dict(native_half),
+                   "native": native_half,
+                   "half_flags": [HALF_FLAGS[h][0] for h in HALF_FLAGS if native_half[h]]}
+    native = support["native"]
     for half in ("bfloat16", "float16"):
         if native[half]:
-            return _DTYPES[half], f"auto: {name} checkpoint, and this CPU computes {half} natively"
+            return _DTYPES[half], (f"auto: {name} checkpoint, and this CPU computes {half} natively "
+                                   f"({_why_half(support, half)})")
     return torch.float32, (f"auto: {name} checkpoint, but this CPU has no native bf16/fp16 "
-                           f"({torch.backends.cpu.get_cpu_capability()}): float32 runs batched steps faster")
+                           f"({support['cpu_capability']}; {_why_half(support, 'bfloat16')}; "
+                           f"{_why_half(support, 'float16')}): float32 runs batched steps faster")
 
 
 def load_tokenizer(path: str, cfg: EngineConfig):

@@ -7,6 +7,13 @@ row-major weight, which reorders on the fly (measured on a 2-core AVX512-BF16 ma
 32 rows, 11.7 -> 6.5 ms at 1 row). This is the same reorder that Inductor's weight-prepack pass inserts
 under ``torch.compile`` with freezing (``torch/_inductor/fx_passes/mkldnn_fusion.py``); here it is applied
 to one eager module, so no compilation and no graph breaks are involved.
+
+In float32 the head is instead stored column-major: the ``[V, d]`` weight becomes the transposed view of a
+contiguous ``[d, V]`` tensor (same bytes, no copy kept), so ``F.linear`` multiplies by a contiguous
+``[d, V]`` matrix. MKL's fp32 GEMV/GEMM runs that layout much faster for a few rows (measured on the 2-core
+AVX2 machine, 151,000 x 512: 107 -> 31 ms at 1 row, 616 -> 520 ms at 32 rows, loaded machine). A tied input
+embedding shares the parameter; its lookups then read strided rows: 32 tokens 0.09 -> 0.23 ms, a 2048-token
+prefill 19 -> 55 ms, next to that prefill's seconds of matmuls.
 """
 
 from __future__ import annotations
@@ -77,16 +84,34 @@ class PrepackedLinear(nn.Linear):
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
-def prepack_lm_head(model: nn.Module) -> bool:
-    """Swap ``model``'s output embedding (the LM head) for a :class:`PrepackedLinear` when that helps here.
+def transpose_linear_weight(linear: nn.Linear) -> bool:
+    """Store ``linear.weight`` (``[out, in]``) as the transposed view of a contiguous ``[in, out]`` tensor,
+    in place: the same ``Parameter`` object (ties and ``state_dict`` keys unchanged), the same values.
 
     Returns:
-        True if the head was swapped; False (and the model untouched) if the head is not a plain
+        True if the layout changed; False if it already was column-major.
+    """
+    weight = linear.weight
+    if weight.dim() != 2 or weight.t().is_contiguous():
+        return False
+    with torch.no_grad():
+        weight.data = weight.data.t().contiguous().t()
+    return True
+
+
+def prepack_lm_head(model: nn.Module) -> bool:
+    """Swap ``model``'s output embedding (the LM head) for a :class:`PrepackedLinear` when that helps here
+    (bf16/fp16), or store its fp32 weight column-major (:func:`transpose_linear_weight`).
+
+    Returns:
+        True if the head was swapped or re-laid out; False (and the model untouched) if the head is not a plain
         ``nn.Linear`` (quantized, already wrapped) or the device/dtype cannot use oneDNN's packed matmul.
     """
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if type(head) is not nn.Linear:
         return False
+    if head.weight.device.type == "cpu" and head.weight.dtype == torch.float32:
+        return transpose_linear_weight(head)
     if not prepack_supported(head.weight.dtype, head.weight.device):
         return False
     packed = PrepackedLinear(head)

@@ -28,7 +28,7 @@ import torch
 from llminfer.backends.attention import PagedKVCache
 from llminfer.backends.hf import HFBackend, prompt_logprob_jobs, prompt_logprobs, run_packed
 from llminfer.protocols.messages import ScheduledSequence, SchedulerOutput, StepOutput
-from llminfer.sampling.sampler import SamplingState, sample, warp
+from llminfer.sampling.sampler import SamplingState, argmax_rows, sample, warp
 
 
 class SpeculativeBackend(HFBackend):
@@ -124,7 +124,7 @@ class SpeculativeBackend(HFBackend):
         """
         params = state.params
         if params.greedy:
-            target = rows.argmax(dim=-1).tolist()
+            target = argmax_rows(rows)
             accepted = 0
             while accepted < len(proposed) and proposed[accepted] == target[accepted]:
                 accepted += 1

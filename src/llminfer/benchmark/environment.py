@@ -73,7 +73,22 @@ def environment() -> dict[str, Any]:
         "transformers": transformers.__version__,
         "llminfer": llminfer.__version__,
         "git_revision": git_revision(),
+        "cpu_dtype": cpu_dtype_facts(),
     }
+
+
+def cpu_dtype_facts() -> dict[str, Any]:
+    """The CPU's ISA level, half-precision flags and oneDNN support, and what ``dtype="auto"`` picks for a
+    bf16 checkpoint on CPU and why (:func:`llminfer.backends.loading.resolve_dtype`)."""
+    from llminfer.backends.loading import cpu_half_support, resolve_dtype
+    from llminfer.config import EngineConfig
+
+    class _HalfCheckpoint:
+        dtype = "bfloat16"
+
+    dtype, reason = resolve_dtype(EngineConfig(), _HalfCheckpoint(), torch.device("cpu"))
+    return {**cpu_half_support(), "auto_for_bf16_checkpoint": str(dtype).replace("torch.", ""),
+            "auto_reason": reason}
 
 
 def peak_rss_bytes() -> int:

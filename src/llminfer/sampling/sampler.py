@@ -32,6 +32,18 @@ from llminfer.sampling.structured import GrammarMatcher, allocate_bitmask, apply
 NEG_INF = float("-inf")
 
 
+def argmax_rows(x: torch.Tensor) -> list[int]:
+    """Per row of ``x`` (``[S, V]``), the index of its first maximum (NaN counts as the maximum), as ints.
+
+    On CPU in float32 this is NumPy's ``argmax``, which is SIMD-vectorised: torch's CPU ``argmax`` is
+    not (measured on a 2-core AVX2 machine, ``[32, 151000]``: 57 -> 13 ms; ``[1, 151000]``: 2.1 -> 0.05
+    ms). Both return the first index of the maximum, so the tokens are the same.
+    """
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.shape[-1]:
+        return x.detach().numpy().argmax(axis=-1).tolist()
+    return x.argmax(dim=-1).tolist()
+
+
 class ForcedWords:
     """Forced phrases: each must appear in the output.
 
@@ -319,7 +331,7 @@ def sample(
     want_lp = [i for i, s in enumerate(states) if s.params.logprobs is not None]
     lp_rows = torch.log_softmax(logits[want_lp], dim=-1) if want_lp else None
 
-    out = logits.argmax(dim=-1).tolist()
+    out = argmax_rows(logits)
     rows = [i for i, s in enumerate(states) if not s.params.greedy]
     if rows:
         idx = torch.tensor(rows, device=logits.device)
@@ -329,7 +341,7 @@ def sample(
         noise = torch.empty_like(probs)
         for j, i in enumerate(rows):
             noise[j].exponential_(generator=states[i].generator)
-        for j, tok in enumerate((probs / noise).argmax(dim=-1).tolist()):
+        for j, tok in enumerate(argmax_rows(probs / noise)):
             out[rows[j]] = tok
 
     if lp_rows is not None:

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Build llama.cpp (the tree vendored in the llama-cpp-python sdist) into a cache folder: native, Release,
+# only the llama-bench, llama-server and llama-quantize targets. Niced and -j2 by default because the
+# machines this runs on are shared. Prints one "SKIP: ..." line and exits 0 where it cannot build.
+#
+#   bench/llamacpp/build.sh            # env: LLAMACPP_CACHE (~/.cache/llminfer/llamacpp), JOBS (2), PIP
+set -euo pipefail
+CACHE="${LLAMACPP_CACHE:-$HOME/.cache/llminfer/llamacpp}"
+JOBS="${JOBS:-2}"
+PIP="${PIP:-pip}"
+for tool in cmake c++ cc; do
+  if ! command -v "$tool" >/dev/null 2>&1; then
+    echo "SKIP: llama.cpp peer benchmark: '$tool' not found (install cmake and a C/C++ compiler, e.g. 'pip install cmake' and build-essential)"
+    exit 0
+  fi
+done
+BIN="$CACHE/build/bin"
+if [[ -x "$BIN/llama-bench" && -x "$BIN/llama-server" && -x "$BIN/llama-quantize" ]]; then
+  echo "llama.cpp already built in $BIN"; exit 0
+fi
+mkdir -p "$CACHE/src"
+SDIST=$(ls "$CACHE"/src/llama_cpp_python-*.tar.gz 2>/dev/null | sort -V | tail -1 || true)
+if [[ -z "$SDIST" ]]; then
+  "$PIP" download --no-binary :all: --no-deps llama-cpp-python -d "$CACHE/src" \
+    || { echo "SKIP: llama.cpp peer benchmark: could not download the llama-cpp-python sdist"; exit 0; }
+  SDIST=$(ls "$CACHE"/src/llama_cpp_python-*.tar.gz | sort -V | tail -1)
+fi
+TOP="${SDIST%.tar.gz}"
+[[ -d "$TOP" ]] || tar xzf "$SDIST" -C "$CACHE/src"
+ln -sfn "$TOP/vendor/llama.cpp" "$CACHE/llama.cpp"
+start=$(date +%s)
+nice -n 19 cmake -S "$CACHE/llama.cpp" -B "$CACHE/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+  -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DBUILD_SHARED_LIBS=OFF
+nice -n 19 cmake --build "$CACHE/build" --config Release -j "$JOBS" --target llama-bench llama-server llama-quantize
+end=$(date +%s)
+echo "$((end - start))" > "$CACHE/build_seconds.txt"
+echo "llama.cpp built in $((end - start)) s (jobs=$JOBS, load average at end: $(cut -d' ' -f1-3 /proc/loadavg)) -> $BIN"

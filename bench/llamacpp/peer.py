@@ -1,0 +1,231 @@
+"""llama.cpp as a benchmark peer on CPU: the bench model as GGUF, ``llama-bench`` and ``llama-server``
+next to llminfer at matched precision. Not part of CI; see bench/llamacpp/README.md.
+
+Steps (each skipped with one ``SKIP:`` line where it cannot run):
+
+1. ``build.sh``: llama.cpp from the llama-cpp-python sdist into ``~/.cache/llminfer/llamacpp``;
+2. convert the bench model (``bench/common.py``) with the vendored ``convert_hf_to_gguf.py`` to f32 (plus
+   f16/bf16 where this CPU computes them natively), then Q8_0 and Q4_0 with ``llama-quantize``;
+3. batch-1 decode: ``llama-bench -p 0 -n N`` (tg) per GGUF, and llminfer's batch-1 decode ms/token at the
+   matched precision (fp32 vs f32; ``int8-wo`` vs Q8_0 and ``int4-wo`` vs Q4_0 where ``--quant`` has them);
+4. with ``--serve``: ``llama-server -np 32`` and ``llminfer serve`` each under ``llminfer bench-serve`` (64
+   requests, prompts 16..256, outputs 16..256, EOS ignored, 32 in flight).
+
+Threads: the idle cores (cpu count minus the 1-minute load average, at least 1), because llama.cpp
+spin-waits at every op and collapses when its threads are oversubscribed. The load average is recorded
+before and after: figures from a loaded machine are not figures from a quiet one.
+
+    python bench/llamacpp/peer.py [--tokens 64] [--serve] [--json-out PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+CACHE = Path(os.environ.get("LLAMACPP_CACHE", Path.home() / ".cache" / "llminfer" / "llamacpp"))
+BIN = CACHE / "build" / "bin"
+PAIRS = (("float32", "none", "f32"), ("float32", "int8-wo", "q8_0"), ("float32", "int4-wo", "q4_0"))
+
+
+def loadavg() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def idle_cores() -> int:
+    """CPU count less the 1-minute load average, at least 1."""
+    return max(1, int((os.cpu_count() or 1) - os.getloadavg()[0]))
+
+
+def quant_modes() -> set[str]:
+    """The ``--quant`` values this llminfer has (``QuantMode``)."""
+    from llminfer.config import QuantMode
+
+    return {m.value for m in QuantMode}
+
+
+def build() -> bool:
+    out = subprocess.run(["bash", str(HERE / "build.sh")], capture_output=True, text=True,
+                         env={**os.environ, "PIP": os.environ.get("PIP", f"{sys.executable} -m pip")})
+    lines = out.stdout.strip().splitlines()
+    print(lines[-1] if lines else out.stderr.strip()[-500:])
+    return out.returncode == 0 and (BIN / "llama-bench").exists()
+
+
+def convert(model_dir: Path) -> dict[str, Path]:
+    """GGUF files of the bench model by type: f32, f16/bf16 where native, q8_0, q4_0."""
+    from llminfer.backends.loading import cpu_half_support
+
+    out_dir = CACHE / "models"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    native = cpu_half_support()["native"]
+    kinds = ["f32"] + [k for k, half in (("bf16", "bfloat16"), ("f16", "float16")) if native[half]]
+    files = {}
+    env = {**os.environ, "PYTHONPATH": str(CACHE / "llama.cpp" / "gguf-py")}
+    for kind in kinds:
+        dest = out_dir / f"{model_dir.name}-{kind}.gguf"
+        if not dest.exists():
+            subprocess.run([sys.executable, str(CACHE / "llama.cpp" / "convert_hf_to_gguf.py"), str(model_dir),
+                            "--outtype", kind, "--outfile", str(dest)], check=True, env=env,
+                           stdout=subprocess.DEVNULL)
+        files[kind] = dest
+    print(f"half-precision GGUF: {', '.join(kinds[1:]) or 'none (this CPU has no native bf16/fp16)'}")
+    for kind, qtype in (("q8_0", "Q8_0"), ("q4_0", "Q4_0")):
+        dest = out_dir / f"{model_dir.name}-{kind}.gguf"
+        if not dest.exists():
+            subprocess.run([str(BIN / "llama-quantize"), str(files["f32"]), str(dest), qtype], check=True,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        files[kind] = dest
+    return files
+
+
+def llama_bench(gguf: Path, tokens: int, threads: int) -> dict[str, Any]:
+    """``llama-bench`` text generation (tg) of ``tokens`` tokens at batch 1: ms per token."""
+    out = subprocess.run([str(BIN / "llama-bench"), "-m", str(gguf), "-p", "0", "-n", str(tokens),
+                          "-t", str(threads), "-r", "3", "-o", "json"], capture_output=True, text=True, check=True)
+    row = json.loads(out.stdout)[0]
+    tps = float(row["avg_ts"])
+    return {"tok_per_s": tps, "ms_per_token": 1e3 / tps, "threads": threads, "gguf": gguf.name}
+
+
+def llminfer_decode(model_dir: Path, quant: str, tokens: int, threads: int) -> dict[str, Any]:
+    """llminfer's batch-1 decode ms per token (median of 3 runs, fp32), in this process."""
+    import statistics
+
+    import torch
+
+    from common import BENCH_VOCAB, random_prompts
+    from llminfer import EngineConfig, InferenceEngine
+    from llminfer.config import QuantConfig, QuantMode
+
+    torch.set_num_threads(threads)
+    cfg = EngineConfig(model_name=str(model_dir), dtype="float32", device="cpu", max_batch_size=1,
+                       batch_timeout_ms=0, quant=QuantConfig(mode=QuantMode(quant)))
+    tpot = []
+    with InferenceEngine(cfg) as engine:
+        prompt = random_prompts(1, 8, BENCH_VOCAB, seed=1)[0]
+        engine.run(prompt, max_new_tokens=4, ignore_eos=True)  # warm-up
+        for _ in range(3):
+            st = engine.run(prompt, max_new_tokens=tokens, ignore_eos=True).stats
+            tpot.append((st.total_latency_ms - st.ttft_ms) / max(1, st.completion_tokens - 1))
+    return {"ms_per_token": statistics.median(tpot), "threads": threads, "quant": quant}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_http(url: str, proc: subprocess.Popen, timeout_s: float = 600) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(url)
+
+
+def bench_serve(base_url: str, out: Path) -> dict[str, Any]:
+    """The mixed workload through ``llminfer bench-serve``; returns its JSON artifact."""
+    subprocess.run([sys.executable, "-m", "llminfer", "bench-serve", "--base-url", base_url, "--num-requests", "64",
+                    "--concurrency", "32", "--prompt-len", "16,256", "--output-len", "16,256", "--ignore-eos",
+                    "--json-out", str(out)], check=True)
+    return json.loads(out.read_text())
+
+
+def serve_pair(model_dir: Path, gguf: Path, quant: str, threads: int, work: Path) -> dict[str, Any]:
+    """``llama-server -np 32`` and ``llminfer serve`` at matched precision, one after the other."""
+    results = {}
+    servers = {
+        "llama_server": [str(BIN / "llama-server"), "-m", str(gguf), "-np", "32", "-c", str(32 * 640),
+                         "-t", str(threads), "--host", "127.0.0.1"],
+        "llminfer": [sys.executable, "-m", "llminfer", "serve", "--model", str(model_dir), "--dtype", "float32",
+                     "--max-batch-size", "32", "--quant", quant, "--host", "127.0.0.1"],
+    }
+    for name, cmd in servers.items():
+        port = _free_port()
+        proc = subprocess.Popen([*cmd, "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                env={**os.environ, "OMP_NUM_THREADS": str(threads)}, start_new_session=True)
+        try:
+            _wait_http(f"http://127.0.0.1:{port}/health", proc)
+            results[name] = bench_serve(f"http://127.0.0.1:{port}", work / f"serve_{name}_{quant}.json")
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=60)
+    return results
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=64, help="decode tokens per batch-1 run")
+    ap.add_argument("--serve", action="store_true", help="also the 64-request serving workload on both servers")
+    ap.add_argument("--json-out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    payload: dict[str, Any] = {"benchmark": "llamacpp_peer", "loadavg_before": loadavg()}
+    if shutil.which("cmake") is None or shutil.which("c++") is None:
+        print("SKIP: llama.cpp peer benchmark: cmake or a C++ compiler is missing")
+        return {"skipped": "no cmake/compiler"}
+    if not build():
+        return {"skipped": "build failed"}
+    from common import bench_model_path, environment
+
+    model_dir = bench_model_path()
+    files = convert(model_dir)
+    threads = idle_cores()
+    have = quant_modes()
+    rows = []
+    for _dtype, quant, kind in PAIRS:
+        if quant not in have:
+            print(f"SKIP: llminfer {quant} vs llama.cpp {kind.upper()}: this llminfer has no --quant {quant}")
+            continue
+        peer = llama_bench(files[kind], args.tokens, threads)
+        ours = llminfer_decode(model_dir, quant, args.tokens, threads)
+        row = {"llminfer": ours, "llamacpp": peer, "kind": kind,
+               "ratio_llminfer_over_llamacpp_ms": ours["ms_per_token"] / peer["ms_per_token"]}
+        rows.append(row)
+        print(f"batch-1 decode {quant} vs {kind}: llminfer {ours['ms_per_token']:.1f} ms/token, llama.cpp "
+              f"{peer['ms_per_token']:.1f} ms/token, ratio {row['ratio_llminfer_over_llamacpp_ms']:.2f} "
+              f"({threads} threads, load {loadavg()})")
+    payload["batch1_decode"] = rows
+    if args.serve:
+        work = CACHE / "serve"
+        work.mkdir(exist_ok=True)
+        payload["serving"] = {quant: serve_pair(model_dir, files[kind], quant, threads, work)
+                              for _dtype, quant, kind in PAIRS if quant in have}
+    payload.update({"loadavg_after": loadavg(), "threads": threads, "environment": environment(),
+                    "build_seconds": _build_seconds()})
+    print(f"load average before {payload['loadavg_before']}, after {payload['loadavg_after']}")
+    if args.json_out:
+        args.json_out.write_text(json.dumps(payload, indent=2, default=str))
+        print(f"-> {args.json_out}")
+    return payload
+
+
+def _build_seconds() -> float | None:
+    try:
+        return float((CACHE / "build_seconds.txt").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""The CPU decode step's pieces: NumPy argmax == torch argmax, the column-major fp32 LM head, the step
+profile's arithmetic (bench/bench_step_profile.py) and the llama.cpp peer script's skip path."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llminfer.backends.prepack import prepack_lm_head, transpose_linear_weight
+from llminfer.sampling.sampler import argmax_rows
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+
+def test_argmax_rows_matches_torch_on_ties_infinities_and_nan():
+    torch.manual_seed(0)
+    x = torch.randn(6, 1000)
+    x[1, 10] = x[1, 700] = 50.0          # a tie: the first index wins in both
+    x[2] = float("-inf")
+    x[2, 999] = 0.0                       # everything else banned
+    x[3, 5] = float("nan")                # NaN counts as the maximum in both
+    x[4, :] = 1.0                         # all equal
+    cols = x[:, ::2]                      # a strided view
+    for t in (x, cols, x.to(torch.bfloat16), x[:, :1]):
+        assert argmax_rows(t) == t.argmax(dim=-1).tolist()
+
+
+def test_column_major_head_keeps_values_and_ties():
+    torch.manual_seed(0)
+    emb = nn.Embedding(300, 16)
+    head = nn.Linear(16, 300, bias=False)
+    head.weight = emb.weight                      # tied, like Qwen2-0.5B
+
+    class Tiny(nn.Module):
+        def get_output_embeddings(self):
+            return head
+
+    x, ids = torch.randn(3, 16), torch.tensor([0, 7, 299])
+    before, rows = F.linear(x, head.weight), emb(ids)
+    param = head.weight
+    assert prepack_lm_head(Tiny())
+    assert head.weight is param and emb.weight is param and param.t().is_contiguous()
+    torch.testing.assert_close(F.linear(x, head.weight), before)
+    assert torch.equal(emb(ids), rows)
+    assert not transpose_linear_weight(head)      # already column-major: left alone
+
+
+def test_fp32_engine_runs_a_column_major_head(qwen2_dir):
+    from helpers import make_engine
+
+    with make_engine(qwen2_dir) as engine:  # float32 on CPU
+        assert engine.model.get_output_embeddings().weight.t().is_contiguous()
+
+
+def _load(name: str):
+    sys.path.insert(0, str(BENCH))
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bandwidth_floor_and_step_split_arithmetic():
+    prof = _load("bench_step_profile")
+    assert prof.bandwidth_floor_ms(458e6, 10e9) == pytest.approx(45.8)
+    with pytest.raises(ValueError, match="positive"):
+        prof.bandwidth_floor_ms(1.0, 0.0)
+    parts = {"forward": 0.040, "linear_attn": 0.005, "linear_mlp": 0.010, "lm_head": 0.015, "attention": 0.004,
+             "metadata": 0.001, "sampling": 0.002}
+    split = prof.split_from_timings(parts, execute_s=0.045, period_s=0.050)
+    assert split["model_other"] == pytest.approx(6.0) and split["backend_other"] == pytest.approx(2.0)
+    assert split["overhead"] == pytest.approx(5.0)
+    assert sum(split[k] for k in prof.PARTS) == pytest.approx(50.0)  # the parts add up to the period
+
+
+def test_llamacpp_script_skips_with_one_line_without_cmake(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("bash", "env", "dirname", "cut", "ls"):  # what the script needs before its cmake check
+        real = subprocess.run(["bash", "-c", f"command -v {tool}"], capture_output=True, text=True).stdout.strip()
+        if real:
+            os.symlink(real, bin_dir / tool)
+    proc = subprocess.run([str(bin_dir / "bash"), str(BENCH / "llamacpp" / "build.sh")], capture_output=True,
+                          text=True, timeout=60, env={"PATH": str(bin_dir), "LLAMACPP_CACHE": str(tmp_path / "c")})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().startswith("SKIP: llama.cpp peer benchmark: 'cmake' not found"), proc.stdout
+    assert not (tmp_path / "c").exists()  # nothing downloaded or built
