@@ -61,6 +61,7 @@ SUITES: list[Suite] = [
     Suite("quant", "bench_quant.py"),
     Suite("structured", "bench_structured.py"),
     Suite("step_metadata", "bench_step_metadata.py", quick_args=("--quick", "--reps", "1")),
+    Suite("step_profile", "bench_step_profile.py", args=("--json-out",), quick_args=("--quick", "--reps", "1")),
 ]
 
 
@@ -104,6 +105,8 @@ RATIOS: list[Ratio] = [
           ("builder", "prefill_2048_over_1k", "ratio_after_over_before"), "< 1.0"),
     Ratio("CPU step time, tensor-op metadata / loop", "step_metadata.json", ("step", "ratio_after_over_before"),
           "<= 1.0"),
+    Ratio("batch-1 fp32 decode step / memory-bandwidth floor", "step_profile.json",
+          ("cases", 0, "plain_over_floor"), "report"),
 ]
 
 
@@ -113,7 +116,7 @@ def _get(path: Path, *keys):
         for k in keys:
             value = value[k(value) if callable(k) else k]
         return value
-    except (OSError, KeyError, TypeError, ValueError):
+    except (OSError, KeyError, IndexError, TypeError, ValueError):
         return None
 
 
