@@ -80,6 +80,8 @@ def environment() -> dict[str, Any]:
 def cpu_dtype_facts() -> dict[str, Any]:
     """The CPU's ISA level, half-precision flags and oneDNN support, and what ``dtype="auto"`` picks for a
     bf16 checkpoint on CPU and why (:func:`llminfer.backends.loading.resolve_dtype`)."""
+    import torch
+
     from llminfer.backends.loading import cpu_half_support, resolve_dtype
     from llminfer.config import EngineConfig
 
