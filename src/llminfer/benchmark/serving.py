@@ -400,16 +400,7 @@ class ServingSweepResult:
         Raises:
             OSError: a folder cannot be created or a file written.
         """
-        out: dict[str, Path] = {}
-        if json_path is not None:
-            out["json"] = Path(json_path)
-            out["json"].parent.mkdir(parents=True, exist_ok=True)
-            out["json"].write_text(json.dumps(artifacts._clean(self.to_json_dict()), indent=2, default=str))
-        if csv_path is not None:
-            out["csv"] = Path(csv_path)
-            out["csv"].parent.mkdir(parents=True, exist_ok=True)
-            self.table().write_csv(out["csv"])
-        return out
+        return artifacts.write_files(self.to_json_dict(), self.table(), json_path, csv_path)
 
 
 def _workload_dict(cfg: ServingConfig, workload: ServingWorkload, reqs: list[tuple[str, int]]) -> dict[str, Any]:
