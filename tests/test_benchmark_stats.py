@@ -7,6 +7,7 @@ of a hub id, tiny sizes)."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import runpy
 import sys
@@ -116,6 +117,17 @@ def test_percentiles_are_over_every_request_of_every_run(tmp_path):
             assert row[key] == pytest.approx(summary[key]) if isinstance(row[key], float) else row[key] == summary[key]
 
 
+def test_a_batch_larger_than_the_kv_pool_is_refused_before_it_runs():
+    engine = StubEngine([], FakeClock())
+    engine.cfg = EngineConfig(max_batch_size=64)
+    engine.cache_stats = lambda: {"blocks_total": 40, "block_size": 16}
+    bench = Benchmarker(engine, prompt_len=20)
+    with pytest.raises(ValueError, match="batch size 64 needs 128 KV blocks of 16 tokens at once; the KV pool holds 40"):
+        bench.run(batch_sizes=[1, 2000], num_runs=1, max_new_tokens=NEW, warmup=0)
+    engine.cfg = EngineConfig(max_batch_size=16)  # 16 running sequences need 32 blocks: the rest queue
+    bench._check_capacity([2000], NEW)
+
+
 def test_artifact_folders_never_replace_files(tmp_path):
     frame = pl.DataFrame({"a": [1]})
     first = save({"x": 1}, frame, tmp_path, "benchmark")
@@ -187,6 +199,15 @@ def test_bench_writes_only_the_plot_asked_for(tmp_path, monkeypatch, capsys):
     rc, _, err = _cli(["compare", *SMALL, "--json-out", "out.png"], capsys)
     assert rc == 2 and "--json-out out.png exists" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.png"]
+    # A file type matplotlib cannot write, or a folder nobody may write: refused before the run too.
+    rc, _, err = _cli(["bench", *SMALL, "--plot", "out.txt"], capsys)
+    assert rc == 2 and "--plot out.txt" in err and ".png" in err
+    (tmp_path / "ro").mkdir(mode=0o500)
+    if not os.access(tmp_path / "ro", os.W_OK):  # root may write anywhere
+        rc, _, err = _cli(["bench", *SMALL, "--artifacts-dir", "ro"], capsys)
+        assert rc == 2 and "--artifacts-dir ro" in err
+    rc, _, err = _cli(["bench", *SMALL, "--artifacts-dir", "out.png/sub"], capsys)  # under a file
+    assert rc == 2 and "--artifacts-dir out.png/sub" in err
 
 
 def test_description_bench_command(tmp_path, monkeypatch, capsys):

@@ -255,7 +255,8 @@ def test_bench_report_errors_are_one_line(case, message, tmp_path, capsys):
         build_report([])
 
 
-def test_load_points_and_bench_serve_flag_errors(capsys):
+def test_load_points_and_bench_serve_flag_errors(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     assert parse_request_rates("1,2.5,inf") == [1.0, 2.5, math.inf] and parse_concurrencies(None) == [None]
     assert load_points([1.0, 4.0], [8]) == [LoadPoint(1.0, 8), LoadPoint(4.0, 8)]
     assert LoadPoint().label() == "rate inf, concurrency -"
@@ -271,7 +272,12 @@ def test_load_points_and_bench_serve_flag_errors(capsys):
         code, _, err = _cli(["bench-serve", "--base-url", "http://127.0.0.1:9", *args], capsys)
         assert code == 2 and message in err and err.count("\n") == 1, err
     code, _, err = _cli(["bench-serve", "--base-url", "http://127.0.0.1:9"], capsys)  # no /v1/models to ask
-    assert code == 2 and "request to http://127.0.0.1:9 failed: ConnectError" in err and err.count("\n") == 1
+    assert code == 1 and "request to http://127.0.0.1:9 failed: ConnectError" in err and err.count("\n") == 1
+    assert "is the server running?" in err
+    Path("taken.json").write_text("{}")  # an explicit path that exists: refused before any request
+    code, _, err = _cli(["bench-serve", "--base-url", "http://127.0.0.1:9", "--model", "m", "--json-out",
+                         "taken.json"], capsys)
+    assert code == 2 and "--json-out taken.json exists" in err and Path("taken.json").read_text() == "{}"
     code, out, err = _cli(["bench-serve", "--base-url", "http://127.0.0.1:9", "--model", "m", "--num-requests", "2",
                            "--concurrency", "1,2", "--json-out", "never.json"], capsys)
     assert code == 1 and err.startswith("error: all 4 requests failed; first error: ConnectError") and out == ""

@@ -61,6 +61,11 @@ class GenerationResult:
     logprobs: tuple[TokenLogprob, ...] = ()
     prompt_logprobs: tuple[TokenLogprob, ...] = ()  #: prompt tokens 1..P-1 (``prompt_logprobs`` asked)
 
+    @property
+    def text(self) -> str:
+        """``generated_text`` (the name vLLM's and most clients' outputs use)."""
+        return self.generated_text
+
 
 @attrs.frozen
 class StreamChunk:

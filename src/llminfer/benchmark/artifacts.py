@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import math
+import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,39 @@ def check_new(path: str | Path, overwrite: bool = False, flag: str | None = None
         what = f"{flag} {path}" if flag else str(path)
         raise FileExistsError(f"{what} exists; pass --overwrite to replace it")
     return path
+
+
+#: File types matplotlib writes (``--plot`` paths must end in one of them).
+PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".svgz", ".jpg", ".jpeg", ".tif", ".tiff", ".webp", ".eps", ".ps")
+
+
+def check_plot_path(path: str | Path, flag: str = "--plot") -> Path:
+    """``path`` as a Path when matplotlib can write that file type.
+
+    Raises:
+        ValueError: its suffix is not one of :data:`PLOT_SUFFIXES`.
+    """
+    path = Path(path)
+    if path.suffix.lower() not in PLOT_SUFFIXES:
+        raise ValueError(f"{flag} {path}: the file type must be one of {', '.join(PLOT_SUFFIXES)}")
+    return path
+
+
+def check_writable_folder(folder: str | Path, flag: str) -> Path:
+    """Create ``folder`` (and its parents) if needed and check this process may write there, so a run never
+    ends in a write error after its measurements.
+
+    Raises:
+        OSError: it cannot be created, is not a folder, or is not writable (the message names ``flag``).
+    """
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OSError(f"{flag} {folder}: cannot create it ({exc.strerror or exc})") from None
+    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+        raise OSError(f"{flag} {folder}: not a writable folder")
+    return folder
 
 
 def save(payload: dict[str, Any], table: pl.DataFrame, directory: str | Path | None, stem: str,

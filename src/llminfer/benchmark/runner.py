@@ -260,6 +260,28 @@ class Benchmarker:
             return [self.prompts[i % len(self.prompts)] for i in range(size)]
         return random_token_prompts(size, self.prompt_len, self._vocab_size(), run_seed)
 
+    def _check_capacity(self, batch_sizes: Sequence[int], max_new_tokens: int) -> None:
+        """Refuse a batch whose sequences cannot all hold their KV at once: a benchmark of preemption
+        thrash (or of a queue) would not measure that batch size.
+
+        Raises:
+            ValueError: the largest batch needs more KV tokens than the pool holds.
+        """
+        cache_stats = getattr(self.engine, "cache_stats", None)
+        stats = cache_stats() if cache_stats is not None else {}
+        blocks, block_size = stats.get("blocks_total"), stats.get("block_size")
+        if not blocks or not block_size:
+            return  # a backend that does not report its pool (vLLM sizes its own)
+        if self.prompts and any(isinstance(p, str) for p in self.prompts):
+            return  # their token counts are known only once tokenized; the engine refuses what never fits
+        longest = max(len(p) for p in self.prompts) if self.prompts else self.prompt_len
+        per_seq = -(-(longest + max_new_tokens) // block_size)
+        running = getattr(getattr(self.engine, "cfg", None), "max_batch_size", None) or max(batch_sizes)
+        size = min(max(batch_sizes), running)  # the rest of a larger batch waits in the queue
+        if size * per_seq > blocks:
+            raise ValueError(f"batch size {size} needs {size * per_seq} KV blocks of {block_size} tokens at once; "
+                             f"the KV pool holds {blocks} (lower the batch size or raise --kv-cache-bytes)")
+
     def run(self, batch_sizes: Sequence[int] = (1, 2, 4, 8), num_runs: int = 3, max_new_tokens: int = 64,
             warmup: int = 1, continuous: bool = True, ignore_eos: bool = True,
             progress: Callable[[str], None] | None = None) -> BenchmarkResult:
@@ -281,6 +303,7 @@ class Benchmarker:
         """
         check_settings(batch_sizes, num_runs, max_new_tokens, warmup, None if self.prompts else self.prompt_len)
         engine = self.engine
+        self._check_capacity(batch_sizes, max_new_tokens)
         engine.start()
         go = engine.run_batch_continuous if continuous else engine.run_batch
         device_wide = getattr(engine.cfg, "backend", None) is Backend.VLLM

@@ -116,8 +116,14 @@ def _plan_outputs(stem: str, artifacts_dir: str | None, json_out: str | None, cs
         for key, flag, value in (("json", "--json-out", json_out), ("csv", "--csv-out", csv_out),
                                  ("plot", "--plot", plot)):
             if value:
+                if key == "plot":
+                    artifacts.check_plot_path(value)
                 plan[key] = artifacts.check_new(value, overwrite, flag)
-    except FileExistsError as exc:
+                artifacts.check_writable_folder(plan[key].parent, flag)
+        for flag, value in (("--artifacts-dir", artifacts_dir), ("--plot-suite-dir", plot_suite_dir)):
+            if value:
+                artifacts.check_writable_folder(value, flag)
+    except (OSError, ValueError) as exc:  # FileExistsError is an OSError
         raise typer.BadParameter(str(exc)) from None
     stamp = artifacts.timestamp()
     art_names = [f"{stem}.{k}" for k in ("json", "csv") if k not in plan]
@@ -347,6 +353,18 @@ def bench_serve(
                         warmup_requests=warmup_requests)
     workload = ServingWorkload(num_requests=num_requests, prompt_len=(p_lo, p_hi), output_len=(o_lo, o_hi),
                                prompts_file=prompts_file, seed=seed or 0)
+    from llminfer.benchmark import artifacts
+
+    folder = Path(artifacts_dir) if artifacts_dir else None
+    try:  # where the files go is decided before the run (as in bench): nothing measured is lost to a bad path
+        explicit = {k: artifacts.check_new(v, overwrite, flag) for k, flag, v in
+                    (("json", "--json-out", json_out), ("csv", "--csv-out", csv_out)) if v}
+        for k, path in explicit.items():
+            artifacts.check_writable_folder(path.parent, "--json-out" if k == "json" else "--csv-out")
+        if folder is not None:
+            artifacts.check_writable_folder(folder, "--artifacts-dir")
+    except OSError as exc:
+        raise typer.BadParameter(str(exc)) from None
     try:
         with ServeProgress() as progress:
             result = run_serving_sweep_sync(cfg, workload, points, progress)
@@ -354,7 +372,9 @@ def bench_serve(
         raise typer.BadParameter(str(exc)) from None
     except Exception as exc:  # httpx errors: unreachable server, 401 without --api-key, ...
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise typer.BadParameter(f"request to {base_url} failed: {type(exc).__name__}: {first}") from None
+        hint = " (is the server running?)" if type(exc).__name__ in ("ConnectError", "ConnectTimeout") else ""
+        typer.echo(f"error: request to {base_url} failed: {type(exc).__name__}: {first}{hint}", err=True)
+        raise typer.Exit(1) from None
     if all(p.summary["completed"] == 0 for p in result.points):
         first = next((r["error"] for p in result.points for r in p.requests if r.get("error")), "unknown error")
         typer.echo(f"error: all {num_requests * len(points)} requests failed; first error: {first}", err=True)
@@ -366,11 +386,14 @@ def bench_serve(
     if not (artifacts_dir or json_out or csv_out):
         typer.echo("artifacts: none written (pass --artifacts-dir DIR or --json-out FILE to keep them)")
         return
-    folder = Path(artifacts_dir) if artifacts_dir else None
-    wanted = {"json": Path(json_out) if json_out else folder / "serving.json" if folder else None,
-              "csv": Path(csv_out) if csv_out else folder / "serving.csv" if folder else None}
-    kinds = [k for k, v in wanted.items() if v is not None]
-    targets = dict(zip(kinds, safe_paths([wanted[k] for k in kinds], overwrite)))
+    in_folder = [k for k in ("json", "csv") if k not in explicit and folder is not None]
+    targets = dict(explicit)
+    if in_folder:
+        moved = safe_paths([folder / f"serving.{k}" for k in in_folder], overwrite)
+        targets.update(zip(in_folder, moved))
+        if moved[0].parent != folder:
+            typer.echo(f"note: {folder} already holds serving outputs; writing into {moved[0].parent} "
+                       "(--overwrite replaces them instead)")
     try:
         paths = result.write(json_path=targets.get("json"), csv_path=targets.get("csv"))
     except OSError as exc:

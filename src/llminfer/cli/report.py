@@ -9,6 +9,7 @@ Nothing heavy is imported at module level (polars, matplotlib, httpx load inside
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -83,4 +84,7 @@ def bench_report(
             written = report.save(out_dir, overwrite=overwrite, plots=not no_plots)
         except OSError as exc:
             raise typer.BadParameter(f"--out-dir {out_dir}: {exc.strerror or exc}") from None
+        if written and written[0].parent.resolve() != Path(out_dir).resolve():
+            typer.echo(f"note: {out_dir} already holds a report; writing into {written[0].parent} "
+                       "(--overwrite replaces it instead)")
         typer.echo(f"report: {written[0].parent}/ " + " ".join(p.name for p in written))
