@@ -68,7 +68,7 @@ def _loop_builder(cache, starts, lengths, tables, device, attention_backend="tor
     return build_metadata_loop(cache, starts, lengths, tables, device)
 
 
-def bench_step(reps: int, num_requests: int) -> dict:
+def bench_step(reps: int, num_requests: int, prompt_len: int = 256, new_tokens: int = 32) -> dict:
     cfg = EngineConfig(model_name=str(bench_model_path()), dtype="bfloat16", device="cpu", max_batch_size=32,
                        batch_timeout_ms=0, attention_backend="torch",
                        cache=CacheConfig(page_size_tokens=BLOCK, kv_cache_memory_bytes=512 << 20))
@@ -82,10 +82,10 @@ def bench_step(reps: int, num_requests: int) -> dict:
             for label, builder in (("before", _loop_builder), ("after", build_metadata)):
                 hf_backend.build_metadata = builder
                 seed += 1
-                prompts = random_prompts(num_requests, 256, BENCH_VOCAB, seed=seed)
+                prompts = random_prompts(num_requests, prompt_len, BENCH_VOCAB, seed=seed)
                 steps0 = backend.num_steps
                 t0 = time.perf_counter()
-                engine.run_batch_continuous(prompts, max_new_tokens=32, ignore_eos=True)
+                engine.run_batch_continuous(prompts, max_new_tokens=new_tokens, ignore_eos=True)
                 times[label].append((time.perf_counter() - t0) / (backend.num_steps - steps0) * 1e3)
     finally:
         hf_backend.build_metadata = build_metadata
@@ -104,7 +104,8 @@ def main() -> dict:
     configure_logging("warning")
     torch.set_num_threads(2)
     payload = {"benchmark": "step_metadata", "builder": bench_builder(args.reps, 20 if args.quick else 100),
-               "step": bench_step(args.reps, 16 if args.quick else 32), "environment": environment()}
+               "step": bench_step(args.reps, *((8, 64, 16) if args.quick else (32, 256, 32))),
+               "environment": environment()}
     print(f"-> {save('step_metadata', payload)}")
     return payload
 
