@@ -1,6 +1,6 @@
 """Compiled backend (``torch.compile``, inductor) over the eager backend: output tokens/s, side by side.
 
-Model: the ~102M Qwen2-shaped benchmark model (bf16, CPU). Greedy, prompts of 32 tokens, ``--new-tokens``
+Model: the ~102M Qwen2-shaped benchmark model (common.BENCH_DTYPE, CPU). Greedy, prompts of 32 tokens, ``--new-tokens``
 new tokens (ignore_eos), at batch 1 and batch 32 (all requests submitted at once to the continuous-batching
 scheduler). Both engines are warmed up on the same workload first; the compiled one compiles each token
 bucket it meets there (the warm-up time and the compile count are reported). The timed runs alternate
@@ -15,13 +15,22 @@ import argparse
 import statistics
 import time
 
-from common import BENCH_VOCAB, bench_model_path, environment, parse_args, random_prompts, save, timed
+from common import (
+    BENCH_DTYPE,
+    BENCH_VOCAB,
+    bench_model_path,
+    environment,
+    parse_args,
+    random_prompts,
+    save,
+    timed,
+)
 from llminfer import Backend, CacheConfig, EngineConfig, InferenceEngine, SchedulerConfig
 from llminfer.logging import configure_logging
 
 
 def engine(path, backend: Backend, max_batch: int, mode: str) -> InferenceEngine:
-    cfg = EngineConfig(model_name=str(path), backend=backend, dtype="bfloat16", device="cpu",
+    cfg = EngineConfig(model_name=str(path), backend=backend, dtype=BENCH_DTYPE, device="cpu",
                        max_batch_size=max_batch, batch_timeout_ms=20, compile_mode=mode,
                        cache=CacheConfig(page_size_tokens=16, kv_cache_memory_bytes=512 << 20),
                        scheduler=SchedulerConfig(max_num_batched_tokens=2048))
@@ -89,7 +98,7 @@ def main() -> dict:
     compiled.close()
     payload = {
         "benchmark": "compiled_vs_eager",
-        "model": "bench-qwen2-102m (bf16, cpu)",
+        "model": f"bench-qwen2-102m ({BENCH_DTYPE}, cpu)",
         "prompt_tokens": args.prompt_tokens,
         "new_tokens": args.new_tokens,
         "compile_mode": args.mode,

@@ -10,8 +10,13 @@
    mean TTFT with a warm prefix cache over mean TTFT with prefix caching off.
 3. zero_hit: unique prompts (0% hit rate): throughput with prefix caching on over off.
 
+All in :data:`common.BENCH_DTYPE` (what ``dtype="auto"`` picks here: float32 on an AVX2-only CPU). The three
+llminfer engines (prefix cache on, off, priority policy) are loaded once and shared by the workloads.
+``--quick`` leaves out transformers' continuous batching (its start-up alone takes ~17 s on 2 cores).
+
     python bench/bench_scheduler.py [--only mixed,shared_prefix,zero_hit] [--reps 2] [--num-requests 64]
-        [--max-len 256] [--prefix-len 1024] [--prefix-requests 16] [--zero-hit-requests 32] [--quick]
+        [--max-len 256] [--prefix-len 1024] [--prefix-requests 16] [--zero-hit-requests 32]
+        [--no-hf-continuous] [--quick]
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from common import (
+    BENCH_DTYPE,
+    BENCH_TORCH_DTYPE,
     BENCH_VOCAB,
     RESULTS_DIR,
     bench_model_path,
@@ -39,14 +46,28 @@ from common import (
 from llminfer import CacheConfig, EngineConfig, InferenceEngine, SchedulerConfig
 from llminfer.logging import configure_logging
 
+_ENGINES: dict[tuple, InferenceEngine] = {}
+
 
 def make_engine(path, *, prefix_cache: bool = True, max_batch_size: int = 32, policy: str = "fcfs") -> InferenceEngine:
-    cfg = EngineConfig(model_name=str(path), dtype="bfloat16", device="cpu", max_batch_size=max_batch_size,
+    """An engine with these settings, loaded once per process and shared by the suites (its prefix cache
+    emptied before it is handed out): loading is most of a ``--quick`` run. :func:`close_engines` ends them."""
+    key = (str(path), prefix_cache, max_batch_size, policy)
+    if key in _ENGINES:
+        _ENGINES[key].reset_prefix_cache()
+        return _ENGINES[key]
+    cfg = EngineConfig(model_name=str(path), dtype=BENCH_DTYPE, device="cpu", max_batch_size=max_batch_size,
                        batch_timeout_ms=0,
                        cache=CacheConfig(page_size_tokens=16, enable_prefix_cache=prefix_cache,
                                          kv_cache_memory_bytes=1 << 30),
                        scheduler=SchedulerConfig(max_num_batched_tokens=2048, policy=policy))
-    return InferenceEngine(cfg).load().start()
+    _ENGINES[key] = InferenceEngine(cfg).load().start()
+    return _ENGINES[key]
+
+
+def close_engines() -> None:
+    while _ENGINES:
+        _ENGINES.popitem()[1].close()
 
 
 def llminfer_workload(engine, prompts, outputs, longest_first: bool = False) -> int:
@@ -91,13 +112,13 @@ def hf_continuous(model, prompts, outputs) -> int:
     return delivered
 
 
-def bench_mixed(path, reps: int, num_requests: int, max_len: int = 256) -> dict:
+def bench_mixed(path, reps: int, num_requests: int, max_len: int = 256, hf_cb: bool = True) -> dict:
     rng = random.Random(0)
     lengths = [rng.randint(16, max_len) for _ in range(num_requests)]
     outputs = [rng.randint(16, max_len) for _ in range(num_requests)]
     prompts = random_prompts(num_requests, lengths, BENCH_VOCAB, seed=1)
     requested = sum(outputs)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=BENCH_TORCH_DTYPE, attn_implementation="sdpa").eval()
     engine = make_engine(path)
     lpt_engine = make_engine(path, policy="priority")
     # Warm-up, excluded.
@@ -108,11 +129,15 @@ def bench_mixed(path, reps: int, num_requests: int, max_len: int = 256) -> dict:
     engine.reset_prefix_cache()
 
     cb_model = None
-    cb_skip = None
+    cb_skip = None if hf_cb else "not run (--no-hf-continuous; --quick skips it: its start-up alone is ~17 s)"
     try:
-        cb_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16,
+        if not hf_cb:
+            raise LookupError(cb_skip)
+        cb_model = AutoModelForCausalLM.from_pretrained(path, dtype=BENCH_TORCH_DTYPE,
                                                         attn_implementation="sdpa").eval()
         hf_continuous(cb_model, prompts[:2], [4, 4])
+    except LookupError:
+        pass
     except Exception as exc:  # noqa: BLE001 - report, never crash the suite
         cb_skip = f"{type(exc).__name__}: {exc}"[:300]
         cb_model = None
@@ -132,8 +157,6 @@ def bench_mixed(path, reps: int, num_requests: int, max_len: int = 256) -> dict:
         if cb_model is not None:
             t, delivered["hf_continuous"] = timed(hf_continuous, cb_model, prompts, outputs)
             times["hf_continuous"].append(t)
-    engine.close()
-    lpt_engine.close()
     tps = {k: delivered[k] / statistics.median(v) for k, v in times.items() if v}
     out = {
         "requests": num_requests, "requested_output_tokens": requested,
@@ -163,13 +186,16 @@ def bench_shared_prefix(path, reps: int, prefix_len: int = 1024, num_requests: i
     for eng in engines.values():
         eng.run(random_prompts(1, 64, BENCH_VOCAB, seed=9)[0], max_new_tokens=2)  # warm-up
     engines["warm_cache"].run(prefix + [5, 6, 7], max_new_tokens=1)  # warm the prefix
+    cached = prompt_tokens = 0
     for _ in range(reps):
         for name, eng in engines.items():
             for p in prompts:
-                ttft[name].append(eng.run(p, max_new_tokens=2, ignore_eos=True).stats.ttft_ms)
-    hit_rate = engines["warm_cache"].cache_stats()["token_hit_rate"]
-    for eng in engines.values():
-        eng.close()
+                stats = eng.run(p, max_new_tokens=2, ignore_eos=True).stats
+                ttft[name].append(stats.ttft_ms)
+                if name == "warm_cache":  # the request's own counts: the engine's totals span earlier suites
+                    cached += stats.cached_tokens
+                    prompt_tokens += stats.prompt_tokens
+    hit_rate = cached / prompt_tokens
     mean = {k: statistics.mean(v) for k, v in ttft.items()}
     out = {"mean_ttft_ms": mean, "ratio_warm_over_off": mean["warm_cache"] / mean["cache_off"],
            "token_hit_rate": hit_rate}
@@ -185,6 +211,7 @@ def bench_zero_hit(path, reps: int, num_requests: int = 32, new_tokens: int = 64
     for eng in engines.values():
         llminfer_workload(eng, random_prompts(4, 32, BENCH_VOCAB, seed=99), [4] * 4)
     times: dict[str, list[float]] = {k: [] for k in engines}
+    hits_before = engines["cache_on"].cache_stats()["hits"]
     seed = 100
     for rep in range(reps):
         # Alternate which engine goes first: on a shared 2-core machine, drift between back-to-back runs is
@@ -195,9 +222,7 @@ def bench_zero_hit(path, reps: int, num_requests: int = 32, new_tokens: int = 64
             prompts = random_prompts(num_requests, lengths, BENCH_VOCAB, seed=seed)  # fresh: 0% hits
             t, n = timed(llminfer_workload, eng, prompts, [new_tokens] * num_requests)
             times[name].append(t)
-    hits = engines["cache_on"].cache_stats()["hits"]
-    for eng in engines.values():
-        eng.close()
+    hits = engines["cache_on"].cache_stats()["hits"] - hits_before
     tps = {k: num_requests * new_tokens / statistics.median(v) for k, v in times.items()}
     out = {"output_tokens_per_s": tps, "ratio_on_over_off": tps["cache_on"] / tps["cache_off"],
            "hits_observed": hits, "seconds": times}
@@ -217,8 +242,11 @@ def main() -> dict:
     ap.add_argument("--zero-hit-requests", type=int, default=32)
     ap.add_argument("--zero-hit-tokens", type=int, default=64)
     ap.add_argument("--zero-hit-reps", type=int, default=None, help="default: max(2 x reps + 1, 5)")
+    ap.add_argument("--hf-continuous", action=argparse.BooleanOptionalAction, default=True,
+                    help="also run transformers' continuous batching in the mixed workload")
     args = parse_args(ap, {"reps": 1, "num_requests": 8, "max_len": 32, "prefix_len": 256, "prefix_requests": 4,
-                           "zero_hit_requests": 8, "zero_hit_tokens": 8, "zero_hit_reps": 2})
+                           "zero_hit_requests": 8, "zero_hit_tokens": 8, "zero_hit_reps": 2,
+                           "hf_continuous": False})
     configure_logging("warning")
     path = bench_model_path()
     which = set(args.only.split(","))
@@ -227,14 +255,17 @@ def main() -> dict:
     payload: dict = json.loads(previous.read_text()) if previous.exists() else {}
     payload.update({"benchmark": "scheduler_kv", "model": str(path), "environment": environment()})
     if "mixed" in which:
-        payload["mixed"] = bench_mixed(path, args.reps, args.num_requests, args.max_len)
+        payload["mixed"] = bench_mixed(path, args.reps, args.num_requests, args.max_len, args.hf_continuous)
     if "shared_prefix" in which:
         payload["shared_prefix"] = bench_shared_prefix(path, args.reps, args.prefix_len, args.prefix_requests)
     if "zero_hit" in which:
         payload["zero_hit"] = bench_zero_hit(path, args.zero_hit_reps or max(2 * args.reps + 1, 5),
                                              args.zero_hit_requests, args.zero_hit_tokens, args.max_len)
+    engines = len(_ENGINES)
+    close_engines()
     payload["peak_rss_bytes"] = peak_rss_bytes()
-    print(f"peak process memory: {payload['peak_rss_bytes'] / 2**30:.2f} GiB (KV budget 1.00 GiB per engine)")
+    print(f"peak process memory: {payload['peak_rss_bytes'] / 2**30:.2f} GiB (KV budget 1.00 GiB per engine, "
+          f"{engines} engines)")
     path_out = save("scheduler_kv", payload)
     print(f"-> {path_out}")
     return payload

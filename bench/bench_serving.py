@@ -14,7 +14,7 @@ import time
 
 import httpx
 
-from common import bench_model_path, environment, parse_args, save, timed
+from common import BENCH_DTYPE, bench_model_path, environment, parse_args, save, timed
 from llminfer import CacheConfig, EngineConfig, InferenceEngine
 from llminfer.benchmark.serving import ServingConfig, ServingWorkload, run_serving_benchmark_sync
 from llminfer.logging import configure_logging
@@ -37,7 +37,7 @@ def main() -> dict:
     port = sock.getsockname()[1]
     sock.close()
     server = subprocess.Popen([sys.executable, "-m", "llminfer.cli", "serve", "--model", str(path), "--dtype",
-                               "bfloat16", "--device", "cpu", "--max-batch-size", str(args.concurrency), "--port",
+                               BENCH_DTYPE, "--device", "cpu", "--max-batch-size", str(args.concurrency), "--port",
                                str(port), "--log-level", "warning"], stdout=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -55,7 +55,7 @@ def main() -> dict:
         server.terminate()
         server.wait(60)
 
-    engine = InferenceEngine(EngineConfig(model_name=str(path), dtype="bfloat16", device="cpu",
+    engine = InferenceEngine(EngineConfig(model_name=str(path), dtype=BENCH_DTYPE, device="cpu",
                                           max_batch_size=args.concurrency,
                                           cache=CacheConfig(kv_cache_memory_bytes=1 << 30))).load().start()
     engine.run_batch_continuous(["warm up"] * 4, max_new_tokens=4)

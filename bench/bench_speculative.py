@@ -1,6 +1,6 @@
 """Speculative decoding: acceptance rate and speed over plain decoding, side by side in one run.
 
-Target: the ~102M Qwen2-shaped benchmark model (bf16, CPU). Drafts: the target itself (acceptance must be
+Target: the ~102M Qwen2-shaped benchmark model (common.BENCH_DTYPE, CPU). Drafts: the target itself (acceptance must be
 100%), and a 2-layer model of the same width and vocabulary. Greedy, 8 prompts of 32 tokens, 64 new tokens.
 Random weights mean a separate draft agrees with the target only by chance: that row shows the cost of
 speculation when drafts are rejected, the draft = target row its upper bound on acceptance.
@@ -14,6 +14,7 @@ import argparse
 import statistics
 
 from common import (
+    BENCH_DTYPE,
     BENCH_MODEL_SPEC,
     BENCH_VOCAB,
     bench_model_path,
@@ -36,7 +37,7 @@ def draft_path():
 
 
 def engine(path, draft=None, k=4):
-    cfg = EngineConfig(model_name=str(path), dtype="bfloat16", device="cpu", max_batch_size=8, batch_timeout_ms=0,
+    cfg = EngineConfig(model_name=str(path), dtype=BENCH_DTYPE, device="cpu", max_batch_size=8, batch_timeout_ms=0,
                        cache=CacheConfig(page_size_tokens=16, kv_cache_memory_bytes=256 << 20),
                        assistant_model_name=str(draft) if draft else None, speculative_num_assistant_tokens=k,
                        speculative_confidence_threshold=0.0)

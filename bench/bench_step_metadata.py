@@ -19,7 +19,15 @@ import time
 
 import torch
 
-from common import BENCH_VOCAB, bench_model_path, environment, random_prompts, save
+from common import (
+    BENCH_DTYPE,
+    BENCH_TORCH_DTYPE,
+    BENCH_VOCAB,
+    bench_model_path,
+    environment,
+    random_prompts,
+    save,
+)
 from llminfer import CacheConfig, EngineConfig, InferenceEngine
 from llminfer.backends import hf as hf_backend
 from llminfer.backends.attention import PagedKVCache, build_metadata, build_metadata_loop
@@ -48,7 +56,7 @@ def _shapes() -> dict[str, tuple[list[int], list[int], list[list[int]]]]:
 
 
 def bench_builder(reps: int, iters: int) -> dict:
-    cache = PagedKVCache(1, 8192, BLOCK, 2, 64, torch.bfloat16, "cpu")
+    cache = PagedKVCache(1, 8192, BLOCK, 2, 64, BENCH_TORCH_DTYPE, "cpu")
     out = {}
     for name, (starts, lengths, tabs) in _shapes().items():
         times = {"before": [], "after": []}
@@ -69,7 +77,7 @@ def _loop_builder(cache, starts, lengths, tables, device, attention_backend="tor
 
 
 def bench_step(reps: int, num_requests: int, prompt_len: int = 256, new_tokens: int = 32) -> dict:
-    cfg = EngineConfig(model_name=str(bench_model_path()), dtype="bfloat16", device="cpu", max_batch_size=32,
+    cfg = EngineConfig(model_name=str(bench_model_path()), dtype=BENCH_DTYPE, device="cpu", max_batch_size=32,
                        batch_timeout_ms=0, attention_backend="torch",
                        cache=CacheConfig(page_size_tokens=BLOCK, kv_cache_memory_bytes=512 << 20))
     engine = InferenceEngine(cfg).load().start()

@@ -8,7 +8,16 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from common import BENCH_VOCAB, bench_model_path, environment, parse_args, random_prompts, save, timed
+from common import (
+    BENCH_DTYPE,
+    BENCH_VOCAB,
+    bench_model_path,
+    environment,
+    parse_args,
+    random_prompts,
+    save,
+    timed,
+)
 from llminfer import CacheConfig, EngineConfig, InferenceEngine
 from llminfer.logging import configure_logging
 
@@ -23,7 +32,7 @@ def main() -> dict:
     path = bench_model_path()
     engines = {}
     for tracing in (False, True):
-        cfg = EngineConfig(model_name=str(path), dtype="bfloat16", device="cpu", max_batch_size=32,
+        cfg = EngineConfig(model_name=str(path), dtype=BENCH_DTYPE, device="cpu", max_batch_size=32,
                            batch_timeout_ms=0, enable_tracing=tracing,
                            cache=CacheConfig(page_size_tokens=16, kv_cache_memory_bytes=512 << 20))
         engines["on" if tracing else "off"] = InferenceEngine(cfg).load().start()

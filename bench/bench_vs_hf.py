@@ -1,6 +1,6 @@
-"""llminfer vs Hugging Face generate(): batch 32, 32-token prompts, 64 new tokens, bf16, same prompts,
-same process, measured side by side (alternating repetitions, medians). Output tokens/s counts tokens
-actually generated.
+"""llminfer vs Hugging Face generate(): batch 32, 32-token prompts, 64 new tokens, same prompts, in
+common.BENCH_DTYPE (what dtype="auto" picks here: float32 on an AVX2-only CPU), same process, measured
+side by side (alternating repetitions, medians). Output tokens/s counts tokens actually generated.
 
     python bench/bench_vs_hf.py [--reps 3] [--batch 32] [--prompt-len 32] [--new-tokens 64] [--quick]
 """
@@ -13,6 +13,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from common import (
+    BENCH_DTYPE,
+    BENCH_TORCH_DTYPE,
     BENCH_VOCAB,
     bench_model_path,
     count_params,
@@ -52,8 +54,8 @@ def main() -> dict:
     path = bench_model_path()
     prompts = random_prompts(args.batch, args.prompt_len, BENCH_VOCAB, seed=0)
 
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
-    cfg = EngineConfig(model_name=str(path), dtype="bfloat16", device="cpu", max_batch_size=args.batch,
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=BENCH_TORCH_DTYPE, attn_implementation="sdpa").eval()
+    cfg = EngineConfig(model_name=str(path), dtype=BENCH_DTYPE, device="cpu", max_batch_size=args.batch,
                        batch_timeout_ms=0, cache=CacheConfig(page_size_tokens=16),
                        scheduler=SchedulerConfig(max_num_batched_tokens=4096))
     engine = InferenceEngine(cfg).load().start()
@@ -73,7 +75,7 @@ def main() -> dict:
     ours_tps = n_ours / median(ours_s)
     payload = {
         "benchmark": "llminfer_vs_hf_generate",
-        "model": {"path": str(path), "parameters": count_params(path), "dtype": "bfloat16"},
+        "model": {"path": str(path), "parameters": count_params(path), "dtype": BENCH_DTYPE},
         "workload": {"batch": args.batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                      "reps": args.reps},
         "hf_generate": {"seconds": hf_s, "output_tokens": n_hf, "tokens_per_s": hf_tps},
@@ -84,7 +86,7 @@ def main() -> dict:
         "environment": environment(),
     }
     out = save("llminfer_vs_hf", payload)
-    print(f"model: {payload['model']['parameters'] / 1e6:.0f}M params, bf16, CPU, {torch.get_num_threads()} threads")
+    print(f"model: {payload['model']['parameters'] / 1e6:.0f}M params, {BENCH_DTYPE}, CPU, {torch.get_num_threads()} threads")
     print(f"HF generate : {hf_tps:8.1f} output tok/s  (median of {args.reps}: {median(hf_s):.2f} s)")
     print(f"llminfer    : {ours_tps:8.1f} output tok/s  (median of {args.reps}: {median(ours_s):.2f} s)")
     print(f"ratio llminfer / HF generate = {payload['ratio_llminfer_over_hf']:.2f}   -> {out}")

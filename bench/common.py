@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -24,7 +25,7 @@ from llminfer.benchmark.environment import peak_rss_bytes
 from llminfer.benchmark.runner import random_token_prompts as random_prompts
 from llminfer.models import build_random_model, default_cache_dir
 
-__all__ = ["BENCH_MODEL_SPEC", "BENCH_VOCAB", "RESULTS_DIR", "bench_model_path", "count_params", "environment",
+__all__ = ["BENCH_DTYPE", "BENCH_MODEL_SPEC", "BENCH_TORCH_DTYPE", "BENCH_VOCAB", "RESULTS_DIR", "bench_model_path", "count_params", "environment",
            "median", "parse_args", "peak_rss_bytes", "random_prompts", "save", "timed"]
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -35,6 +36,27 @@ BENCH_MODEL_SPEC = dict(architecture="qwen2", hidden_size=512, num_layers=8, num
                         intermediate_size=1536, max_position_embeddings=4096, seed=0, dtype="bfloat16",
                         tie_word_embeddings=True)
 BENCH_VOCAB = 151_000
+
+
+def _bench_dtype() -> str:
+    """What ``dtype="auto"`` gives the (bf16) bench model on this machine, or ``LLMINFER_BENCH_DTYPE``.
+
+    The suites measure what a user taking the defaults gets: bfloat16 where the CPU computes it natively
+    (AVX-512 BF16, AMX) or on a GPU, float32 on an AVX2-only CPU, where emulated bf16 makes every batched
+    step about 2.4x slower. Both sides of every ratio (llminfer and the HF baseline) run in this dtype.
+    """
+    forced = os.environ.get("LLMINFER_BENCH_DTYPE")
+    if forced:
+        return forced
+    if torch.cuda.is_available():
+        return "bfloat16"
+    from llminfer.benchmark.environment import cpu_dtype_facts
+
+    return cpu_dtype_facts()["auto_for_bf16_checkpoint"]
+
+
+BENCH_DTYPE: str = _bench_dtype()
+BENCH_TORCH_DTYPE: torch.dtype = getattr(torch, BENCH_DTYPE)
 
 
 def bench_model_path() -> Path:
@@ -84,9 +106,9 @@ def median(xs: list[float]) -> float:
 
 def environment() -> dict[str, Any]:
     """:func:`llminfer.benchmark.environment.environment`, plus ``device`` (the GPU's name, else the CPU
-    model) as earlier bench results recorded it."""
+    model) as earlier bench results recorded it, and ``bench_dtype`` (:data:`BENCH_DTYPE`)."""
     env = llminfer_environment()
-    return {**env, "device": env["gpu"] or env["cpu"] or "cpu"}
+    return {**env, "device": env["gpu"] or env["cpu"] or "cpu", "bench_dtype": BENCH_DTYPE}
 
 
 def save(name: str, payload: dict[str, Any]) -> Path:

@@ -171,3 +171,35 @@ def test_benchmark_environment_records_the_auto_dtype_choice(monkeypatch):
     facts = environment()["cpu_dtype"]
     assert facts["auto_for_bf16_checkpoint"] == "float32" and facts["half_flags"] == []
     assert "no native bf16/fp16" in facts["auto_reason"] and facts["cpu_capability"] in facts["auto_reason"]
+
+
+def test_engines_share_a_parsed_tokenizer_but_not_its_attributes(qwen2_dir, tmp_path, monkeypatch):
+    """A second load of the same folder reuses the parsed (Rust) tokenizer without calling
+    ``from_pretrained``; each copy keeps its own chat template; an edited tokenizer file is loaded afresh."""
+    import shutil
+
+    import transformers
+
+    from llminfer.backends.loading import clear_tokenizer_cache, load_tokenizer
+
+    folder = tmp_path / "model"
+    shutil.copytree(qwen2_dir, folder)
+    cfg = EngineConfig(model_name=str(folder))
+    clear_tokenizer_cache()
+    loads = []
+    real = transformers.AutoTokenizer.from_pretrained
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
+                        lambda *a, **k: loads.append(a) or real(*a, **k))
+    first, second = load_tokenizer(str(folder), cfg), load_tokenizer(str(folder), cfg)
+    assert len(loads) == 1
+    assert first is not second and first._tokenizer is second._tokenizer
+    assert first.encode("hello world") == second.encode("hello world")
+    first.chat_template = "{{ 'changed' }}"
+    assert second.chat_template != first.chat_template
+
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "model_max_length": 1234}))
+    third = load_tokenizer(str(folder), cfg)
+    assert len(loads) == 2 and third._tokenizer is not first._tokenizer
+    assert third.model_max_length == 1234
+    clear_tokenizer_cache()

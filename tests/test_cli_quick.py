@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from importlib.metadata import version
 
 import pytest
 import structlog
@@ -22,7 +23,7 @@ HEAVY = ("torch", "transformers", "polars", "matplotlib", "litestar", "xgrammar"
 _PROBE = """
 import json, sys
 from llminfer.cli import main
-calls = [["--help"], *[[c, "--help"] for c in ("run", "stream", "info", "serve", "bench", "compare",
+calls = [["--help"], ["--version"], *[[c, "--help"] for c in ("run", "stream", "info", "serve", "bench", "compare",
          "bench-serve")], ["run", "x", "--temp", "-1"], ["run", "x", "--bogus"], ["serve", "--page-size", "0"],
          ["run", "x", "--top-p", "2"], ["stream", "x", "--system", "s", "--no-chat"]]
 codes = []
@@ -42,8 +43,10 @@ def test_help_and_flag_errors_import_no_heavy_library():
                        env={**os.environ, "HF_HUB_OFFLINE": "1"})
     report = json.loads(p.stderr.strip().splitlines()[-1])
     assert report["heavy"] == [], report
-    assert report["codes"][:8] == [0] * 8 and all(c not in (0, None) for c in report["codes"][8:]), report
+    assert report["codes"][:9] == [0] * 9 and all(c not in (0, None) for c in report["codes"][9:]), report
     helps = dict(part.split("\n", 1) for part in p.stdout.split("@@ ")[1:])
+    assert helps["--version"].strip() == f"llminfer {version('llminfer')}"
+    assert "--version" in helps["--help"]
     run = helps["run --help"]
     assert "--num-samples" in run and "--chat / --no-chat" in run and "--system" in run and "--attention-backend" in run
     assert "--n " not in run and "--page-size-tokens" not in run + helps["serve --help"]  # hidden old spellings

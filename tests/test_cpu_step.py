@@ -1,4 +1,5 @@
-"""The CPU decode step's pieces: NumPy argmax == torch argmax, the column-major fp32 LM head, the step
+"""The CPU decode step's pieces: NumPy argmax == torch argmax, the oneDNN-prepacked fp32 LM head (or the
+column-major fallback), the step
 profile's arithmetic (bench/bench_step_profile.py) and the llama.cpp peer script's skip path."""
 
 from __future__ import annotations
@@ -14,7 +15,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llminfer.backends.prepack import prepack_lm_head, transpose_linear_weight
+from llminfer.backends.prepack import (
+    PrepackedLinear,
+    prepack_lm_head,
+    prepack_supported,
+    transpose_linear_weight,
+)
 from llminfer.sampling.sampler import argmax_rows
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
@@ -33,7 +39,7 @@ def test_argmax_rows_matches_torch_on_ties_infinities_and_nan():
         assert argmax_rows(t) == t.argmax(dim=-1).tolist()
 
 
-def test_column_major_head_keeps_values_and_ties():
+def _tied_head():
     torch.manual_seed(0)
     emb = nn.Embedding(300, 16)
     head = nn.Linear(16, 300, bias=False)
@@ -43,21 +49,57 @@ def test_column_major_head_keeps_values_and_ties():
         def get_output_embeddings(self):
             return head
 
+        def set_output_embeddings(self, new):
+            nonlocal head
+            head = new
+
+    return emb, head, Tiny()
+
+
+def test_column_major_head_keeps_values_and_ties():
+    emb, head, _ = _tied_head()
     x, ids = torch.randn(3, 16), torch.tensor([0, 7, 299])
     before, rows = F.linear(x, head.weight), emb(ids)
     param = head.weight
-    assert prepack_lm_head(Tiny())
+    assert transpose_linear_weight(head)
     assert head.weight is param and emb.weight is param and param.t().is_contiguous()
     torch.testing.assert_close(F.linear(x, head.weight), before)
     assert torch.equal(emb(ids), rows)
     assert not transpose_linear_weight(head)      # already column-major: left alone
 
 
-def test_fp32_engine_runs_a_column_major_head(qwen2_dir):
+@pytest.mark.skipif(not prepack_supported(torch.float32, torch.device("cpu")), reason="no oneDNN")
+def test_fp32_head_is_prepacked_for_onednn_and_keeps_values_and_ties():
+    emb, head, model = _tied_head()
+    x, ids = torch.randn(3, 16), torch.tensor([0, 7, 299])
+    before, rows = F.linear(x, head.weight), emb(ids)
+    assert prepack_lm_head(model)
+    packed = model.get_output_embeddings()
+    assert isinstance(packed, PrepackedLinear) and packed.weight is emb.weight
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(x), before)
+    assert packed._packed is not None             # the oneDNN path ran, not the F.linear fallback
+    assert torch.equal(emb(ids), rows)
+
+
+def test_fp32_head_without_onednn_falls_back_to_column_major(monkeypatch):
+    import llminfer.backends.prepack as prepack
+
+    monkeypatch.setattr(prepack, "prepack_supported", lambda dtype, device: False)
+    _, head, model = _tied_head()
+    assert prepack_lm_head(model)
+    assert model.get_output_embeddings() is head and head.weight.t().is_contiguous()
+
+
+def test_fp32_engine_prepacks_its_head(qwen2_dir):
     from helpers import make_engine
 
     with make_engine(qwen2_dir) as engine:  # float32 on CPU
-        assert engine.model.get_output_embeddings().weight.t().is_contiguous()
+        head = engine.model.get_output_embeddings()
+        if prepack_supported(torch.float32, torch.device("cpu")):
+            assert isinstance(head, PrepackedLinear) and engine.runtime.lm_head_prepacked
+        else:
+            assert head.weight.t().is_contiguous()
 
 
 def _load(name: str):

@@ -216,19 +216,64 @@ def resolve_dtype(cfg: EngineConfig, model_config: Any, device: torch.device,
                            f"{_why_half(support, 'float16')}): float32 runs batched steps faster")
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "tokenizer.model",
+                    "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json")
+_tokenizers: dict[tuple, Any] = {}
+_tokenizers_lock = threading.Lock()
+
+
+def _tokenizer_key(path: str, cfg: EngineConfig) -> tuple | None:
+    """What identifies a loaded tokenizer: the folder, the loading options and the size and modification
+    time of its files (so an edited tokenizer is loaded afresh). None for a hub id: not cached."""
+    folder = Path(path)
+    if not folder.is_dir():
+        return None
+    files = []
+    for name in _TOKENIZER_FILES:
+        with contextlib.suppress(OSError):
+            st = (folder / name).stat()
+            files.append((name, st.st_size, st.st_mtime_ns))
+    options = tuple(sorted((k, str(v)) for k, v in hf_kwargs(cfg).items() if k != "token"))
+    return str(folder.resolve()), options, tuple(files)
+
+
 def load_tokenizer(path: str, cfg: EngineConfig):
     """Load the tokenizer (a fast one when available).
+
+    Engines of one process that load the same local tokenizer share its parsed vocabulary: each gets a
+    shallow copy (its own chat template and attributes) of one loaded instance, whose Rust tokenizer the
+    copies share. Parsing Qwen2's 151k-token ``tokenizer.json`` takes about 2 s on CPU, most of the load of
+    a small model (``compare``, benchmark suites and tests load several engines). Sharing is safe because
+    encode and decode only read the Rust tokenizer; llminfer never changes its truncation or padding.
+    :func:`clear_tokenizer_cache` drops the loaded ones.
 
     Raises:
         ModelLoadError: no tokenizer in the folder or id.
     """
+    import copy
+
     from transformers import AutoTokenizer
 
+    key = _tokenizer_key(path, cfg)
+    with _tokenizers_lock:
+        if key is not None and key in _tokenizers:
+            return copy.copy(_tokenizers[key])
     try:
         with quiet_transformers():
-            return AutoTokenizer.from_pretrained(path, **hf_kwargs(cfg))
+            tokenizer = AutoTokenizer.from_pretrained(path, **hf_kwargs(cfg))
     except Exception as exc:  # noqa: BLE001
         raise ModelLoadError(f"cannot load the tokenizer of {path!r}: {_first_line(exc)}") from exc
+    if key is None:
+        return tokenizer
+    with _tokenizers_lock:
+        _tokenizers[key] = tokenizer
+    return copy.copy(tokenizer)
+
+
+def clear_tokenizer_cache() -> None:
+    """Forget the tokenizers :func:`load_tokenizer` keeps for reuse (the engines using them keep theirs)."""
+    with _tokenizers_lock:
+        _tokenizers.clear()
 
 
 def load_model(path: str, cfg: EngineConfig, dtype: torch.dtype, device: torch.device,

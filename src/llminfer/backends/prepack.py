@@ -1,19 +1,23 @@
 """CPU weight prepacking: the LM head's weight held in oneDNN's blocked layout.
 
 On CPU, a decode step of a small model is dominated by the LM head (``[V, d]`` read once per step;
-151,646 x 512 bf16 = 155 MB for the Qwen2 vocabulary). oneDNN's matmul on a weight reordered once into
-its blocked layout runs that product much faster than ``torch.nn.functional.linear`` on the plain
-row-major weight, which reorders on the fly (measured on a 2-core AVX512-BF16 machine: 21.3 -> 13.6 ms at
-32 rows, 11.7 -> 6.5 ms at 1 row). This is the same reorder that Inductor's weight-prepack pass inserts
-under ``torch.compile`` with freezing (``torch/_inductor/fx_passes/mkldnn_fusion.py``); here it is applied
-to one eager module, so no compilation and no graph breaks are involved.
+151,646 x 512 = 155 MB in bf16, 310 MB in fp32 for the Qwen2 vocabulary). oneDNN's matmul on a weight
+reordered once into its blocked layout runs that product much faster than ``torch.nn.functional.linear``
+on the plain row-major weight. This is the same reorder that Inductor's weight-prepack pass inserts under
+``torch.compile`` with freezing (``torch/_inductor/fx_passes/mkldnn_fusion.py``); here it is applied to one
+eager module, so no compilation and no graph breaks are involved.
 
-In float32 the head is instead stored column-major: the ``[V, d]`` weight becomes the transposed view of a
-contiguous ``[d, V]`` tensor (same bytes, no copy kept), so ``F.linear`` multiplies by a contiguous
-``[d, V]`` matrix. MKL's fp32 GEMV/GEMM runs that layout much faster for a few rows (measured on the 2-core
-AVX2 machine, 151,000 x 512: 107 -> 31 ms at 1 row, 616 -> 520 ms at 32 rows, loaded machine). A tied input
-embedding shares the parameter; its lookups then read strided rows: 32 tokens 0.09 -> 0.23 ms, a 2048-token
-prefill 19 -> 55 ms, next to that prefill's seconds of matmuls.
+Measured (``ms`` per product, 151,646 x 512, min of 5, quiet machine):
+
+* bf16, 2-core AVX512-BF16 machine: 21.3 -> 13.6 ms at 32 rows, 11.7 -> 6.5 ms at 1 row.
+* fp32, 2-core AMD EPYC with AVX2 only (MKL, which ``F.linear`` calls, takes a slow path on AMD CPUs):
+  1 row 56.6 -> 28.3, 8 rows 124 -> 37.7, 32 rows 180 -> 61.6. An earlier cut stored the fp32 head
+  column-major instead (the transposed view of a contiguous ``[d, V]`` tensor): 30 / 149 / 239 ms, as fast
+  at one row but 3.9x slower at 32. That layout (:func:`transpose_linear_weight`) remains the fallback
+  where oneDNN is unavailable.
+
+The packed copy costs the head's bytes once more (the plain weight stays for tied input embeddings,
+``state_dict`` and PEFT).
 """
 
 from __future__ import annotations
@@ -25,15 +29,18 @@ from torch import nn
 
 log = structlog.get_logger("llminfer.prepack")
 
-_PACKABLE_DTYPES = (torch.bfloat16, torch.float16)
+_PACKABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def prepack_supported(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether :class:`PrepackedLinear` can run here: a CPU with oneDNN and native support for ``dtype``."""
+    """Whether :class:`PrepackedLinear` can run here: a CPU with oneDNN, and for bf16 / fp16 native support
+    for ``dtype``."""
     if device.type != "cpu" or dtype not in _PACKABLE_DTYPES:
         return False
     if not (torch.backends.mkldnn.enabled and torch.backends.mkldnn.is_available()):
         return False
+    if dtype is torch.float32:
+        return True
     ops = torch.ops.mkldnn
     try:
         if dtype is torch.bfloat16:
@@ -52,7 +59,7 @@ class PrepackedLinear(nn.Linear):
     whenever the weight is modified in place (its version counter moves), so it never serves stale values.
 
     Args:
-        linear: the module to wrap; its weight must be ``[out_features, in_features]`` in bf16 or fp16.
+        linear: the module to wrap; its weight must be ``[out_features, in_features]`` in fp32, bf16 or fp16.
 
     Input ``[..., in_features]`` of the weight's dtype on CPU gives ``[..., out_features]`` of that dtype.
     Other inputs (another dtype or device, autograd on) fall back to ``F.linear``.
@@ -100,20 +107,20 @@ def transpose_linear_weight(linear: nn.Linear) -> bool:
 
 
 def prepack_lm_head(model: nn.Module) -> bool:
-    """Swap ``model``'s output embedding (the LM head) for a :class:`PrepackedLinear` when that helps here
-    (bf16/fp16), or store its fp32 weight column-major (:func:`transpose_linear_weight`).
+    """Swap ``model``'s output embedding (the LM head) for a :class:`PrepackedLinear` where oneDNN can run it
+    (fp32; bf16 / fp16 where native); an fp32 head oneDNN cannot take is stored column-major instead
+    (:func:`transpose_linear_weight`).
 
     Returns:
         True if the head was swapped or re-laid out; False (and the model untouched) if the head is not a plain
-        ``nn.Linear`` (quantized, already wrapped) or the device/dtype cannot use oneDNN's packed matmul.
+        ``nn.Linear`` (quantized, already wrapped) or the device/dtype gains nothing here.
     """
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if type(head) is not nn.Linear:
         return False
-    if head.weight.device.type == "cpu" and head.weight.dtype == torch.float32:
-        return transpose_linear_weight(head)
+    fp32_cpu = head.weight.device.type == "cpu" and head.weight.dtype == torch.float32
     if not prepack_supported(head.weight.dtype, head.weight.device):
-        return False
+        return transpose_linear_weight(head) if fp32_cpu else False
     packed = PrepackedLinear(head)
     try:
         with torch.inference_mode():
@@ -121,6 +128,6 @@ def prepack_lm_head(model: nn.Module) -> bool:
             packed(probe)
     except RuntimeError as exc:  # an oneDNN build without this kernel: keep the plain head
         log.warning("LM-head prepacking unavailable; using the plain weight", error=str(exc)[:200])
-        return False
+        return transpose_linear_weight(head) if fp32_cpu else False
     model.set_output_embeddings(packed)
     return True

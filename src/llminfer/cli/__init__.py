@@ -35,6 +35,26 @@ app = typer.Typer(
     add_completion=False,
 )
 
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            typer.echo(f"llminfer {version('llminfer')}")
+        except PackageNotFoundError:  # pragma: no cover - a source tree without an install
+            typer.echo("llminfer (not installed)")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    show_version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+                                      help="Print the version and exit."),
+) -> None:
+    """llminfer: a compact LLM inference and benchmarking engine. Runs offline on a built-in tiny model when
+    no --model is given."""
+
+
 app.command()(generate.run)
 app.command()(generate.stream)
 app.command()(generate.info)
