@@ -290,7 +290,7 @@ def main() -> dict:
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--max-len", type=int, default=256, help="upper bound of the prompt / output lengths")
     ap.add_argument("--schemas", type=int, default=len(CORPUS), help="corpus schemas for compile / library")
-    args = parse_args(ap, {"reps": 1, "num_requests": 8, "max_len": 32, "schemas": 12})
+    args = parse_args(ap, {"reps": 1, "num_requests": 4, "max_len": 24, "schemas": 12})
     global MAX_LEN
     MAX_LEN = args.max_len
     del CORPUS[args.schemas:]  # the first N schemas for the compile and library figures

@@ -1,7 +1,7 @@
 """Run every benchmark suite in turn (what ``nox -s bench`` runs), then print a table of the ratios.
 Each suite writes bench/results/<name>.json; each ratio is measured side by side within one suite run.
 
-    python bench/run_all.py [--quick] [--only vs_hf,scheduler,...] [--list] [--suite-timeout-s S]
+    python bench/run_all.py [--quick] [--only vs_hf,scheduler,...] [--list] [--suite-timeout-s S] [--no-fork]
 
 ``--quick`` passes each suite its own small workload (a few repetitions, small batches, short outputs:
 minutes for the whole suite on 2 cores); its ratios show that every suite runs, not the figures the
@@ -15,11 +15,16 @@ the table should show to :data:`RATIOS`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import resource
+import runpy
+import signal
 import subprocess
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -128,6 +133,74 @@ def summary_table(results: Path = RESULTS) -> str:
     return "\n".join(lines)
 
 
+def preload() -> None:
+    """Import what every suite imports (torch, transformers' Qwen2 code, llminfer's engine): about 7 s per
+    interpreter on 2 cores, paid once when the suites run in forked children (:func:`run_forked`). Nothing
+    here runs a parallel op, so the children's OpenMP thread pools start fresh."""
+    import torch  # noqa: F401
+    import transformers.models.qwen2.modeling_qwen2  # noqa: F401
+
+    import llminfer.assembly  # noqa: F401
+
+
+def run_forked(script: Path, args: list[str], timeout_s: float | None) -> int:
+    """Run ``script`` as ``__main__`` with ``args`` in a forked child of this process (which has run
+    :func:`preload`) and return its exit code, as ``subprocess.call`` would: each suite still gets its own
+    process, so no state leaks from one suite into the next.
+
+    Raises:
+        subprocess.TimeoutExpired: the child ran past ``timeout_s`` seconds (it is killed first).
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into the parent's code
+        code = 1
+        try:
+            os.setpgid(0, 0)  # its own process group: a timeout stops the servers a suite started too
+            os.chdir(script.parent)
+            sys.argv = [str(script), *args]
+            sys.path.insert(0, str(script.parent))
+            runpy.run_path(str(script), run_name="__main__")
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        except KeyboardInterrupt:
+            code = 130
+        except BaseException:  # noqa: BLE001 - print it as the interpreter would, then exit 1
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    try:
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                return os.waitstatus_to_exitcode(status)
+            if deadline is not None and time.monotonic() > deadline:
+                _stop_group(pid, signal.SIGKILL)
+                raise subprocess.TimeoutExpired(str(script), timeout_s)
+            time.sleep(0.2)
+    except KeyboardInterrupt:  # Ctrl-C reaches only the terminal's process group: pass it on
+        _stop_group(pid, signal.SIGINT)
+        raise
+
+
+def _stop_group(pid: int, sig: int) -> None:
+    """Send ``sig`` to the child's process group, then reap the child (SIGKILL after 10 s)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, sig)
+    for _ in range(50):
+        if os.waitpid(pid, os.WNOHANG)[0]:
+            return
+        time.sleep(0.2)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+
+
 def _children_cpu_s() -> float:
     """User + system CPU seconds of the finished child processes so far."""
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -145,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default=None, help="comma-separated suites: " + ",".join(s.name for s in SUITES))
     ap.add_argument("--list", action="store_true", help="list the suites and their commands, run nothing")
     ap.add_argument("--suite-timeout-s", type=float, default=None, help="stop a suite that runs longer")
+    ap.add_argument("--fork", action=argparse.BooleanOptionalAction, default=hasattr(os, "fork"),
+                    help="run each suite in a forked child of a process that imported torch and transformers "
+                    "once (default where os.fork exists; --no-fork: a fresh interpreter per suite)")
     args = ap.parse_args(argv)
     names = [s.name for s in SUITES]
     only = args.only.split(",") if args.only else None
@@ -157,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{s.name:14s} python bench/{' '.join(s.argv(args.quick))}")
         return 0
     t0 = time.monotonic()
+    if args.fork:
+        preload()
     outcome: list[tuple[str, str, float]] = []
     for i, suite in enumerate(chosen, 1):
         head = f"=== [{i}/{len(chosen)}] {suite.name}"
@@ -168,8 +246,11 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
         start, cpu0 = time.monotonic(), _children_cpu_s()
         try:
-            rc = subprocess.call([sys.executable, str(HERE / suite.script), *suite.argv(args.quick)[1:]], cwd=HERE,
-                                 timeout=args.suite_timeout_s)
+            if args.fork:
+                rc = run_forked(HERE / suite.script, suite.argv(args.quick)[1:], args.suite_timeout_s)
+            else:
+                rc = subprocess.call([sys.executable, str(HERE / suite.script), *suite.argv(args.quick)[1:]],
+                                     cwd=HERE, timeout=args.suite_timeout_s)
             status = "ok" if rc == 0 else f"failed (exit {rc})"
         except subprocess.TimeoutExpired:
             status = f"timed out after {args.suite_timeout_s:g} s"
@@ -189,4 +270,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        print("run_all: interrupted", file=sys.stderr)
+        sys.exit(130)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -87,3 +88,34 @@ def test_noxfile_builds_no_venv():
     assert {name for _, name in sessions} == {"tests", "lint", "bench"}
     assert all(args == 'venv_backend="none"' for args, _ in sessions)
     assert "session.install" not in text
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_forked_suites_report_exit_codes_and_a_timeout_stops_their_children(run_all, tmp_path, capfd):
+    import subprocess
+
+    def script(name: str, body: str) -> Path:
+        path = tmp_path / f"{name}.py"
+        path.write_text(body)
+        return path
+
+    ok = script("ok", "import sys\nLEAKED = 1\nprint('args', sys.argv[1:])\n")
+    assert run_all.run_forked(ok, ["--quick"], None) == 0
+    assert "args ['--quick']" in capfd.readouterr().out
+    assert "LEAKED" not in globals() and not hasattr(run_all, "LEAKED")  # the suite ran in its own process
+    assert run_all.run_forked(script("code", "import sys\nsys.exit(3)\n"), [], None) == 3
+    assert run_all.run_forked(script("boom", "raise ValueError('suite bug')\n"), [], None) == 1
+    assert "ValueError: suite bug" in capfd.readouterr().err
+
+    pid_file = tmp_path / "grandchild.pid"
+    hang = script("hang", "import subprocess, sys, time\n"
+                          f"p = subprocess.Popen(['sleep', '600'])\nopen({str(pid_file)!r}, 'w').write(str(p.pid))\n"
+                          "time.sleep(600)\n")
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_all.run_forked(hang, [], 3.0)
+    grandchild = int(pid_file.read_text())
+    try:
+        state = Path(f"/proc/{grandchild}/status").read_text()
+    except FileNotFoundError:
+        state = "State: gone"
+    assert "State:\tZ" in state or state == "State: gone", state  # killed with its suite (a zombie at most)
