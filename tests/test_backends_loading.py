@@ -86,9 +86,9 @@ def test_loading_flags_reach_from_pretrained(tmp_path):
 def test_cli_parallelism_refused_naming_vllm(backend, capsys):
     with pytest.raises(SystemExit) as code:
         main(["run", "x", "--backend", backend, "--tp-size", "2"])
-    assert code.value.code == 1
+    assert code.value.code == 2  # an argument error, named by its flag
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and "vLLM backend" in err and err.count("\n") == 1
+    assert err.startswith("error: ") and "--tp-size" in err and "vLLM backend" in err and err.count("\n") == 1
     with pytest.raises(ConfigError, match="vLLM backend"):
         EngineConfig(backend=Backend(backend), pp_size=2).validate()
 

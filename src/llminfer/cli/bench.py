@@ -169,7 +169,13 @@ def _check_settings(sizes: list[int], runs: int, max_new_tokens: int, warmup: in
     try:
         check_settings(sizes, runs, max_new_tokens, warmup, prompt_len)
     except ValueError as exc:
-        raise typer.BadParameter(str(exc)) from None
+        message = str(exc)
+        flag = next((f for word, f in _SETTING_FLAGS.items() if message.startswith(word)), None)
+        raise typer.BadParameter(f"{flag}: {message}" if flag else message) from None
+
+
+_SETTING_FLAGS = {"batch sizes": "--batch-sizes", "runs": "--runs", "max_new_tokens": "--max-new-tokens",
+                  "warmup": "--warmup", "prompt_len": "--prompt-len"}
 
 
 Continuous = Annotated[bool, typer.Option("--continuous/--static", help="Continuous or static batching.")]

@@ -87,14 +87,12 @@ def _stats_line(stats, finish_reason: str | None = None, chat: bool | None = Non
 
 
 def _check_chat_flags(prompt: str, chat: bool | None, system: str | None) -> None:
-    """Before loading: raises typer.BadParameter for ``--system`` with ``--no-chat``, InvalidRequestError
-    (``param="prompt"``) for an empty prompt."""
+    """Before loading: raises typer.BadParameter for ``--system`` with ``--no-chat`` and for an empty
+    PROMPT (exit 2, like every other argument error)."""
     if system is not None and chat is False:
         raise typer.BadParameter("--system needs the chat template: drop --no-chat")
     if not prompt:
-        from llminfer.errors import InvalidRequestError
-
-        raise InvalidRequestError("prompt is empty", param="prompt")
+        raise typer.BadParameter("PROMPT is empty: give the text to complete")
 
 
 def chat_prompt(engine, prompt: str, chat: bool | None, system: str | None) -> tuple[str | list[int], bool]:

@@ -121,8 +121,42 @@ def build_config(
     """Turn the engine flags (keyword arguments named like the command parameters; the defaults are the
     flags' defaults) into a validated :class:`EngineConfig`. ``extra`` goes to ``EngineConfig`` as is.
 
-    Raises ConfigError naming the field when a value is out of range.
+    Raises:
+        typer.BadParameter: a value out of range, as ``--flag: message`` (the message names the config
+            field; exit 2 like every other argument error).
     """
+    from llminfer.errors import ConfigError
+
+    try:
+        return _engine_config(
+            model=model, backend=backend, dtype=dtype, device=device, max_batch_size=max_batch_size,
+            page_size=page_size, no_prefix_cache=no_prefix_cache, kv_cache_bytes=kv_cache_bytes,
+            max_model_len=max_model_len, revision=revision, hf_token=hf_token, local_files_only=local_files_only,
+            cache_dir=cache_dir, trust_remote_code=trust_remote_code, tp_size=tp_size, pp_size=pp_size,
+            assistant_model=assistant_model, spec_num_assistant_tokens=spec_num_assistant_tokens,
+            spec_confidence_threshold=spec_confidence_threshold, quant=quant, attention_backend=attention_backend,
+            **extra)
+    except ConfigError as exc:
+        message = str(exc)
+        flag = next((f for field, f in CONFIG_FLAGS.items() if message.startswith(field)
+                     or message.startswith(f"invalid engine config: {field}")), None)
+        raise typer.BadParameter(f"{flag}: {message}" if flag else message) from None
+
+
+CONFIG_FLAGS: dict[str, str] = {
+    "dtype": "--dtype", "device": "--device", "max_batch_size": "--max-batch-size",
+    "page_size_tokens": "--page-size", "kv_cache_memory_bytes": "--kv-cache-bytes",
+    "max_model_len": "--max-model-len", "tp_size": "--tp-size", "pp_size": "--pp-size",
+    "attention_backend": "--attention-backend", "speculative_num_assistant_tokens": "--spec-num-assistant-tokens",
+    "speculative_confidence_threshold": "--spec-confidence-threshold", "group_size": "--quant",
+}
+"""``EngineConfig`` field → the flag that sets it, for error messages."""
+
+
+def _engine_config(*, model, backend, dtype, device, max_batch_size, page_size, no_prefix_cache, kv_cache_bytes,
+                   max_model_len, revision, hf_token, local_files_only, cache_dir, trust_remote_code, tp_size,
+                   pp_size, assistant_model, spec_num_assistant_tokens, spec_confidence_threshold, quant,
+                   attention_backend, **extra: Any) -> EngineConfig:
     return EngineConfig(
         model_name=model, backend=backend, dtype=dtype, device=device, max_batch_size=max_batch_size,
         max_model_len=max_model_len,
