@@ -11,7 +11,7 @@ Steps (each skipped with one ``SKIP:`` line where it cannot run):
 4. with ``--serve``: ``llama-server -np 32`` and ``llminfer serve`` each under ``llminfer bench-serve`` (64
    requests, prompts 16..256, outputs 16..256, EOS ignored, 32 in flight).
 
-Threads: the idle cores (cpu count minus the 1-minute load average, at least 1), because llama.cpp
+Threads: the idle cores (measured from ``/proc/stat`` over one second, at least 1), because llama.cpp
 spin-waits at every op and collapses when its threads are oversubscribed. The load average is recorded
 before and after: figures from a loaded machine are not figures from a quiet one.
 
@@ -43,9 +43,29 @@ def loadavg() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def idle_cores() -> int:
-    """CPU count less the 1-minute load average, at least 1."""
-    return max(1, int((os.cpu_count() or 1) - os.getloadavg()[0]))
+def _cpu_times() -> tuple[int, int] | None:
+    """(idle, total) jiffies summed over all CPUs from ``/proc/stat``, None where it cannot be read."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return fields[3] + (fields[4] if len(fields) > 4 else 0), sum(fields)
+
+
+def idle_cores(sample_s: float = 1.0) -> int:
+    """How many cores are idle, at least 1: the CPU count times the idle share of ``/proc/stat`` over
+    ``sample_s`` seconds, rounded; else the CPU count less the 1-minute load average. The load average
+    alone misleads on some VMs: a kernel thread in uninterruptible sleep keeps it near 1.0 on an idle
+    machine."""
+    cpus = os.cpu_count() or 1
+    before = _cpu_times()
+    if before is not None:
+        time.sleep(sample_s)
+        after = _cpu_times()
+        if after is not None and after[1] > before[1]:
+            idle_share = (after[0] - before[0]) / (after[1] - before[1])
+            return max(1, round(cpus * idle_share))
+    return max(1, int(cpus - os.getloadavg()[0]))
 
 
 def quant_modes() -> set[str]:
