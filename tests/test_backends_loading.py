@@ -203,3 +203,31 @@ def test_engines_share_a_parsed_tokenizer_but_not_its_attributes(qwen2_dir, tmp_
     assert len(loads) == 2 and third._tokenizer is not first._tokenizer
     assert third.model_max_length == 1234
     clear_tokenizer_cache()
+
+
+def test_two_engines_sharing_a_tokenizer_serve_concurrent_threads_alike(qwen2_dir):
+    """Two engines of one model (one parsed tokenizer between them) driven from two threads at once give
+    what each gives alone: the shared Rust tokenizer is only read."""
+    import threading
+
+    from helpers import make_engine
+
+    prompts = [f"request {i}: the quick brown fox" for i in range(6)]
+    with make_engine(qwen2_dir) as a, make_engine(qwen2_dir) as b:
+        assert a.tokenizer._tokenizer is b.tokenizer._tokenizer
+        alone = [a.run(p, max_new_tokens=6).generated_text for p in prompts]
+        together: dict[str, list[str]] = {}
+        errors: list[BaseException] = []
+
+        def drive(name, engine):
+            try:
+                together[name] = [engine.run(p, max_new_tokens=6).generated_text for p in prompts]
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=drive, args=(n, e)) for n, e in (("a", a), ("b", b))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        assert not errors and together == {"a": alone, "b": alone}

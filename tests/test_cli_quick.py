@@ -75,6 +75,10 @@ def _no_load(*_args, **_kwargs):
     (["run", "x", "--system", "be brief", "--no-chat"], "--system needs the chat template"),
     (["run", "x", "--json-schema", "@/no/such.json"], "cannot read"),
     (["run", "x", "--log-level", "loud"], "--log-level"),
+    (["bench-serve", "--log-level", "loud"], "--log-level"),
+    (["bench-report", "x.json", "--log-level", "loud"], "--log-level"),
+    (["run", "x", "--dtype", "float64"], "--dtype: dtype must be one of"),
+    (["bench", "--runs", "0"], "--runs: runs must be >= 1"),
     (["run", ""], "empty"),
 ])
 def test_every_flag_is_checked_before_the_model_loads(argv, needle, monkeypatch, capsys):

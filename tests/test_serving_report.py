@@ -332,3 +332,16 @@ def test_probe_server_tells_kind_and_version(routes, expected):
     info = anyio.run(probe)
     assert (info["kind"], info["version"], info["server_header"]) == expected
     assert info["model"] == "q" and info["models"] == ["q"]
+
+
+@pytest.mark.parametrize("body, shown", [
+    (b'{"error": {"message": "The model `nosuch` does not exist.", "type": "invalid_request_error"}}',
+     "The model `nosuch` does not exist."),
+    (b'{"error": "llama.cpp style"}', "llama.cpp style"),
+    (b"<html>Bad Gateway</html>", "<html>Bad Gateway</html>"),
+    (b"\xff\xfe not utf-8", "\ufffd\ufffd not utf-8"),
+])
+def test_a_failed_request_shows_the_servers_message_not_bytes(body, shown):
+    from llminfer.benchmark.serving import _error_text
+
+    assert _error_text(body) == shown

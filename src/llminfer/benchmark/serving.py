@@ -144,6 +144,22 @@ def _f(v: float | None) -> str:
     return "-" if v is None else f"{v:8.1f}"
 
 
+
+def _error_text(body: bytes, limit: int = 200) -> str:
+    """A failed response's body for the error column: the OpenAI error object's ``message`` when the body is
+    one (``{"error": {"message": ...}}``), else the text itself, cut to ``limit`` characters."""
+    text = body.decode("utf-8", "replace").strip()
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return text[:limit]
+    err = obj.get("error") if isinstance(obj, dict) else None
+    if isinstance(err, dict) and err.get("message"):
+        return str(err["message"])[:limit]
+    if isinstance(err, str):
+        return err[:limit]
+    return text[:limit]
+
 async def _one(client: Any, cfg: ServingConfig, model: str, prompt: str, max_tokens: int, rid: str,
                events: list[tuple]) -> dict[str, Any]:
     if cfg.endpoint == "chat":
@@ -162,7 +178,7 @@ async def _one(client: Any, cfg: ServingConfig, model: str, prompt: str, max_tok
     try:
         async with client.stream("POST", url, json=body) as resp:
             if resp.status_code != 200:
-                error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                error = f"HTTP {resp.status_code}: {_error_text(await resp.aread())}"
             else:
                 async for line in resp.aiter_lines():
                     if not line.startswith("data:"):

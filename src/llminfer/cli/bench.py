@@ -325,6 +325,7 @@ def bench_serve(
     seed: Seed = 0, artifacts_dir: ArtifactsDir = None, json_out: JsonOut = None, csv_out: CsvOut = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace earlier artifacts (default: a fresh "
                                             "timestamped subfolder).")] = False,
+    log_level: LogLevel = "warning",
 ) -> None:
     """Load-test an OpenAI-compatible server (llminfer, vLLM, TGI, llama.cpp) and report TTFT/TPOT/ITL/E2E
     and goodput, once per load point of a sweep; the JSON artifact feeds bench-report."""
@@ -341,6 +342,10 @@ def bench_serve(
     )
     from llminfer.cli.report import ServeProgress
 
+    check_log_level(log_level)
+    from llminfer.logging import configure_logging
+
+    configure_logging(log_level)
     if num_requests < 1:
         raise typer.BadParameter(f"--num-requests must be >= 1, got {num_requests}")
     if endpoint not in ("completions", "chat"):

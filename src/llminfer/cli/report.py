@@ -14,6 +14,8 @@ from typing import Annotated, Any
 
 import typer
 
+from llminfer.cli.options import LogLevel, check_log_level
+
 
 class ServeProgress:
     """A rich progress display for ``bench-serve``: one bar per load point with requests done / total,
@@ -66,10 +68,15 @@ def bench_report(
     no_plots: Annotated[bool, typer.Option("--no-plots", help="With --out-dir: only the JSON and CSV.")] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an earlier report in --out-dir "
                                             "(default: write into a fresh timestamped subfolder).")] = False,
+    log_level: LogLevel = "warning",
 ) -> None:
     """Compare bench-serve results of several servers (llminfer, vLLM, llama.cpp, TGI, ...): a table of
     TTFT / TPOT / ITL percentiles, throughput and goodput per server and load point, and plots."""
     from llminfer.benchmark.report import ReportError, build_report
+    from llminfer.logging import configure_logging
+
+    check_log_level(log_level)
+    configure_logging(log_level)
 
     names = None
     if labels is not None:

@@ -1,0 +1,78 @@
+"""``dtype="auto"`` against bfloat16 on this CPU: decode speed, side by side in one run (issue 17).
+
+The bench model (a bf16 checkpoint) loads twice: with ``dtype="auto"`` (what llminfer picks from the CPU:
+float32 on an AVX2-only CPU, where bf16 matmuls are emulated; bfloat16 where the CPU computes it natively,
+in which case both engines run the same dtype and the ratio is ~1) and with ``dtype="bfloat16"``. Each
+runs greedy decode at batch 1 (ms per output token after the first, the median over ``--reps``) and at
+batch ``--batch`` (output tokens/s of the whole batch, submitted at once to the continuous-batching
+scheduler). Repetitions alternate the order of the two engines. The figure is speed(auto) / speed(bf16);
+the issue asks >= 2 on an AVX2-only CPU.
+
+    python bench/bench_dtype.py [--reps 3] [--new-tokens 32] [--batch 32] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+from common import BENCH_VOCAB, bench_model_path, environment, parse_args, random_prompts, save, timed
+from llminfer import CacheConfig, EngineConfig, InferenceEngine
+from llminfer.logging import configure_logging
+
+
+def _engine(path, dtype: str, batch: int) -> InferenceEngine:
+    cfg = EngineConfig(model_name=str(path), dtype=dtype, device="cpu", max_batch_size=batch, batch_timeout_ms=0,
+                       cache=CacheConfig(page_size_tokens=16, kv_cache_memory_bytes=256 << 20))
+    return InferenceEngine(cfg).load().start()
+
+
+def main() -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--prompt-tokens", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=32)
+    args = parse_args(ap, {"reps": 1, "new_tokens": 8, "batch": 8})
+    configure_logging("warning")
+    path = bench_model_path()
+    engines = {"auto": _engine(path, "auto", args.batch), "bfloat16": _engine(path, "bfloat16", args.batch)}
+    chosen = {k: str(e.runtime.dtype).replace("torch.", "") for k, e in engines.items()}
+    kw = dict(max_new_tokens=args.new_tokens, ignore_eos=True)
+    for e in engines.values():  # warm-up, excluded
+        e.run_batch_continuous(random_prompts(2, args.prompt_tokens, BENCH_VOCAB, seed=7), max_new_tokens=4)
+    ms_per_token: dict[str, list[float]] = {k: [] for k in engines}
+    batch_tps: dict[str, list[float]] = {k: [] for k in engines}
+    for rep in range(args.reps):
+        order = list(engines.items()) if rep % 2 == 0 else list(engines.items())[::-1]
+        for name, e in order:
+            prompt = random_prompts(1, args.prompt_tokens, BENCH_VOCAB, seed=100 + rep)[0]
+            st = e.run(prompt, **kw).stats
+            ms_per_token[name].append((st.total_latency_ms - st.ttft_ms) / max(1, st.completion_tokens - 1))
+            prompts = random_prompts(args.batch, args.prompt_tokens, BENCH_VOCAB, seed=200 + rep)
+            seconds, results = timed(e.run_batch_continuous, prompts, **kw)
+            batch_tps[name].append(sum(r.stats.completion_tokens for r in results) / seconds)
+    for e in engines.values():
+        e.close()
+    b1 = {k: statistics.median(v) for k, v in ms_per_token.items()}
+    bn = {k: statistics.median(v) for k, v in batch_tps.items()}
+    payload = {
+        "benchmark": "dtype_auto_vs_bf16", "dtype_chosen": chosen,
+        "dtype_reason": environment()["cpu_dtype"]["auto_reason"],
+        "batch1_ms_per_token": b1, "batch1_ms_per_token_runs": ms_per_token,
+        "batch": args.batch, "batch_output_tokens_per_s": bn, "batch_output_tokens_per_s_runs": batch_tps,
+        "speed_ratio_auto_over_bf16": {"batch_1": b1["bfloat16"] / b1["auto"],
+                                       f"batch_{args.batch}": bn["auto"] / bn["bfloat16"]},
+        "new_tokens": args.new_tokens, "prompt_tokens": args.prompt_tokens, "reps": args.reps,
+        "environment": environment(),
+    }
+    r = payload["speed_ratio_auto_over_bf16"]
+    print(f"[dtype] auto = {chosen['auto']}; batch 1: auto {b1['auto']:.1f} ms/token, bf16 {b1['bfloat16']:.1f} "
+          f"ms/token (x{r['batch_1']:.2f}); batch {args.batch}: auto {bn['auto']:.1f} tok/s, bf16 "
+          f"{bn['bfloat16']:.1f} tok/s (x{r[f'batch_{args.batch}']:.2f})")
+    print(f"-> {save('dtype_auto', payload)}")
+    return payload
+
+
+if __name__ == "__main__":
+    main()
