@@ -183,3 +183,14 @@ def test_status_lines_are_logged_and_drawn_only_when_enabled(capfd):
     finally:
         enable_status_lines(False)
         reset_logging()
+
+
+def test_ctrl_c_in_a_command_is_one_line_and_exit_130(monkeypatch, capsys):
+    def interrupted(*_args, **_kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(generate, "load_engine", interrupted)
+    with pytest.raises(SystemExit) as exc:
+        main(["run", "hello"])
+    assert exc.value.code == 130
+    assert capsys.readouterr().err.strip().splitlines() == ["error: interrupted"]

@@ -94,6 +94,8 @@ def main(argv: list[str] | None = None) -> None:
     argv = resolve_aliases(list(sys.argv[1:] if argv is None else argv))
     try:
         rc = app(args=argv, standalone_mode=False)  # returns the code of a typer.Exit
+        if rc == 130:  # typer turns Ctrl-C inside a command into a silent return of 130
+            typer.echo("error: interrupted", err=True)
         if isinstance(rc, int) and rc:
             sys.exit(rc)
     except click_exc.NoArgsIsHelpError as exc:  # pragma: no cover - typer prints help itself
