@@ -128,14 +128,17 @@ def build_config(
     from llminfer.errors import ConfigError
 
     try:
-        return _engine_config(
-            model=model, backend=backend, dtype=dtype, device=device, max_batch_size=max_batch_size,
-            page_size=page_size, no_prefix_cache=no_prefix_cache, kv_cache_bytes=kv_cache_bytes,
-            max_model_len=max_model_len, revision=revision, hf_token=hf_token, local_files_only=local_files_only,
-            cache_dir=cache_dir, trust_remote_code=trust_remote_code, tp_size=tp_size, pp_size=pp_size,
-            assistant_model=assistant_model, spec_num_assistant_tokens=spec_num_assistant_tokens,
-            spec_confidence_threshold=spec_confidence_threshold, quant=quant, attention_backend=attention_backend,
-            **extra)
+        return EngineConfig(
+            model_name=model, backend=backend, dtype=dtype, device=device, max_batch_size=max_batch_size,
+            max_model_len=max_model_len,
+            cache=CacheConfig(page_size_tokens=page_size, enable_prefix_cache=not no_prefix_cache,
+                              kv_cache_memory_bytes=kv_cache_bytes),
+            quant=QuantConfig(mode=quant), scheduler=SchedulerConfig(),
+            hf_revision=revision, hf_token=hf_token, hf_local_files_only=local_files_only, hf_cache_dir=cache_dir,
+            hf_trust_remote_code=trust_remote_code, tp_size=tp_size, pp_size=pp_size,
+            assistant_model_name=assistant_model, speculative_num_assistant_tokens=spec_num_assistant_tokens,
+            speculative_confidence_threshold=spec_confidence_threshold, attention_backend=attention_backend, **extra,
+        ).validate()
     except ConfigError as exc:
         message = str(exc)
         flag = next((f for field, f in CONFIG_FLAGS.items() if message.startswith(field)
@@ -148,26 +151,9 @@ CONFIG_FLAGS: dict[str, str] = {
     "page_size_tokens": "--page-size", "kv_cache_memory_bytes": "--kv-cache-bytes",
     "max_model_len": "--max-model-len", "tp_size": "--tp-size", "pp_size": "--pp-size",
     "attention_backend": "--attention-backend", "speculative_num_assistant_tokens": "--spec-num-assistant-tokens",
-    "speculative_confidence_threshold": "--spec-confidence-threshold", "group_size": "--quant",
+    "speculative_confidence_threshold": "--spec-confidence-threshold",
 }
 """``EngineConfig`` field → the flag that sets it, for error messages."""
-
-
-def _engine_config(*, model, backend, dtype, device, max_batch_size, page_size, no_prefix_cache, kv_cache_bytes,
-                   max_model_len, revision, hf_token, local_files_only, cache_dir, trust_remote_code, tp_size,
-                   pp_size, assistant_model, spec_num_assistant_tokens, spec_confidence_threshold, quant,
-                   attention_backend, **extra: Any) -> EngineConfig:
-    return EngineConfig(
-        model_name=model, backend=backend, dtype=dtype, device=device, max_batch_size=max_batch_size,
-        max_model_len=max_model_len,
-        cache=CacheConfig(page_size_tokens=page_size, enable_prefix_cache=not no_prefix_cache,
-                          kv_cache_memory_bytes=kv_cache_bytes),
-        quant=QuantConfig(mode=quant), scheduler=SchedulerConfig(),
-        hf_revision=revision, hf_token=hf_token, hf_local_files_only=local_files_only, hf_cache_dir=cache_dir,
-        hf_trust_remote_code=trust_remote_code, tp_size=tp_size, pp_size=pp_size,
-        assistant_model_name=assistant_model, speculative_num_assistant_tokens=spec_num_assistant_tokens,
-        speculative_confidence_threshold=spec_confidence_threshold, attention_backend=attention_backend, **extra,
-    ).validate()
 
 
 def check_engine_flags(*, model: str | None = None, device: str = "auto", log_level: str = "warning",
