@@ -143,8 +143,6 @@ class ServingResult:
 def _f(v: float | None) -> str:
     return "-" if v is None else f"{v:8.1f}"
 
-
-
 def _error_text(body: bytes, limit: int = 200) -> str:
     """A failed response's body for the error column: the OpenAI error object's ``message`` when the body is
     one (``{"error": {"message": ...}}``), else the text itself, cut to ``limit`` characters."""
@@ -159,6 +157,7 @@ def _error_text(body: bytes, limit: int = 200) -> str:
     if isinstance(err, str):
         return err[:limit]
     return text[:limit]
+
 
 async def _one(client: Any, cfg: ServingConfig, model: str, prompt: str, max_tokens: int, rid: str,
                events: list[tuple]) -> dict[str, Any]:

@@ -35,6 +35,7 @@ app = typer.Typer(
     add_completion=False,
 )
 
+
 def _print_version(value: bool) -> None:
     if value:
         from importlib.metadata import PackageNotFoundError, version

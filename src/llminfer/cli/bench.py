@@ -39,6 +39,7 @@ from llminfer.cli.options import (
     Warmup,
     build_config,
     check_log_level,
+    flag_error,
     load_engine,
     split_csv,
 )
@@ -169,9 +170,7 @@ def _check_settings(sizes: list[int], runs: int, max_new_tokens: int, warmup: in
     try:
         check_settings(sizes, runs, max_new_tokens, warmup, prompt_len)
     except ValueError as exc:
-        message = str(exc)
-        flag = next((f for word, f in _SETTING_FLAGS.items() if message.startswith(word)), None)
-        raise typer.BadParameter(f"{flag}: {message}" if flag else message) from None
+        raise flag_error(str(exc), _SETTING_FLAGS) from None
 
 
 _SETTING_FLAGS = {"batch sizes": "--batch-sizes", "runs": "--runs", "max_new_tokens": "--max-new-tokens",

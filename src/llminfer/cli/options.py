@@ -141,9 +141,16 @@ def build_config(
         ).validate()
     except ConfigError as exc:
         message = str(exc)
-        flag = next((f for field, f in CONFIG_FLAGS.items() if message.startswith(field)
-                     or message.startswith(f"invalid engine config: {field}")), None)
-        raise typer.BadParameter(f"{flag}: {message}" if flag else message) from None
+        raise flag_error(message, CONFIG_FLAGS, subject=message.removeprefix("invalid engine config: ")) from None
+
+
+def flag_error(message: str, flags: dict[str, str], subject: str | None = None) -> typer.BadParameter:
+    """``message`` as a CLI argument error, prefixed ``--flag: `` when ``subject`` (default: ``message``)
+    starts with one of ``flags``' keys (a setting's name in the Python API, e.g. ``max_batch_size``;
+    ``flags`` maps it to its flag)."""
+    subject = message if subject is None else subject
+    flag = next((f for name, f in flags.items() if subject.startswith(name)), None)
+    return typer.BadParameter(f"{flag}: {message}" if flag else message)
 
 
 CONFIG_FLAGS: dict[str, str] = {
