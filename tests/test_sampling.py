@@ -20,7 +20,7 @@ from transformers.generation.logits_process import (
 from helpers import make_engine
 from llminfer import InvalidRequestError, SamplingParams
 from llminfer.models import builtin_model_path
-from llminfer.sampling.sampler import SamplingState, warp
+from llminfer.sampling.sampler import SamplingState, draw, inverse_cdf_draw, warp
 
 VOCAB = 24
 logits_st = st.lists(st.floats(-8, 8, allow_nan=False, width=32), min_size=VOCAB, max_size=VOCAB)
@@ -84,6 +84,39 @@ def test_warpers_match_hf(logits, temperature, top_k, top_p, min_p):
     if min_p > 0:
         theirs = MinPLogitsWarper(min_p)(ids, theirs)
     _same(ours[0], theirs[0])
+
+
+@st.composite
+def _sparse_probs(draw_):
+    vocab = draw_(st.integers(1, 2600))  # up to three 1024-token blocks, the last one partial
+    mass = draw_(st.dictionaries(st.integers(0, vocab - 1), st.floats(1e-12, 1.0), min_size=1, max_size=12))
+    probs = torch.zeros(vocab)
+    for token, p in mass.items():
+        probs[token] = p
+    return probs / probs.sum()
+
+
+@settings(max_examples=300, deadline=None)
+@given(probs=_sparse_probs(), u=st.one_of(st.floats(0.0, 1.0, exclude_max=True), st.just(1.0 - 2 ** -53)))
+def test_inverse_cdf_draw_lands_in_the_tokens_interval(probs, u):
+    token = inverse_cdf_draw(probs[None], torch.tensor([u], dtype=torch.float64))[0]
+    assert probs[token] > 0
+    cum = probs.double().cumsum(0)
+    target = u * float(cum[-1])
+    lo, hi = float(cum[token] - probs[token]), float(cum[token])
+    assert lo - 1e-6 <= target <= hi + 1e-6
+
+
+def test_draw_matches_the_distribution():
+    probs = torch.zeros(2500)
+    probs[[0, 2, 1500, 2499]] = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    n = 20_000
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.bincount(torch.tensor(draw(probs.expand(n, -1), [gen] * n)), minlength=2500)
+    assert int(counts.sum() - counts[[0, 2, 1500, 2499]].sum()) == 0
+    for token, p in ((0, 0.1), (2, 0.2), (1500, 0.3), (2499, 0.4)):
+        sigma = (n * p * (1 - p)) ** 0.5
+        assert abs(int(counts[token]) - n * p) < 5 * sigma
 
 
 def test_presence_and_frequency_follow_openai():

@@ -28,7 +28,7 @@ import torch
 from llminfer.backends.attention import PagedKVCache
 from llminfer.backends.hf import HFBackend, prompt_logprob_jobs, prompt_logprobs, run_packed
 from llminfer.protocols.messages import ScheduledSequence, SchedulerOutput, StepOutput
-from llminfer.sampling.sampler import SamplingState, argmax_rows, sample, warp
+from llminfer.sampling.sampler import SamplingState, argmax_rows, draw, sample, warp
 
 
 class SpeculativeBackend(HFBackend):
@@ -94,7 +94,7 @@ class SpeculativeBackend(HFBackend):
                 if state.params.greedy:
                     token = int(probs.argmax())
                 else:
-                    token = int(torch.multinomial(probs, 1, generator=state.generator))
+                    token = draw(probs[None], [state.generator])[0]
                 if float(probs.max()) < self.confidence_threshold:
                     continue
                 proposed, dists = out[s.request_id]
@@ -138,9 +138,8 @@ class SpeculativeBackend(HFBackend):
             residual = (p[i] - q).clamp_min(0)
             if float(residual.sum()) <= 0:
                 residual = p[i]
-            return proposed[:i] + [int(torch.multinomial(residual, 1, generator=gen))], i
-        bonus = int(torch.multinomial(p[len(proposed)], 1, generator=gen))
-        return proposed + [bonus], len(proposed)
+            return proposed[:i] + draw(residual[None], [gen]), i
+        return proposed + draw(p[len(proposed)][None], [gen]), len(proposed)
 
     def release(self, request_ids: Sequence[str]) -> None:
         """Drop the sampling state and the draft's progress of finished requests."""

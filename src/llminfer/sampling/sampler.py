@@ -255,9 +255,67 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, NEG_INF)
 
 
+_DRAW_BLOCK = 1024
+
+
+def inverse_cdf_draw(probs: torch.Tensor, uniforms: torch.Tensor) -> list[int]:
+    """Inverse-CDF sampling: per row of ``probs``, the first token whose cumulative probability exceeds
+    ``uniform * total``.
+
+    Two levels, so that no float32 running sum spans the whole vocabulary: the sums of blocks of 1024
+    tokens (float32, vectorised), accumulated in float64 and searched for the block; then that block's
+    cumulative sum in float64, searched for the token. A token of probability 0 is never drawn (its
+    interval is empty), and a row whose total is not exactly 1 (rounding) is scaled by its own total. Each
+    row depends only on its own values, so the draw is the same whatever else shares the batch.
+
+    Args:
+        probs: ``[S, V]`` float32 (or float64), non-negative, each row with a positive sum.
+        uniforms: ``[S]`` float64 in [0, 1), one per row.
+
+    Returns:
+        ``S`` token ids.
+    """
+    rows, vocab = probs.shape
+    full = vocab // _DRAW_BLOCK
+    sums = probs[:, :full * _DRAW_BLOCK].unflatten(1, (full, _DRAW_BLOCK)).sum(dim=-1)  # a view: no copy
+    if vocab % _DRAW_BLOCK:
+        sums = torch.cat([sums, probs[:, full * _DRAW_BLOCK:].sum(dim=-1, keepdim=True)], dim=1)
+    block_cum = sums.to(torch.float64).cumsum(dim=-1)  # [S, nb]
+    target = uniforms.to(device=probs.device, dtype=torch.float64) * block_cum[:, -1]
+    nb = block_cum.shape[1]
+    block = torch.searchsorted(block_cum, target[:, None], right=True)[:, 0]
+    # Rounding can put the target at or past a total: fall back to the last block / token of positive mass.
+    last_block = torch.where(sums > 0, torch.arange(nb, device=probs.device), -1).amax(dim=-1)
+    block = torch.minimum(block, last_block)
+    before = torch.where(block > 0, block_cum.gather(1, (block - 1).clamp_min(0)[:, None])[:, 0],
+                         torch.zeros_like(target))
+    steps = torch.arange(_DRAW_BLOCK, device=probs.device)
+    cols = block[:, None] * _DRAW_BLOCK + steps  # [S, 1024]
+    picked = torch.where(cols < vocab, probs.gather(1, cols.clamp(max=vocab - 1)), 0)
+    inner = picked.to(torch.float64).cumsum(dim=-1)
+    offset = torch.searchsorted(inner, (target - before)[:, None], right=True)[:, 0]
+    last_token = torch.where(picked > 0, steps, -1).amax(dim=-1)
+    return (block * _DRAW_BLOCK + torch.minimum(offset, last_token)).tolist()
+
+
+def draw(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> list[int]:
+    """One token per row of ``probs`` (``[S, V]``, rows summing to ~1), each row from one uniform of its own
+    generator (None: torch's default one), so a seeded request draws the same tokens in any batch.
+
+    One random number per row and two cheap passes over the vocabulary (:func:`inverse_cdf_draw`): measured
+    on a 2-core AVX2 machine, ``[32, 151646]``, 3-4 ms, where an exponential race (``argmax(p / E)``, ``V``
+    random numbers per row from a per-request generator) took 126 ms and ``torch.multinomial`` 137 ms.
+    """
+    uniforms = torch.cat([torch.rand(1, generator=g, dtype=torch.float64,
+                                     device=probs.device if g is None else g.device) for g in generators])
+    return inverse_cdf_draw(probs, uniforms)
+
+
 def warp(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """Temperature, top-k, top-p, min-p over ``[S, V]`` float32 logits (one row per params entry)."""
-    x = logits / torch.tensor([p.temperature for p in params], device=logits.device)[:, None]
+    temperatures = [p.temperature for p in params]
+    x = logits if all(t == 1.0 for t in temperatures) else logits / torch.tensor(
+        temperatures, device=logits.device)[:, None]
     if any(p.top_k > 0 for p in params):
         x = apply_top_k(x, torch.tensor([p.top_k for p in params], device=x.device))
     if any(p.top_p < 1.0 for p in params):
@@ -331,17 +389,13 @@ def sample(
     want_lp = [i for i, s in enumerate(states) if s.params.logprobs is not None]
     lp_rows = torch.log_softmax(logits[want_lp], dim=-1) if want_lp else None
 
-    out = argmax_rows(logits)
     rows = [i for i, s in enumerate(states) if not s.params.greedy]
+    out = argmax_rows(logits) if len(rows) < len(states) else [0] * len(states)
     if rows:
-        idx = torch.tensor(rows, device=logits.device)
-        probs = warp(logits.index_select(0, idx), [states[i].params for i in rows]).softmax(dim=-1)
-        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p (the Gumbel-max trick in another
-        # form) and is several times cheaper than torch.multinomial over a large vocabulary on CPU.
-        noise = torch.empty_like(probs)
-        for j, i in enumerate(rows):
-            noise[j].exponential_(generator=states[i].generator)
-        for j, tok in enumerate(argmax_rows(probs / noise)):
+        picked = logits if len(rows) == len(states) else logits.index_select(
+            0, torch.tensor(rows, device=logits.device))
+        probs = warp(picked, [states[i].params for i in rows]).softmax(dim=-1)
+        for j, tok in enumerate(draw(probs, [states[i].generator for i in rows])):
             out[rows[j]] = tok
 
     if lp_rows is not None:
