@@ -15,7 +15,7 @@ for tool in cmake c++ cc; do
   fi
 done
 BIN="$CACHE/build/bin"
-if [[ -x "$BIN/llama-bench" && -x "$BIN/llama-server" && -x "$BIN/llama-quantize" ]]; then
+if [[ -x "$BIN/llama-bench" && -x "$BIN/llama-server" && -x "$BIN/llama-quantize" && -x "$BIN/llama-perplexity" ]]; then
   echo "llama.cpp already built in $BIN"; exit 0
 fi
 mkdir -p "$CACHE/src"
@@ -31,7 +31,7 @@ ln -sfn "$TOP/vendor/llama.cpp" "$CACHE/llama.cpp"
 start=$(date +%s)
 nice -n 19 cmake -S "$CACHE/llama.cpp" -B "$CACHE/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
   -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DBUILD_SHARED_LIBS=OFF
-nice -n 19 cmake --build "$CACHE/build" --config Release -j "$JOBS" --target llama-bench llama-server llama-quantize
+nice -n 19 cmake --build "$CACHE/build" --config Release -j "$JOBS" --target llama-bench llama-server llama-quantize llama-perplexity
 end=$(date +%s)
 echo "$((end - start))" > "$CACHE/build_seconds.txt"
 echo "llama.cpp built in $((end - start)) s (jobs=$JOBS, load average at end: $(cut -d' ' -f1-3 /proc/loadavg)) -> $BIN"

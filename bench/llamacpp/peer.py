@@ -8,6 +8,8 @@ Steps (each skipped with one ``SKIP:`` line where it cannot run):
    f16/bf16 where this CPU computes them natively), then Q8_0 and Q4_0 with ``llama-quantize``;
 3. batch-1 decode: ``llama-bench -p 0 -n N`` (tg) per GGUF, and llminfer's batch-1 decode ms/token at the
    matched precision (fp32 vs f32; ``int8-wo`` vs Q8_0 and ``int4-wo`` vs Q4_0 where ``--quant`` has them);
+   then llama.cpp's own top-1 agreement of Q8_0 and Q4_0 with f32 (``llama-perplexity --kl-divergence``),
+   the yardstick for ``bench_quant.py``'s agreement on the same random-weight model;
 4. with ``--serve``: ``llama-server -np 32`` and ``llminfer serve`` each under ``llminfer bench-serve`` (64
    requests, prompts 16..256, outputs 16..256, EOS ignored, 32 in flight).
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -117,6 +120,32 @@ def llama_bench(gguf: Path, tokens: int, threads: int) -> dict[str, Any]:
     row = json.loads(out.stdout)[0]
     tps = float(row["avg_ts"])
     return {"tok_per_s": tps, "ms_per_token": 1e3 / tps, "threads": threads, "gguf": gguf.name}
+
+
+def llamacpp_top1_agreement(base: Path, quant: Path, threads: int, work: Path) -> dict[str, Any] | None:
+    """llama.cpp's own accuracy yardstick for a quantized GGUF: ``llama-perplexity --kl-divergence`` against
+    the f32 GGUF over this repository's README (8 chunks of 128 tokens; each chunk scores its second half,
+    512 positions). ``same_top1_pct`` is its "Same top p" (the share of positions whose argmax matches f32),
+    with the standard error it prints. None where ``llama-perplexity`` was not built."""
+    exe = BIN / "llama-perplexity"
+    if not exe.exists():
+        print("SKIP: llama.cpp top-1 agreement: llama-perplexity is not built (rerun build.sh)")
+        return None
+    text = work / "agreement_text.txt"
+    text.write_text((HERE.parent.parent / "README.md").read_text() * 2)
+    base_kld = work / f"{base.stem}.kld"
+    common = ["-f", str(text), "-c", "128", "--chunks", "8", "-t", str(threads), "--kl-divergence-base",
+              str(base_kld)]
+    if not base_kld.exists():
+        subprocess.run([str(exe), "-m", str(base), *common], check=True, capture_output=True)
+    out = subprocess.run([str(exe), "-m", str(quant), *common, "--kl-divergence"], check=True,
+                         capture_output=True, text=True)
+    match = re.search(r"Same top p:\s*([\d.]+)\s*±\s*([\d.]+)", out.stdout + out.stderr)
+    if match is None:
+        print("SKIP: llama.cpp top-1 agreement: no 'Same top p' line in llama-perplexity's output")
+        return None
+    return {"same_top1_pct": float(match.group(1)), "stderr_pct": float(match.group(2)), "positions": 512,
+            "gguf": quant.name}
 
 
 def llminfer_decode(model_dir: Path, quant: str, tokens: int, threads: int) -> dict[str, Any]:
@@ -226,9 +255,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"{peer['ms_per_token']:.1f} ms/token, ratio {row['ratio_llminfer_over_llamacpp_ms']:.2f} "
               f"({threads} threads, load {loadavg()})")
     payload["batch1_decode"] = rows
+    work = CACHE / "serve"
+    work.mkdir(exist_ok=True)
+    agreement = {kind: llamacpp_top1_agreement(files["f32"], files[kind], threads, work) for kind in ("q8_0", "q4_0")}
+    payload["llamacpp_top1_agreement"] = agreement
+    for kind, a in agreement.items():
+        if a:
+            print(f"llama.cpp {kind.upper()} vs f32 top-1 agreement: {a['same_top1_pct']:.1f} ± "
+                  f"{a['stderr_pct']:.1f} % over {a['positions']} positions (compare bench_quant.py's)")
     if args.serve:
-        work = CACHE / "serve"
-        work.mkdir(exist_ok=True)
         payload["serving"] = {quant: serve_pair(model_dir, files[kind], quant, threads, work)
                               for _dtype, quant, kind in PAIRS if quant in have}
     payload.update({"loadavg_after": loadavg(), "threads": threads, "environment": environment(),
