@@ -135,3 +135,20 @@ def test_llamacpp_script_skips_with_one_line_without_cmake(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().startswith("SKIP: llama.cpp peer benchmark: 'cmake' not found"), proc.stdout
     assert not (tmp_path / "c").exists()  # nothing downloaded or built
+
+
+def test_llamacpp_agreement_reads_same_top_p(tmp_path, monkeypatch):
+    spec = importlib.util.spec_from_file_location("peer", BENCH / "llamacpp" / "peer.py")
+    peer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(peer)
+    monkeypatch.setattr(peer, "BIN", tmp_path)
+    base, quant = tmp_path / "m-f32.gguf", tmp_path / "m-q8_0.gguf"
+    assert peer.llamacpp_top1_agreement(base, quant, 1, tmp_path) is None  # llama-perplexity not built
+    fake = tmp_path / "llama-perplexity"  # writes the base file when asked for it, else prints the statistics
+    fake.write_text('#!/bin/bash\nfor a in "$@"; do [[ $a == --kl-divergence ]] && { '
+                    'echo "Same top p: 92.262 ± 1.191 %"; exit 0; }; done\n'
+                    'while [[ $1 != --kl-divergence-base ]]; do shift; done; touch "$2"\n')
+    fake.chmod(0o755)
+    got = peer.llamacpp_top1_agreement(base, quant, 1, tmp_path)
+    assert got == {"same_top1_pct": 92.262, "stderr_pct": 1.191, "positions": 512, "gguf": "m-q8_0.gguf"}
+    assert (tmp_path / "m-f32.kld").exists()

@@ -197,7 +197,7 @@ def bench_serve(base_url: str, out: Path) -> dict[str, Any]:
     """The mixed workload through ``llminfer bench-serve``; returns its JSON artifact."""
     subprocess.run([sys.executable, "-m", "llminfer", "bench-serve", "--base-url", base_url, "--num-requests", "64",
                     "--concurrency", "32", "--prompt-len", "16,256", "--output-len", "16,256", "--ignore-eos",
-                    "--json-out", str(out)], check=True)
+                    "--json-out", str(out), "--overwrite"], check=True)
     return json.loads(out.read_text())
 
 
