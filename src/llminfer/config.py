@@ -226,8 +226,9 @@ class EngineConfig:
     #: Eager backend on CUDA with Triton attention: replay pure-decode steps as CUDA graphs captured for
     #: batch-size buckets (:mod:`llminfer.backends.cuda_graphs`). Ignored on CPU.
     cuda_graphs: bool = attrs.field(default=True, validator=_bool)
-    #: On CPU in bf16/fp16 (eager backend), keep the LM head's weight prepacked in oneDNN's blocked layout
-    #: (one extra copy of the head); in fp32, store it column-major (no copy). See :mod:`llminfer.backends.prepack`.
+    #: On CPU (eager backend), keep the LM head's weight prepacked in oneDNN's blocked layout: fp32, and
+    #: bf16/fp16 where native (one extra copy of the head); without oneDNN an fp32 head is stored column-major
+    #: instead (no copy). See :mod:`llminfer.backends.prepack`.
     cpu_prepack_lm_head: bool = attrs.field(default=True, validator=_bool)
 
     tp_size: int = attrs.field(default=1, validator=[_int, _positive])
