@@ -1,6 +1,7 @@
 """Where a decode step's time goes, next to the memory-bandwidth floor (CPU, fp32, the ~114M bench model).
 
-For batch 1 and batch 32 pure-decode steps, two runs of the same workload in one process:
+For batch 1 and batch 32 pure-decode steps, greedy, and batch 32 sampled at temperature 1 (what a server's
+clients get unless they set a temperature), two runs of the same workload in one process:
 
 * ``plain``: only the backend's ``execute`` is timed (two clock reads a step): the step period (one
   ``execute`` start to the next) and the time inside ``execute``;
@@ -218,24 +219,30 @@ def _medians(rows: list[dict[str, float]]) -> dict[str, float]:
 
 
 def profile_batch(engine: InferenceEngine, batch: int, prompt_len: int, new_tokens: int, reps: int,
-                  seed: int, plain_only: bool = False) -> dict[str, Any]:
-    """Median per-step figures over ``reps`` alternating plain/split runs of ``batch`` requests."""
+                  seed: int, plain_only: bool = False, temperature: float = 0.0) -> dict[str, Any]:
+    """Median per-step figures over ``reps`` alternating plain/split runs of ``batch`` requests (greedy, or
+    sampled at ``temperature``)."""
     plain_rows: list[dict[str, float]] = []
     split_rows: list[dict[str, float]] = []
     for rep in range(reps):
         for split in (False,) if plain_only else (False, True):
             prompts = random_prompts(batch, prompt_len, BENCH_VOCAB, seed=seed + 2 * rep + split)
             with timers(engine, split) as t:
-                engine.run_batch_continuous(prompts, max_new_tokens=new_tokens, ignore_eos=True)
+                engine.run_batch_continuous(prompts, max_new_tokens=new_tokens, ignore_eos=True,
+                                            temperature=temperature)
             (split_rows if split else plain_rows).extend(t.decode_rows(batch))
-    return {"batch": batch, "prompt_tokens": prompt_len, "new_tokens": new_tokens,
+    return {"batch": batch, "prompt_tokens": prompt_len, "new_tokens": new_tokens, "temperature": temperature,
             "decode_steps_measured": {"plain": len(plain_rows), "split": len(split_rows)},
             "plain": _medians(plain_rows), "split": _medians(split_rows)}
 
 
+def _label(case: dict[str, Any]) -> str:
+    return f"batch {case['batch']}" + (f" T={case['temperature']:g}" if case.get("temperature") else "")
+
+
 def print_table(results: dict[str, Any]) -> None:
     cases = results["cases"]
-    head = f"{'ms/step':<16}" + "".join(f"{'batch ' + str(c['batch']):>12}{'%':>6}" for c in cases)
+    head = f"{'ms/step':<16}" + "".join(f"{_label(c):>12}{'%':>6}" for c in cases)
     print(head)
     print("-" * len(head))
     for part in PARTS + ("period_ms",):
@@ -274,6 +281,9 @@ def run(quick: bool, reps: int, plain_only: bool = False, compare: bool = False)
     try:
         engine.run_batch_continuous(random_prompts(2, 16, BENCH_VOCAB, seed=99), max_new_tokens=4)  # warm-up
         shapes = [(1, 128, 16 if quick else 48), (32, 128, 8 if quick else 24)]
+        # Sampled rows (temperature 1, OpenAI's default, which a server's clients get unless they set one):
+        # the sampler's draw over the vocabulary shows in ``sampling``.
+        sampled = [(32, 128, 8 if quick else 24, 1.0)]
         cases = []
         if compare:
             out = [compare_before_after(engine, b, p, n, reps, seed=1000 * (i + 1))
@@ -285,9 +295,9 @@ def run(quick: bool, reps: int, plain_only: bool = False, compare: bool = False)
             return {"benchmark": "step_profile_before_after", "cases": out, "reps": reps, "quick": quick,
                     "loadavg_before": load_before, "loadavg_after": _loadavg(), "environment": environment()}
         bw = copy_bandwidth("cpu", False, nbytes=256 << 20, reps=4 if quick else 10)
-        for i, (batch, prompt_len, new_tokens) in enumerate(shapes):
+        for i, (batch, prompt_len, new_tokens, temperature) in enumerate([(*s, 0.0) for s in shapes] + sampled):
             case = profile_batch(engine, batch, prompt_len, new_tokens, reps, seed=100 * (i + 1),
-                                 plain_only=plain_only)
+                                 plain_only=plain_only, temperature=temperature)
             moved = decode_bytes_per_step(engine.backend.model, prompt_len + new_tokens / 2)
             moved["kv_bytes"] *= batch
             moved["total_bytes"] = moved["weight_bytes"] + moved["kv_bytes"]
