@@ -107,6 +107,16 @@ def test_inverse_cdf_draw_lands_in_the_tokens_interval(probs, u):
     assert lo - 1e-6 <= target <= hi + 1e-6
 
 
+def test_a_row_without_mass_gets_its_argmax_and_spares_the_batch():
+    vocab = 3000
+    good = torch.zeros(vocab)
+    good[2500] = 1.0
+    nan_at_9 = torch.zeros(vocab)
+    nan_at_9[9] = float("nan")
+    probs = torch.stack([torch.full((vocab,), float("nan")), torch.zeros(vocab), nan_at_9, good])
+    assert inverse_cdf_draw(probs, torch.full((4,), 0.5, dtype=torch.float64)) == [0, 0, 9, 2500]
+
+
 def test_draw_matches_the_distribution():
     probs = torch.zeros(2500)
     probs[[0, 2, 1500, 2499]] = torch.tensor([0.1, 0.2, 0.3, 0.4])

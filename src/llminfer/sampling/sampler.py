@@ -265,8 +265,9 @@ def inverse_cdf_draw(probs: torch.Tensor, uniforms: torch.Tensor) -> list[int]:
     Two levels, so that no float32 running sum spans the whole vocabulary: the sums of blocks of 1024
     tokens (float32, vectorised), accumulated in float64 and searched for the block; then that block's
     cumulative sum in float64, searched for the token. A token of probability 0 is never drawn (its
-    interval is empty), and a row whose total is not exactly 1 (rounding) is scaled by its own total. Each
-    row depends only on its own values, so the draw is the same whatever else shares the batch.
+    interval is empty), and a row whose total is not exactly 1 (rounding) is scaled by its own total; a
+    row with no positive mass (NaN, all zeros) gets its argmax. Each row depends only on its own values, so
+    the draw is the same whatever else shares the batch.
 
     Args:
         probs: ``[S, V]`` float32 (or float64), non-negative, each row with a positive sum.
@@ -286,7 +287,7 @@ def inverse_cdf_draw(probs: torch.Tensor, uniforms: torch.Tensor) -> list[int]:
     block = torch.searchsorted(block_cum, target[:, None], right=True)[:, 0]
     # Rounding can put the target at or past a total: fall back to the last block / token of positive mass.
     last_block = torch.where(sums > 0, torch.arange(nb, device=probs.device), -1).amax(dim=-1)
-    block = torch.minimum(block, last_block)
+    block = torch.minimum(block, last_block).clamp_min_(0)  # -1: a row without positive mass (below)
     before = torch.where(block > 0, block_cum.gather(1, (block - 1).clamp_min(0)[:, None])[:, 0],
                          torch.zeros_like(target))
     steps = torch.arange(_DRAW_BLOCK, device=probs.device)
@@ -295,7 +296,14 @@ def inverse_cdf_draw(probs: torch.Tensor, uniforms: torch.Tensor) -> list[int]:
     inner = picked.to(torch.float64).cumsum(dim=-1)
     offset = torch.searchsorted(inner, (target - before)[:, None], right=True)[:, 0]
     last_token = torch.where(picked > 0, steps, -1).amax(dim=-1)
-    return (block * _DRAW_BLOCK + torch.minimum(offset, last_token)).tolist()
+    tokens = block * _DRAW_BLOCK + torch.minimum(offset, last_token)
+    # A row with no positive finite mass (NaN logits from an overflowing model, or all zeros) has nothing to
+    # draw from: it gets what greedy would pick (the first maximum, NaN counting as the maximum), as one
+    # bad row must not fail the batch.
+    empty = ~(block_cum[:, -1] > 0)
+    if bool(empty.any()):
+        tokens = torch.where(empty, probs.argmax(dim=-1), tokens)
+    return tokens.tolist()
 
 
 def draw(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> list[int]:
