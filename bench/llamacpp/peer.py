@@ -122,6 +122,9 @@ def llama_bench(gguf: Path, tokens: int, threads: int) -> dict[str, Any]:
     return {"tok_per_s": tps, "ms_per_token": 1e3 / tps, "threads": threads, "gguf": gguf.name}
 
 
+_AGREEMENT_CHUNKS, _AGREEMENT_CTX = 8, 128  # llama-perplexity scores the second half of each chunk
+
+
 def llamacpp_top1_agreement(base: Path, quant: Path, threads: int, work: Path) -> dict[str, Any] | None:
     """llama.cpp's own accuracy yardstick for a quantized GGUF: ``llama-perplexity --kl-divergence`` against
     the f32 GGUF over this repository's README (8 chunks of 128 tokens; each chunk scores its second half,
@@ -134,8 +137,8 @@ def llamacpp_top1_agreement(base: Path, quant: Path, threads: int, work: Path) -
     text = work / "agreement_text.txt"
     text.write_text((HERE.parent.parent / "README.md").read_text() * 2)
     base_kld = work / f"{base.stem}.kld"
-    common = ["-f", str(text), "-c", "128", "--chunks", "8", "-t", str(threads), "--kl-divergence-base",
-              str(base_kld)]
+    common = ["-f", str(text), "-c", str(_AGREEMENT_CTX), "--chunks", str(_AGREEMENT_CHUNKS), "-t", str(threads),
+              "--kl-divergence-base", str(base_kld)]
     if not base_kld.exists():
         subprocess.run([str(exe), "-m", str(base), *common], check=True, capture_output=True)
     out = subprocess.run([str(exe), "-m", str(quant), *common, "--kl-divergence"], check=True,
@@ -144,8 +147,8 @@ def llamacpp_top1_agreement(base: Path, quant: Path, threads: int, work: Path) -
     if match is None:
         print("SKIP: llama.cpp top-1 agreement: no 'Same top p' line in llama-perplexity's output")
         return None
-    return {"same_top1_pct": float(match.group(1)), "stderr_pct": float(match.group(2)), "positions": 512,
-            "gguf": quant.name}
+    return {"same_top1_pct": float(match.group(1)), "stderr_pct": float(match.group(2)),
+            "positions": _AGREEMENT_CHUNKS * _AGREEMENT_CTX // 2, "gguf": quant.name}
 
 
 def llminfer_decode(model_dir: Path, quant: str, tokens: int, threads: int) -> dict[str, Any]:
