@@ -8,6 +8,7 @@ set -euo pipefail
 CACHE="${LLAMACPP_CACHE:-$HOME/.cache/llminfer/llamacpp}"
 JOBS="${JOBS:-2}"
 PIP="${PIP:-pip}"
+read -ra PIP_CMD <<< "$PIP"  # PIP may be a command line such as "python -m pip"
 for tool in cmake c++ cc; do
   if ! command -v "$tool" >/dev/null 2>&1; then
     echo "SKIP: llama.cpp peer benchmark: '$tool' not found (install cmake and a C/C++ compiler, e.g. 'pip install cmake' and build-essential)"
@@ -21,7 +22,7 @@ fi
 mkdir -p "$CACHE/src"
 SDIST=$(ls "$CACHE"/src/llama_cpp_python-*.tar.gz 2>/dev/null | sort -V | tail -1 || true)
 if [[ -z "$SDIST" ]]; then
-  "$PIP" download --no-binary :all: --no-deps llama-cpp-python -d "$CACHE/src" \
+  "${PIP_CMD[@]}" download --no-binary :all: --no-deps llama-cpp-python -d "$CACHE/src" \
     || { echo "SKIP: llama.cpp peer benchmark: could not download the llama-cpp-python sdist"; exit 0; }
   SDIST=$(ls "$CACHE"/src/llama_cpp_python-*.tar.gz | sort -V | tail -1)
 fi

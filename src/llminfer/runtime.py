@@ -52,9 +52,12 @@ class Runtime:
         grammar_compiler: compiles structured-output constraints for this tokenizer (None with vLLM,
             which compiles its own).
         attention_backend: the paged-attention kernels, resolved from ``cfg.attention_backend``
-            (``"triton"`` or ``"torch"``).
+            (``"triton"``, ``"torch"``, or ``"cpu"``: llminfer's CPU decode kernel, which ``"auto"`` picks
+            for fp32 on CPU with the eager backend where :mod:`llminfer.backends.cpu_kernels` builds).
         kv_sizing: on CUDA without an explicit KV budget, the profiling run's measurement (bytes:
             ``total_bytes``, ``used_bytes``, ``activation_peak_bytes``; and ``gpu_memory_utilization``).
+        cpu_kernel_layers: how many linear layers run decode-sized products on llminfer's CPU kernel
+            (:mod:`llminfer.backends.cpu_kernels`; 0 off CPU, with it off, or where it cannot be built).
     """
 
     model_path: str
@@ -74,6 +77,7 @@ class Runtime:
     grammar_compiler: GrammarCompiler | None = None
     attention_backend: str = "torch"
     kv_sizing: dict[str, Any] | None = None
+    cpu_kernel_layers: int = 0
 
     @property
     def vocab_size(self) -> int | None:
@@ -123,6 +127,13 @@ def load_runtime(cfg: EngineConfig) -> Runtime:
     t0 = time.perf_counter()
     rt.model = load_model(rt.model_path, cfg, rt.dtype, device, attn_implementation="llminfer_paged",
                           quantization_config=quantization_config)
+    if cfg.cpu_kernels and cfg.backend is Backend.EAGER and device.type == "cpu":
+        from llminfer.backends.cpu_kernels import enable_cpu_kernels, skinny_linear_available
+
+        rt.cpu_kernel_layers = enable_cpu_kernels(rt.model)
+        if (cfg.attention_backend == "auto" and rt.attention_backend == "torch" and rt.dtype == torch.float32
+                and skinny_linear_available()):
+            rt.attention_backend = "cpu"
     if cfg.cpu_prepack_lm_head and cfg.backend is Backend.EAGER:
         from llminfer.backends.prepack import prepack_lm_head
 
@@ -191,6 +202,10 @@ def _load_draft(cfg: EngineConfig, rt: Runtime) -> None:
     path = resolve_model_path(EngineConfig(model_name=None if name == "builtin" else name))
     load_config(path, cfg)  # a clear error for a missing folder
     draft = load_model(path, cfg, rt.dtype, rt.device, attn_implementation="llminfer_paged")
+    if cfg.cpu_kernels and rt.device.type == "cpu":
+        from llminfer.backends.cpu_kernels import enable_cpu_kernels
+
+        enable_cpu_kernels(draft)
     if cfg.cpu_prepack_lm_head:
         from llminfer.backends.prepack import prepack_lm_head
 
@@ -255,6 +270,7 @@ def describe_runtime(rt: Runtime, cfg: EngineConfig) -> dict[str, Any]:
         "weight_bytes_unquantized": base_bytes,
         "max_model_len": rt.max_model_len,
         "attention_backend": rt.attention_backend,
+        "cpu_kernel": _cpu_kernel_line(rt, cfg),
     }
     if rt.model is None:
         facts.update({"tp_size": cfg.tp_size, "pp_size": cfg.pp_size, "prefix_cache": cfg.cache.enable_prefix_cache})
@@ -270,6 +286,19 @@ def describe_runtime(rt: Runtime, cfg: EngineConfig) -> dict[str, Any]:
     if rt.kv_sizing is not None:
         facts.update({f"kv_sizing_{k}": v for k, v in rt.kv_sizing.items()})
     return facts
+
+
+def _cpu_kernel_line(rt: Runtime, cfg: EngineConfig) -> str:
+    """``llminfer info``'s line on llminfer's CPU linear kernel: how many layers use it, or why none."""
+    if rt.cpu_kernel_layers:
+        return f"skinny_linear on {rt.cpu_kernel_layers} layers (decode-sized products)"
+    if rt.device.type != "cpu" or cfg.backend is not Backend.EAGER:
+        return "off (CPU eager backend only)"
+    if not cfg.cpu_kernels:
+        return "off (cpu_kernels=False)"
+    from llminfer.backends.cpu_kernels import unavailable_reason
+
+    return f"off ({unavailable_reason() or 'no layer it takes'})"
 
 
 def _cpu_isa_line() -> str:

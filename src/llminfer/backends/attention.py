@@ -11,7 +11,10 @@ the attention function), writes the new K/V into the paged cache at ``slot_mappi
   over the gathered context with an offset causal mask.
 
 When the step's metadata carries Triton arrays (``attention_backend="triton"``), the layer runs
-:func:`llminfer.backends.triton_attention.triton_attention` instead, which reads K/V in place.
+:func:`llminfer.backends.triton_attention.triton_attention` instead, which reads K/V in place. With
+``attention_backend="cpu"`` (fp32 on CPU where llminfer's kernel is built, see
+:mod:`llminfer.backends.cpu_kernels`) the decode sequences run ``torch.ops.llminfer_cpu.paged_decode_attention``,
+which also reads K/V in place from the block pool; prefill chunks take the torch path as above.
 
 The layout follows vLLM's paged attention (Kwon et al. 2023, "Efficient Memory Management for Large
 Language Model Serving with PagedAttention"); the gather-then-SDPA kernel is ours, written for CPU and
@@ -97,12 +100,16 @@ class DecodeBatch:
             longest context's, rounded up to whole chunks).
         mask: ``[b, 1, 1, n * block_size]`` bool, True where a slot is real context.
         chunk: slots per attention chunk (divides ``n * block_size``).
+        ctx_lens: ``[b]`` int64 context lengths (tokens), set with ``attention_backend="cpu"``: the
+            sequences then run on llminfer's CPU kernel, which reads the blocks in place (``block_ids``
+            viewed ``[b, n]`` as their block tables) instead of gathering them.
     """
 
     index: torch.Tensor
     block_ids: torch.Tensor
     mask: torch.Tensor
     chunk: int
+    ctx_lens: torch.Tensor | None = None
 
 
 @attrs.define
@@ -227,7 +234,8 @@ def build_metadata(
         starts: per sequence, the position of its first new token (tokens already computed).
         lengths: per sequence, how many new tokens it has in the packed row.
         block_tables: per sequence, its KV block ids (covering at least its new positions).
-        attention_backend: ``"torch"`` (fills ``decode``/``prefills``) or ``"triton"`` (fills ``triton``).
+        attention_backend: ``"torch"`` (fills ``decode``/``prefills``), ``"cpu"`` (the same, with
+            ``decode.ctx_lens`` for the CPU kernel) or ``"triton"`` (fills ``triton``).
         decode_split_tokens: force the Triton decode split length (tests); default from
             :func:`~llminfer.backends.triton_attention.decode_splits`.
 
@@ -246,7 +254,7 @@ def build_metadata(
     num_tokens = int(lens_np.sum())
     width = int(table_lens.max()) if num_seqs else 0
     dec_blocks = 0
-    if attention_backend == "torch" and decode_idx.size:
+    if attention_backend in ("torch", "cpu") and decode_idx.size:
         chunk = decode_chunk_blocks(bs)
         most_blocks = int(((starts_np[decode_idx] + bs) // bs).max())  # cdiv(start + 1, bs)
         dec_blocks = -(-most_blocks // chunk) * chunk
@@ -299,7 +307,8 @@ def build_metadata(
             ids = torch.where(cols[None, :] < (ctx[:, None] + bs - 1) // bs, ids, 0)
             mask = torch.arange(dec_blocks * bs, device=device)[None, :] < ctx[:, None]
             decode = DecodeBatch(index=decode_rows, block_ids=ids.reshape(-1), mask=mask[:, None, None, :],
-                                 chunk=decode_chunk_blocks(bs) * bs)
+                                 chunk=decode_chunk_blocks(bs) * bs,
+                                 ctx_lens=ctx if attention_backend == "cpu" else None)
         offsets = np.cumsum(lens_np) - lens_np
         for i in prefill_idx.tolist():
             start, length = int(starts_np[i]), int(lens_np[i])
@@ -371,7 +380,16 @@ def paged_attention_forward(
     out = q.new_empty(num_tokens, num_heads, head_dim)
 
     group = meta.decode
-    if group is not None:
+    if group is not None and group.ctx_lens is not None and q.dtype == torch.float32 and head_dim % 8 == 0:
+        qd = q.transpose(0, 1) if meta.all_decode else q.index_select(1, group.index).transpose(0, 1)  # [b, H, D]
+        od = torch.ops.llminfer_cpu.paged_decode_attention(
+            qd, k_cache, v_cache, group.block_ids.view(len(group.index), -1), group.ctx_lens,
+            scaling if scaling is not None else head_dim**-0.5)
+        if meta.all_decode:
+            out = od
+        else:
+            out.index_copy_(0, group.index, od)
+    elif group is not None:
         qd = q.index_select(1, group.index).transpose(0, 1).unsqueeze(2)  # [b, H, 1, D]
         kd, vd = gather(group.block_ids, len(group.index))  # [H_kv, b, n * block_size, D]
         od = masked_attention(qd, kd, vd, group.mask, scaling, chunk=group.chunk)[:, :, 0, :]  # [b, H, D]

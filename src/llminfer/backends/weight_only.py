@@ -157,6 +157,26 @@ class Int8WeightOnlyLinear(_WeightOnlyLinear):
         self.register_buffer("weight", q)
         self.register_buffer("scales", scales.to(compute_dtype))
 
+    #: Set by :func:`llminfer.backends.cpu_kernels.enable_cpu_kernels`: decode-sized inputs (at most
+    #: ``cpu_kernels.INT8_MAX_ROWS`` rows) run on llminfer's AVX2 kernel with float32 activations (the
+    #: ``compute_dtype`` rounding is skipped there: more exact, and faster than torch's kernel).
+    use_cpu_kernel = False
+    _kernel_scales: torch.Tensor | None = None  # ``scales`` in float32 for that kernel, made on first use
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from llminfer.backends import cpu_kernels
+
+        rows = x.numel() // self.in_features
+        if (not self.use_cpu_kernel or rows > cpu_kernels.INT8_MAX_ROWS or x.device.type != "cpu"
+                or torch.compiler.is_compiling()):
+            return super().forward(x)
+        if self._kernel_scales is None or self._kernel_scales.dtype != torch.float32:
+            self._kernel_scales = self.scales.float().contiguous()
+        bias = None if self.bias is None else self.bias.float()
+        flat = x.reshape(rows, self.in_features).float().contiguous()
+        out = cpu_kernels.skinny_linear(flat, self.weight, self._kernel_scales, bias)
+        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
 

@@ -1,0 +1,251 @@
+// llminfer's CPU kernels for the decode step (AVX2 + FMA), loaded by llminfer/backends/cpu_kernels.py.
+//
+// Skinny linear products: out[M, N] = x[M, K] @ (w[N, K] * scale[N]).T + bias[N], fp32
+// activations and accumulation, weights fp32 or int8 (symmetric per output channel).
+//
+// Why: at decode M (the step's rows) is 1..64 while N and K are the model's, so the product is bound by
+// the weight bytes read, not by FLOPs. torch's fp32 kernels stream the weights at well under the memory
+// bandwidth on some CPUs, and its int8 weight-only kernel dequantizes the weight again for every
+// activation row. Here each thread takes a range of output channels and, for NT channels at a time,
+// reads (and for int8 converts) their weight once per MT activation rows, accumulating in AVX2 registers.
+//
+// Every output element is one fixed sequence of fp32 FMAs over k (8 lanes, then a fixed lane sum), so a
+// row's result does not depend on M, on the thread count or on where the row falls in a tile.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+inline float lane_sum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// MT activation rows times NT weight rows over the whole of K (K % 8 == 0).
+template <int MT, int NT, typename W>
+inline void micro_tile(const float* x, int64_t ldx, const W* w, int64_t ldw, int64_t K, const float* scale,
+                       const float* bias, float* out, int64_t ldo) {
+  __m256 acc[MT][NT];
+  for (int m = 0; m < MT; ++m)
+    for (int n = 0; n < NT; ++n) acc[m][n] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) {
+    __m256 wv[NT];
+    for (int n = 0; n < NT; ++n) wv[n] = load8(w + n * ldw + k);
+    for (int m = 0; m < MT; ++m) {
+      const __m256 xv = _mm256_loadu_ps(x + m * ldx + k);
+      for (int n = 0; n < NT; ++n) acc[m][n] = _mm256_fmadd_ps(xv, wv[n], acc[m][n]);
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int n = 0; n < NT; ++n) {
+      float v = lane_sum(acc[m][n]);
+      if (scale) v *= scale[n];
+      if (bias) v += bias[n];
+      out[m * ldo + n] = v;
+    }
+}
+
+constexpr int kRows = 4;  // MT: activation rows per tile
+constexpr int kCols = 3;  // NT: weight rows (output channels) per tile; 12 accumulators + 3 weights + 1 x
+
+template <int NT, typename W>
+inline void column_block(const float* x, int64_t M, int64_t K, const W* w, const float* scale,
+                         const float* bias, float* out, int64_t N) {
+  int64_t m = 0;
+  for (; m + kRows <= M; m += kRows)
+    micro_tile<kRows, NT>(x + m * K, K, w, K, K, scale, bias, out + m * N, N);
+  switch (M - m) {
+    case 3: micro_tile<3, NT>(x + m * K, K, w, K, K, scale, bias, out + m * N, N); break;
+    case 2: micro_tile<2, NT>(x + m * K, K, w, K, K, scale, bias, out + m * N, N); break;
+    case 1: micro_tile<1, NT>(x + m * K, K, w, K, K, scale, bias, out + m * N, N); break;
+    default: break;
+  }
+}
+
+template <typename W>
+void skinny_linear_impl(const float* x, int64_t M, int64_t K, const W* w, int64_t N, const float* scale,
+                        const float* bias, float* out) {
+  const int64_t tiles = (N + kCols - 1) / kCols;
+  // Enough tiles per task that a task reads at least ~64 KB of weights.
+  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / (kCols * K * static_cast<int64_t>(sizeof(W))));
+  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n = t * kCols;
+      const W* wt = w + n * K;
+      const float* st = scale ? scale + n : nullptr;
+      const float* bt = bias ? bias + n : nullptr;
+      switch (std::min<int64_t>(kCols, N - n)) {
+        case 3: column_block<3>(x, M, K, wt, st, bt, out + n, N); break;
+        case 2: column_block<2>(x, M, K, wt, st, bt, out + n, N); break;
+        default: column_block<1>(x, M, K, wt, st, bt, out + n, N); break;
+      }
+    }
+  });
+}
+
+at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scale,
+                         const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "skinny_linear: CPU tensors only");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "skinny_linear: x must be a contiguous float32 [M, K] tensor");
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.size(1) == x.size(1),
+              "skinny_linear: weight must be a contiguous [N, K] tensor with x's K");
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  TORCH_CHECK(K % 8 == 0, "skinny_linear: K must be a multiple of 8, got ", K);
+  const float* scale_p = nullptr;
+  const float* bias_p = nullptr;
+  if (scale.has_value()) {
+    TORCH_CHECK(scale->scalar_type() == at::kFloat && scale->is_contiguous() && scale->numel() == N,
+                "skinny_linear: scale must be a contiguous float32 [N] tensor");
+    scale_p = scale->data_ptr<float>();
+  }
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
+                "skinny_linear: bias must be a contiguous float32 [N] tensor");
+    bias_p = bias->data_ptr<float>();
+  }
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  if (weight.scalar_type() == at::kFloat) {
+    skinny_linear_impl(x.data_ptr<float>(), M, K, weight.data_ptr<float>(), N, scale_p, bias_p,
+                       out.data_ptr<float>());
+  } else {
+    TORCH_CHECK(weight.scalar_type() == at::kChar, "skinny_linear: weight must be float32 or int8");
+    skinny_linear_impl(x.data_ptr<float>(), M, K, weight.data_ptr<int8_t>(), N, scale_p, bias_p,
+                       out.data_ptr<float>());
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(llminfer_cpu, m) {
+  m.def("skinny_linear(Tensor x, Tensor weight, Tensor? scale=None, Tensor? bias=None) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(llminfer_cpu, CPU, m) { m.impl("skinny_linear", &skinny_linear); }
+
+// ------------------------------------------------------------------------------------------------
+// Paged decode attention: one query token per sequence, K/V read in place from the block pool.
+//
+//   query  [B, H, D]      float32, any strides for B and H, D contiguous
+//   k, v   [H_kv, num_blocks, block_size, D]   float32, contiguous (llminfer's head-major pool)
+//   block_tables [B, W]   int64, contiguous; ctx_lens [B] int64 (tokens of context, >= 1)
+//   out    [B, H, D]      float32, contiguous
+//
+// Query head h reads K/V head h / (H / H_kv) (grouped-query attention in HF's repeat_kv order). Each
+// (sequence, K/V head) is one task: scores for its G query heads over the whole context, an exact
+// softmax (max subtracted, fp32), then the probability-weighted sum of V in context order. A row's
+// result does not depend on the batch, the padding of the block table or the thread count.
+namespace {
+
+inline float dot(const float* a, const float* b, int64_t d) {
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= d; i += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+  }
+  for (; i < d; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+  return lane_sum(_mm256_add_ps(acc0, acc1));
+}
+
+inline void axpy(float alpha, const float* x, float* y, int64_t d) {
+  const __m256 a = _mm256_set1_ps(alpha);
+  for (int64_t i = 0; i < d; i += 8)
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(a, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+}
+
+}  // namespace
+
+at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& ctx_lens, double scale) {
+  TORCH_CHECK(query.dim() == 3 && query.scalar_type() == at::kFloat && query.stride(2) == 1,
+              "paged_decode_attention: query must be float32 [B, H, D] with D contiguous");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() &&
+                  v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == at::kFloat && v_cache.is_contiguous(),
+              "paged_decode_attention: k/v caches must be contiguous float32 [H_kv, blocks, block_size, D]");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kLong && block_tables.is_contiguous(),
+              "paged_decode_attention: block_tables must be contiguous int64 [B, W]");
+  TORCH_CHECK(ctx_lens.dim() == 1 && ctx_lens.scalar_type() == at::kLong && ctx_lens.is_contiguous(),
+              "paged_decode_attention: ctx_lens must be contiguous int64 [B]");
+  const int64_t B = query.size(0), H = query.size(1), D = query.size(2);
+  const int64_t H_kv = k_cache.size(0), num_blocks = k_cache.size(1), block_size = k_cache.size(2);
+  const int64_t W = block_tables.size(1);
+  TORCH_CHECK(k_cache.size(3) == D && D % 8 == 0, "paged_decode_attention: head_dim must match and be a multiple of 8");
+  TORCH_CHECK(H % H_kv == 0, "paged_decode_attention: query heads must be a multiple of K/V heads");
+  TORCH_CHECK(block_tables.size(0) == B && ctx_lens.size(0) == B, "paged_decode_attention: batch sizes differ");
+  const int64_t G = H / H_kv;
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = ctx_lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= W * block_size, "paged_decode_attention: context length ", lens[b],
+                " out of range for a block table of ", W, " blocks");
+    for (int64_t j = 0; j < (lens[b] + block_size - 1) / block_size; ++j)
+      TORCH_CHECK(tables[b * W + j] >= 0 && tables[b * W + j] < num_blocks, "paged_decode_attention: block id ",
+                  tables[b * W + j], " out of range");
+  }
+  at::Tensor out = at::empty({B, H, D}, query.options().memory_format(at::MemoryFormat::Contiguous));
+  const float* q = query.data_ptr<float>();
+  const int64_t sq_b = query.stride(0), sq_h = query.stride(1);
+  const float* kc = k_cache.data_ptr<float>();
+  const float* vc = v_cache.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, B * H_kv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / H_kv, h = task % H_kv;
+      const int64_t L = lens[b];
+      scores.resize(static_cast<size_t>(G * L));
+      const float* head_k = kc + h * num_blocks * block_size * D;
+      const float* head_v = vc + h * num_blocks * block_size * D;
+      for (int64_t t = 0; t < L; ++t) {
+        const float* kt = head_k + (tables[b * W + t / block_size] * block_size + t % block_size) * D;
+        for (int64_t g = 0; g < G; ++g) scores[g * L + t] = dot(q + b * sq_b + (h * G + g) * sq_h, kt, D) * sc;
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float* s = scores.data() + g * L;
+        float mx = s[0];
+        for (int64_t t = 1; t < L; ++t) mx = std::max(mx, s[t]);
+        float total = 0.f;
+        for (int64_t t = 0; t < L; ++t) {
+          s[t] = std::exp(s[t] - mx);
+          total += s[t];
+        }
+        const float inv = 1.f / total;
+        for (int64_t t = 0; t < L; ++t) s[t] *= inv;
+      }
+      float* ob = o + (b * H + h * G) * D;
+      std::fill(ob, ob + G * D, 0.f);
+      for (int64_t t = 0; t < L; ++t) {
+        const float* vt = head_v + (tables[b * W + t / block_size] * block_size + t % block_size) * D;
+        for (int64_t g = 0; g < G; ++g) axpy(scores[g * L + t], vt, ob + g * D, D);
+      }
+    }
+  });
+  return out;
+}
+
+TORCH_LIBRARY_FRAGMENT(llminfer_cpu, m) {
+  m.def("paged_decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor ctx_lens, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(llminfer_cpu, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
