@@ -275,7 +275,7 @@ def run(quick: bool, reps: int, plain_only: bool = False, compare: bool = False)
     torch.set_num_threads(int(os.environ.get("LLMINFER_BENCH_THREADS", "2")))
     load_before = _loadavg()
     cfg = EngineConfig(model_name=str(bench_model_path()), dtype="float32", device="cpu", max_batch_size=32,
-                       batch_timeout_ms=0, attention_backend="torch",
+                       batch_timeout_ms=0, attention_backend=os.environ.get("LLMINFER_BENCH_ATTENTION", "auto"),
                        cache=CacheConfig(page_size_tokens=16, kv_cache_memory_bytes=256 << 20))
     engine = InferenceEngine(cfg).load().start()
     try:

@@ -21,11 +21,19 @@ def reference(model_dirs):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
 @pytest.mark.parametrize("max_batch_size", [3, 16])
-def test_greedy_matches_hf_generate(model_dirs, reference, arch, max_batch_size):
+@pytest.mark.parametrize("kernels", ["llminfer", "torch"])
+def test_greedy_matches_hf_generate(model_dirs, reference, arch, max_batch_size, kernels):
+    """``llminfer``: the defaults, which on an AVX2 CPU put the decode attention and the fp32 linear layers
+    on llminfer's CPU kernels; ``torch``: those off (gather + masked attention, torch's GEMMs)."""
     prompts, expected = reference
     # Varied continuations, or the test could pass with broken attention (DESIGN.md).
     assert all(len(set(e)) >= 4 for e in expected[arch])
-    with make_engine(model_dirs[arch], max_batch_size=max_batch_size, block_size=4) as engine:
+    kw = {} if kernels == "llminfer" else dict(cpu_kernels=False, attention_backend="torch")
+    with make_engine(model_dirs[arch], max_batch_size=max_batch_size, block_size=4, **kw) as engine:
+        from llminfer.backends.cpu_kernels import skinny_linear_available
+
+        want_backend = "cpu" if kernels == "llminfer" and skinny_linear_available() else "torch"
+        assert engine.info()["attention_backend"] == want_backend
         kw = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
         continuous = engine.run_batch_continuous(prompts, **kw)
         static = engine.run_batch(prompts, **kw)

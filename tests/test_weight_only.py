@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from helpers import make_engine, random_prompts
 from llminfer import ConfigError, QuantConfig, QuantMode
+from llminfer.backends.cpu_kernels import enable_cpu_kernels
 from llminfer.backends.quant import check_weight_only_supported
 from llminfer.backends.weight_only import (
     Int4WeightOnlyLinear,
@@ -150,6 +151,7 @@ def int8_case(hf_fp32):
     prompts = [base[0], base[1], base[0][:8] + base[1][:9]]
     hf = copy.deepcopy(hf_fp32)
     quantize_model(hf, "int8-wo")
+    enable_cpu_kernels(hf)  # as the engine runs it: llminfer's CPU kernel (fp32 activations) where it builds
     return prompts, _hf_greedy(hf, prompts, 8)
 
 
@@ -204,6 +206,7 @@ def test_lora_on_the_quantized_base_matches_peft(int8_engine, hf_fp32, tmp_path)
     prompt = random_prompts([11], VOCAB, seed=8)
     base = copy.deepcopy(hf_fp32)
     quantize_model(base, "int8-wo")
+    enable_cpu_kernels(base)
     want = _hf_greedy(peft.PeftModel.from_pretrained(base, str(tmp_path / "a")).eval(), prompt, 8)
     int8_engine.load_adapter(str(tmp_path / "a"), "a")
     try:

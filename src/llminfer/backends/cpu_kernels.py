@@ -7,7 +7,8 @@ decode step, where ``M`` (the step's rows) is small and the product is bound by 
 each thread reads a tile of output channels once for four activation rows at a time. Measured on an AMD
 EPYC with AVX2 only (2 threads, ``python bench/bench_cpu_kernels.py``): the 8 fp32 decoder layers of the
 bench model about 2x faster than ``F.linear`` from 1 to 64 rows, and the int8 products 1.2-1.7x faster
-than ``aten._weight_int8pack_mm`` up to 32 rows. Larger ``M`` (prefill) stays on torch's GEMM.
+than ``aten._weight_int8pack_mm`` (bf16 activations) from 1 to 128 rows. fp32 layers with more than
+:data:`FP32_MAX_ROWS` rows (prefill) stay on torch's GEMM; int8 layers take the kernel at any ``M``.
 
 Every output element is the same fixed sequence of fp32 operations whatever ``M``, the thread count or
 the row's place in a tile, so a row's result does not depend on what else is in the batch.
@@ -41,8 +42,6 @@ CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp")
 DISABLE_ENV = "LLMINFER_CPU_KERNELS"
 #: Activation rows up to which the fp32 layers take the kernel (beyond it torch's GEMM is as fast or faster).
 FP32_MAX_ROWS = 128
-#: Activation rows up to which int8 weight-only layers take the kernel instead of ``_weight_int8pack_mm``.
-INT8_MAX_ROWS = 32
 
 _lock = threading.Lock()
 _state: dict[str, str | bool | None] = {"loaded": None, "reason": None}
@@ -152,8 +151,8 @@ def enable_cpu_kernels(model: nn.Module) -> int:
     builds and loads here: every fp32 CPU ``nn.Linear`` (modules of exactly that type with
     ``in_features % 8 == 0``, except the LM head, which :func:`llminfer.backends.prepack.prepack_lm_head`
     puts on oneDNN) becomes a :class:`SkinnyLinear`, and every
-    :class:`~llminfer.backends.weight_only.Int8WeightOnlyLinear` (the head included) takes the kernel up
-    to :data:`INT8_MAX_ROWS` rows.
+    :class:`~llminfer.backends.weight_only.Int8WeightOnlyLinear` (the head included) takes the kernel for
+    any row count, with float32 activations.
 
     Returns:
         How many layers now use the kernel (0 where it is unavailable: see :func:`unavailable_reason`).

@@ -157,19 +157,19 @@ class Int8WeightOnlyLinear(_WeightOnlyLinear):
         self.register_buffer("weight", q)
         self.register_buffer("scales", scales.to(compute_dtype))
 
-    #: Set by :func:`llminfer.backends.cpu_kernels.enable_cpu_kernels`: decode-sized inputs (at most
-    #: ``cpu_kernels.INT8_MAX_ROWS`` rows) run on llminfer's AVX2 kernel with float32 activations (the
-    #: ``compute_dtype`` rounding is skipped there: more exact, and faster than torch's kernel).
+    #: Set by :func:`llminfer.backends.cpu_kernels.enable_cpu_kernels`: CPU inputs of any row count run on
+    #: llminfer's AVX2 kernel with float32 activations (``compute_dtype`` is not applied: more exact, and
+    #: faster than torch's kernel at every row count measured, 1 to 128; one kernel for prefill and decode
+    #: keeps a row's result independent of how the step was packed).
     use_cpu_kernel = False
     _kernel_scales: torch.Tensor | None = None  # ``scales`` in float32 for that kernel, made on first use
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from llminfer.backends import cpu_kernels
 
-        rows = x.numel() // self.in_features
-        if (not self.use_cpu_kernel or rows > cpu_kernels.INT8_MAX_ROWS or x.device.type != "cpu"
-                or torch.compiler.is_compiling()):
+        if not self.use_cpu_kernel or x.device.type != "cpu" or torch.compiler.is_compiling():
             return super().forward(x)
+        rows = x.numel() // self.in_features
         if self._kernel_scales is None or self._kernel_scales.dtype != torch.float32:
             self._kernel_scales = self.scales.float().contiguous()
         bias = None if self.bias is None else self.bias.float()

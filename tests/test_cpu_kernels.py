@@ -1,0 +1,256 @@
+"""llminfer's CPU kernels (``llminfer.backends.cpu_kernels``): the skinny linear product and the paged
+decode attention against float64 / torch references, their batch invariance, their argument checks, the
+engine wiring (``engine.info()``, ``cpu_kernels=False``), and the fallback where the kernel cannot be built."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from helpers import make_engine
+from llminfer.backends import cpu_kernels
+from llminfer.backends.attention import PagedKVCache, build_metadata, paged_attention_forward
+from llminfer.backends.weight_only import Int8WeightOnlyLinear
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.skinny_linear_available(),
+                                reason=f"llminfer's CPU kernel is unavailable here: {cpu_kernels.unavailable_reason()}")
+
+
+def _ref(x, w, scale=None, bias=None):
+    w64 = w.double() * (scale.double()[:, None] if scale is not None else 1.0)
+    out = x.double() @ w64.T
+    return out + bias.double() if bias is not None else out
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 33])
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 7, 130])
+@pytest.mark.parametrize("k", [8, 520])
+@pytest.mark.parametrize("bias", [False, True])
+def test_skinny_linear_fp32_matches_float64(m, n, k, bias):
+    g = torch.Generator().manual_seed(m * 1000 + n * 10 + k)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    out = cpu_kernels.skinny_linear(x, w, None, b)
+    assert out.shape == (m, n) and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), _ref(x, w, None, b), atol=1e-4 * k**0.5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("m", [1, 4, 6, 32])
+def test_skinny_linear_int8_matches_dequantized(m):
+    g = torch.Generator().manual_seed(m)
+    n, k = 67, 136
+    x = torch.randn(m, k, generator=g)
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scale, bias = torch.rand(n, generator=g) / 50, torch.randn(n, generator=g)
+    out = cpu_kernels.skinny_linear(x, q, scale, bias)
+    torch.testing.assert_close(out.double(), _ref(x, q, scale, bias), atol=1e-4, rtol=1e-5)
+
+
+def test_skinny_linear_rows_are_batch_invariant():
+    """A row's result has the same bits alone, in any batch, at any place in a 4-row tile, with 1 or 2
+    threads: the kernel's reduction order depends on nothing but K."""
+    g = torch.Generator().manual_seed(0)
+    w, w8, s = torch.randn(131, 512, generator=g), torch.randint(-127, 128, (131, 512), generator=g,
+                                                                  dtype=torch.int8), torch.rand(131, generator=g)
+    row = torch.randn(1, 512, generator=g)
+    alone = [cpu_kernels.skinny_linear(row, w), cpu_kernels.skinny_linear(row, w8, s)]
+    threads = torch.get_num_threads()
+    try:
+        for num_threads, m, at in ((1, 7, 5), (threads, 7, 3), (threads, 32, 31), (threads, 2, 0)):
+            torch.set_num_threads(num_threads)
+            x = torch.randn(m, 512, generator=g)
+            x[at] = row[0]
+            assert torch.equal(cpu_kernels.skinny_linear(x, w)[at], alone[0][0])
+            assert torch.equal(cpu_kernels.skinny_linear(x, w8, s)[at], alone[1][0])
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("args, match", [
+    ((torch.randn(2, 12), torch.randn(3, 12)), "multiple of 8"),
+    ((torch.randn(2, 16).double(), torch.randn(3, 16)), "float32"),
+    ((torch.randn(2, 16), torch.randn(3, 8)), "K"),
+    ((torch.randn(2, 16), torch.randn(3, 16).half()), "float32 or int8"),
+    ((torch.randn(2, 16), torch.randn(16, 3).t()), "contiguous"),
+    ((torch.randn(2, 16), torch.randn(3, 16), torch.rand(4)), "scale"),
+])
+def test_skinny_linear_rejects_bad_arguments(args, match):
+    with pytest.raises(RuntimeError, match=match):
+        cpu_kernels.skinny_linear(*args)
+
+
+def test_skinny_linear_module_falls_back_outside_its_domain():
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 24)
+    mod = cpu_kernels.SkinnyLinear(lin)
+    assert mod.weight is lin.weight and mod.bias is lin.bias
+    with torch.inference_mode():
+        for x in (torch.randn(3, 5, 64), torch.randn(cpu_kernels.FP32_MAX_ROWS + 1, 64)):
+            torch.testing.assert_close(mod(x), F.linear(x, lin.weight, lin.bias), atol=1e-5, rtol=1e-5)
+        x = torch.randn(2, 64).double()  # another dtype: F.linear, which refuses the mix like nn.Linear
+        with pytest.raises(RuntimeError):
+            mod(x)
+    x = torch.randn(2, 64, requires_grad=True)
+    mod(x).sum().backward()  # gradients take F.linear
+    assert x.grad is not None
+
+
+def _paged_step(block_size, heads, kv_heads, head_dim, ctx_lens, seed, num_blocks=64):
+    """A one-layer cache with random history and shuffled block tables; pure decode at ``ctx_lens``."""
+    g = torch.Generator().manual_seed(seed)
+    cache = PagedKVCache(1, num_blocks, block_size, kv_heads, head_dim, torch.float32, "cpu")
+    cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=g))
+    cache.v[0].copy_(torch.randn(cache.v[0].shape, generator=g))
+    perm = list(range(num_blocks))
+    random.Random(seed).shuffle(perm)
+    tables, used = [], 0
+    for n in ctx_lens:
+        need = -(-n // block_size)
+        tables.append(perm[used:used + need])
+        used += need
+    t = len(ctx_lens)
+    q = torch.randn(1, t, heads, head_dim, generator=g).transpose(1, 2)
+    k = torch.randn(1, t, kv_heads, head_dim, generator=g).transpose(1, 2)
+    v = torch.randn(1, t, kv_heads, head_dim, generator=g).transpose(1, 2)
+    return cache, tables, q, k, v
+
+
+class _Layer:
+    layer_idx = 0
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(8, 2), (4, 4), (6, 1)])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_paged_decode_attention_matches_torch_path(heads, kv_heads, block_size):
+    """The kernel (``attention_backend="cpu"``) against the gather + masked-attention path on the same
+    step: contexts of 1 token, within a block, on block edges and across many blocks; the KV write is the
+    same code on both."""
+    ctx = [1, 3, block_size, block_size + 1, 77, 200]
+    cache, tables, q, k, v = _paged_step(block_size, heads, kv_heads, 16, ctx, seed=block_size + heads)
+    k0, v0 = cache.k[0].clone(), cache.v[0].clone()
+    starts, lengths = [n - 1 for n in ctx], [1] * len(ctx)
+    meta, _ = build_metadata(cache, starts, lengths, tables, "cpu", attention_backend="torch")
+    ref, _ = paged_attention_forward(_Layer(), q, k, v, None, scaling=0.25, llminfer_attn=meta)
+    cache.k[0].copy_(k0)
+    cache.v[0].copy_(v0)
+    meta, _ = build_metadata(cache, starts, lengths, tables, "cpu", attention_backend="cpu")
+    assert meta.decode is not None and meta.decode.ctx_lens is not None
+    out, _ = paged_attention_forward(_Layer(), q, k, v, None, scaling=0.25, llminfer_attn=meta)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_paged_decode_attention_next_to_prefill_chunks():
+    """Decode rows on the kernel and prefill chunks on the torch path in one step."""
+    bs, heads, kv_heads, d = 4, 8, 2, 16
+    starts, lengths = [9, 0, 30, 5], [1, 6, 1, 3]
+    cache, tables, q, k, v = _paged_step(bs, heads, kv_heads, d, [s + n for s, n in zip(starts, lengths)], seed=5)
+    tables = [t for t in tables]
+    k0, v0 = cache.k[0].clone(), cache.v[0].clone()
+    q = torch.randn(1, sum(lengths), heads, d).transpose(1, 2)
+    k = torch.randn(1, sum(lengths), kv_heads, d).transpose(1, 2)
+    v = torch.randn(1, sum(lengths), kv_heads, d).transpose(1, 2)
+    outs = []
+    for backend in ("torch", "cpu"):
+        cache.k[0].copy_(k0)
+        cache.v[0].copy_(v0)
+        meta, _ = build_metadata(cache, starts, lengths, tables, "cpu", attention_backend=backend)
+        outs.append(paged_attention_forward(_Layer(), q, k, v, None, scaling=None, llminfer_attn=meta)[0])
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
+
+
+def test_paged_decode_attention_is_batch_invariant():
+    """One sequence's output has the same bits alone and in a batch, whatever its row and the table width."""
+    bs, heads, kv_heads, d = 16, 8, 2, 64
+    cache, tables, q, _, _ = _paged_step(bs, heads, kv_heads, d, [300, 5, 129, 40, 1], seed=9)
+    lens = torch.tensor([300, 5, 129, 40, 1])
+    width = max(map(len, tables)) + 3
+    table = torch.zeros(5, width, dtype=torch.long)
+    for i, t in enumerate(tables):
+        table[i, : len(t)] = torch.tensor(t)
+    qd = q[0].transpose(0, 1)  # [B, H, D], strided like the engine's
+    op = torch.ops.llminfer_cpu.paged_decode_attention
+    batch = op(qd, cache.k[0], cache.v[0], table, lens, 0.125)
+    for i in range(5):
+        alone = op(qd[i : i + 1], cache.k[0], cache.v[0], table[i : i + 1, : len(tables[i])].contiguous(),
+                   lens[i : i + 1], 0.125)
+        assert torch.equal(alone[0], batch[i])
+
+
+def test_paged_decode_attention_rejects_bad_tables():
+    bs, heads, kv_heads, d = 4, 4, 2, 8
+    cache, _, q, _, _ = _paged_step(bs, heads, kv_heads, d, [5], seed=1, num_blocks=8)
+    op = torch.ops.llminfer_cpu.paged_decode_attention
+    qd = q[0].transpose(0, 1)
+    with pytest.raises(RuntimeError, match="block id"):
+        op(qd, cache.k[0], cache.v[0], torch.tensor([[0, 8]]), torch.tensor([5]), 1.0)
+    with pytest.raises(RuntimeError, match="context length"):
+        op(qd, cache.k[0], cache.v[0], torch.tensor([[0, 1]]), torch.tensor([9]), 1.0)
+    with pytest.raises(RuntimeError, match="context length"):
+        op(qd, cache.k[0], cache.v[0], torch.tensor([[0, 1]]), torch.tensor([0]), 1.0)
+
+
+def test_int8_weight_only_layer_uses_the_kernel_at_any_row_count():
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 40)
+    layer = Int8WeightOnlyLinear(lin)
+    assert cpu_kernels.enable_cpu_kernels(nn.Sequential(layer)) == 1 and layer.use_cpu_kernel
+    want = lambda x: F.linear(x.double(), layer.dequantized_weight().double(), lin.bias.double())  # noqa: E731
+    with torch.inference_mode():
+        small = torch.randn(2, 3, 64)  # 6 rows: the kernel, float32 activations
+        torch.testing.assert_close(layer(small).double(), want(small), atol=1e-4, rtol=1e-5)
+        big = torch.randn(300, 64)
+        torch.testing.assert_close(layer(big).double(), want(big), atol=1e-4, rtol=1e-5)
+        layer.use_cpu_kernel = False  # torch's kernel: bf16 activations, so only close
+        torch.testing.assert_close(layer(big).double(), want(big), atol=5e-2, rtol=2e-2)
+
+
+def test_engine_reports_and_honours_the_switch(model_dirs):
+    with make_engine(model_dirs["qwen2"], max_batch_size=2) as engine:
+        info = engine.info()
+        assert info["attention_backend"] == "cpu"
+        assert info["cpu_kernel"].startswith("skinny_linear on ") and engine.runtime.cpu_kernel_layers > 0
+        on = engine.run("kernels on", max_new_tokens=6, ignore_eos=True).token_ids
+    with make_engine(model_dirs["qwen2"], max_batch_size=2, cpu_kernels=False) as engine:
+        info = engine.info()
+        assert info["attention_backend"] == "torch" and info["cpu_kernel"] == "off (cpu_kernels=False)"
+        assert not any(isinstance(m, cpu_kernels.SkinnyLinear) for m in engine.runtime.model.modules())
+        assert engine.run("kernels on", max_new_tokens=6, ignore_eos=True).token_ids == on
+
+
+def test_unbuildable_kernel_falls_back_to_torch(model_dirs, monkeypatch):
+    """No compiler (the build raises): one warning, 0 layers swapped, torch attention, same tokens."""
+    from torch.utils import cpp_extension
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Error building extension 'llminfer_cpu_kernels'\nc++: not found")
+
+    with make_engine(model_dirs["qwen2"], max_batch_size=2) as engine:
+        want = engine.run("fallback", max_new_tokens=6, ignore_eos=True).token_ids
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    cpu_kernels._reset_for_tests()
+    try:
+        assert not cpu_kernels.skinny_linear_available()
+        assert "c++: not found" in cpu_kernels.unavailable_reason()
+        with make_engine(model_dirs["qwen2"], max_batch_size=2) as engine:
+            info = engine.info()
+            assert info["attention_backend"] == "torch" and info["cpu_kernel"].startswith("off (build failed")
+            assert engine.run("fallback", max_new_tokens=6, ignore_eos=True).token_ids == want
+    finally:
+        monkeypatch.undo()
+        cpu_kernels._reset_for_tests()
+        assert cpu_kernels.skinny_linear_available()
+
+
+def test_disabled_by_environment(monkeypatch):
+    monkeypatch.setenv(cpu_kernels.DISABLE_ENV, "0")
+    cpu_kernels._reset_for_tests()
+    try:
+        assert not cpu_kernels.skinny_linear_available()
+        assert cpu_kernels.unavailable_reason() == f"{cpu_kernels.DISABLE_ENV}=0"
+    finally:
+        monkeypatch.undo()
+        cpu_kernels._reset_for_tests()
