@@ -16,8 +16,14 @@ from llminfer.backends import cpu_kernels
 from llminfer.backends.attention import PagedKVCache, build_metadata, paged_attention_forward
 from llminfer.backends.weight_only import Int8WeightOnlyLinear
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.skinny_linear_available(),
-                                reason=f"llminfer's CPU kernel is unavailable here: {cpu_kernels.unavailable_reason()}")
+# Skipped only where the kernel cannot run at all (not x86-64, no AVX2/FMA, switched off); on a machine
+# that can run it, a failed build fails test_kernel_builds_here and every test below.
+pytestmark = pytest.mark.skipif(cpu_kernels._why_not_here() is not None,
+                                reason=f"llminfer's CPU kernel cannot run here: {cpu_kernels._why_not_here()}")
+
+
+def test_kernel_builds_here():
+    assert cpu_kernels.skinny_linear_available(), cpu_kernels.unavailable_reason()
 
 
 def _ref(x, w, scale=None, bias=None):
