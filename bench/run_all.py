@@ -68,11 +68,17 @@ SUITES: list[Suite] = [
     Suite("structured", "bench_structured.py"),
     Suite("step_metadata", "bench_step_metadata.py", quick_args=("--quick", "--reps", "1")),
     Suite("step_profile", "bench_step_profile.py", args=("--json-out",), quick_args=("--quick", "--reps", "1")),
+    Suite("cpu_kernels", "bench_cpu_kernels.py"),
 ]
 
 
 def _largest_batch(results: dict) -> str:
     return max(results, key=lambda k: int(k.split("_")[1]))
+
+
+def _kernel_case(case: str, rows: int):
+    """Picks ``bench_cpu_kernels.py``'s product row for ``case`` at ``rows`` activation rows."""
+    return lambda products: next(i for i, r in enumerate(products) if r["case"] == case and r["rows"] == rows)
 
 
 RATIOS: list[Ratio] = [
@@ -117,6 +123,14 @@ RATIOS: list[Ratio] = [
           "<= 1.0"),
     Ratio("batch-1 fp32 decode step / memory-bandwidth floor", "step_profile.json",
           ("cases", 0, "plain_over_floor"), "report"),
+    Ratio("torch / CPU kernel: 56 fp32 layers, 1 row", "cpu_kernels.json",
+          ("products", _kernel_case("layers_fp32", 1), "torch_over_kernel"), "> 1.0"),
+    Ratio("torch / CPU kernel: int8 LM head, 1 row", "cpu_kernels.json",
+          ("products", _kernel_case("head_int8", 1), "torch_over_kernel"), "> 1.0"),
+    Ratio("torch / CPU kernel: int8 LM head, 32 rows", "cpu_kernels.json",
+          ("products", _kernel_case("head_int8", 32), "torch_over_kernel"), "> 1.0"),
+    Ratio("torch / CPU kernel: decode attention, batch 32", "cpu_kernels.json",
+          ("attention", 2, "torch_over_kernel"), "> 1.0"),
 ]
 
 

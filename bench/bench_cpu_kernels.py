@@ -1,0 +1,144 @@
+"""llminfer's CPU kernels against torch's, side by side in one run, on the bench model's shapes.
+
+Products (``llminfer.backends.cpu_kernels.skinny_linear``), at 1, 4, 8, 32 and 64 activation rows:
+
+* ``layers_fp32``: the 56 fp32 linear layers of the bench model's 8 decoder layers (q/k/v/o 512x512,
+  128x512 twice, 512x512; gate/up 1536x512; down 512x1536), ``F.linear`` against the kernel;
+* ``layers_int8``: the same layers in int8 weight-only, ``aten._weight_int8pack_mm`` (bf16 activations,
+  the path torch vectorizes) against the kernel (fp32 activations);
+* ``head_fp32``: the 151,646 x 512 LM head, oneDNN's prepacked matmul (what the engine uses for it) against
+  the kernel; ``head_int8``: the int8 head, torch's kernel against ours.
+
+Decode attention at batch 1 and 32 over 128- and 512-token contexts (8 query heads, 2 K/V heads, head
+dim 64, 16-token blocks): the torch path (``attention_backend="torch"``: gather the blocks, masked
+attention) against ``torch.ops.llminfer_cpu.paged_decode_attention``, which reads the blocks in place.
+
+Each figure is the best of ``--reps`` timed loops (ms per call over all layers); kernel and torch
+alternate in one process, so only their ratios are meant to be compared across machines.
+
+    python bench/bench_cpu_kernels.py [--quick] [--reps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from common import environment, save
+from llminfer.backends import cpu_kernels
+from llminfer.backends.attention import PagedKVCache, build_metadata, paged_attention_forward
+
+LAYER_SHAPES = [(512, 512), (128, 512), (128, 512), (512, 512), (1536, 512), (1536, 512), (512, 1536)]
+VOCAB, HIDDEN, LAYERS = 151_646, 512, 8
+
+
+def best_ms(fn: Callable[[], Any], loops: int, reps: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        for _ in range(loops):
+            fn()
+        best = min(best, (time.perf_counter() - start) / loops)
+    return best * 1e3
+
+
+class _Layer:
+    layer_idx = 0
+
+
+def _product_cases(x, layers, layers8, head, packed, head8, head_scale) -> dict[str, tuple[Callable, Callable]]:
+    """(torch, kernel) callables per case for the activations ``x`` (``{in_features: [rows, in_features]}``)."""
+    sk, int8pack = cpu_kernels.skinny_linear, torch.ops.aten._weight_int8pack_mm
+    xb = {k: v.bfloat16() for k, v in x.items()}
+    scales_bf16 = [[s.bfloat16() for _, s in layer] for layer in layers8]
+    head_scale_bf16 = head_scale.bfloat16()
+    return {
+        "layers_fp32": (lambda: [F.linear(x[w.shape[1]], w) for layer in layers for w in layer],
+                        lambda: [sk(x[w.shape[1]], w) for layer in layers for w in layer]),
+        "layers_int8": (lambda: [int8pack(xb[w.shape[1]], w, sb) for layer, sbs in zip(layers8, scales_bf16)
+                                 for (w, _), sb in zip(layer, sbs)],
+                        lambda: [sk(x[w.shape[1]], w, s) for layer in layers8 for w, s in layer]),
+        "head_fp32": (lambda: torch.ops.mkldnn._linear_pointwise(x[512], packed, None, "none", [], ""),
+                      lambda: sk(x[512], head)),
+        "head_int8": (lambda: int8pack(xb[512], head8, head_scale_bf16), lambda: sk(x[512], head8, head_scale)),
+    }
+
+
+def products(rows_list: list[int], reps: int) -> list[dict[str, Any]]:
+    g = torch.Generator().manual_seed(0)
+    layers = [[torch.randn(n, k, generator=g) / k**0.5 for n, k in LAYER_SHAPES] for _ in range(LAYERS)]
+    layers8 = [[(torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8), torch.rand(n, generator=g) / 100)
+                for n, k in LAYER_SHAPES] for _ in range(LAYERS)]
+    head = torch.randn(VOCAB, HIDDEN, generator=g) / HIDDEN**0.5
+    packed = torch.ops.mkldnn._reorder_linear_weight(head, None)
+    head8, head_scale = torch.randint(-127, 128, (VOCAB, HIDDEN), generator=g, dtype=torch.int8), torch.rand(VOCAB)
+    out = []
+    for rows in rows_list:
+        x = {k: torch.randn(rows, k, generator=g) for k in (512, 1536)}
+        loops = 20 if rows <= 8 else 5
+        cases = _product_cases(x, layers, layers8, head, packed, head8, head_scale)
+        for name, (torch_fn, kernel_fn) in cases.items():
+            n = loops if name.startswith("layers") else max(2, loops // 5)
+            t_ms, k_ms = best_ms(torch_fn, n, reps), best_ms(kernel_fn, n, reps)
+            out.append({"case": name, "rows": rows, "torch_ms": t_ms, "kernel_ms": k_ms, "torch_over_kernel": t_ms / k_ms})
+            print(f"{name:12s} rows {rows:3d}: torch {t_ms:8.2f} ms  kernel {k_ms:8.2f} ms  torch/kernel "
+                  f"{t_ms / k_ms:5.2f}", flush=True)
+    return out
+
+
+def attention(reps: int) -> list[dict[str, Any]]:
+    heads, kv_heads, head_dim, block_size = 8, 2, 64, 16
+    out = []
+    for batch, ctx in ((1, 128), (1, 512), (32, 128), (32, 512)):
+        blocks_per_seq = -(-ctx // block_size)
+        cache = PagedKVCache(1, batch * blocks_per_seq + 1, block_size, kv_heads, head_dim, torch.float32, "cpu")
+        cache.k[0].normal_()
+        cache.v[0].normal_()
+        perm = torch.randperm(batch * blocks_per_seq).tolist()
+        tables = [perm[i * blocks_per_seq:(i + 1) * blocks_per_seq] for i in range(batch)]
+        q = torch.randn(1, batch, heads, head_dim).transpose(1, 2)
+        k = torch.randn(1, batch, kv_heads, head_dim).transpose(1, 2)
+        v = torch.randn(1, batch, kv_heads, head_dim).transpose(1, 2)
+        metas = {b: build_metadata(cache, [ctx - 1] * batch, [1] * batch, tables, "cpu", attention_backend=b)[0]
+                 for b in ("torch", "cpu")}
+        fns = {b: functools.partial(paged_attention_forward, _Layer(), q, k, v, None, scaling=0.125,
+                                    llminfer_attn=m) for b, m in metas.items()}
+        loops = 50 if batch == 1 else 10
+        t_ms, k_ms = best_ms(fns["torch"], loops, reps), best_ms(fns["cpu"], loops, reps)
+        out.append({"case": "decode_attention", "batch": batch, "context": ctx, "torch_ms": t_ms, "kernel_ms": k_ms,
+                    "torch_over_kernel": t_ms / k_ms})
+        print(f"attention batch {batch:2d} ctx {ctx:3d}: torch {t_ms:7.3f} ms  kernel {k_ms:7.3f} ms  torch/kernel "
+              f"{t_ms / k_ms:5.2f}  (one layer)", flush=True)
+    return out
+
+
+def main() -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="1 and 32 rows only, one rep")
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args()
+    torch.set_num_threads(int(os.environ.get("LLMINFER_BENCH_THREADS", "2")))
+    if not cpu_kernels.skinny_linear_available():
+        print(f"SKIP: llminfer's CPU kernel is unavailable here: {cpu_kernels.unavailable_reason()}")
+        return {"skipped": cpu_kernels.unavailable_reason()}
+    reps = 1 if args.quick else args.reps
+    load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    with torch.inference_mode():
+        payload = {"benchmark": "cpu_kernels", "threads": torch.get_num_threads(),
+                   "products": products([1, 32] if args.quick else [1, 4, 8, 32, 64], reps),
+                   "attention": attention(reps), "reps": reps, "loadavg_before": load_before,
+                   "loadavg_after": " ".join(f"{x:.2f}" for x in os.getloadavg()), "environment": environment()}
+    print(f"-> {save('cpu_kernels', payload)}")
+    return payload
+
+
+if __name__ == "__main__":
+    main()
