@@ -128,11 +128,9 @@ class SkinnyLinear(nn.Linear):
     """
 
     def __init__(self, linear: nn.Linear) -> None:
-        nn.Module.__init__(self)  # not nn.Linear.__init__: that would allocate a second weight
-        self.weight = linear.weight
-        self.bias = linear.bias
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
+        from llminfer.backends.prepack import adopt_linear
+
+        adopt_linear(self, linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight

@@ -50,6 +50,17 @@ def prepack_supported(dtype: torch.dtype, device: torch.device) -> bool:
         return False
 
 
+def adopt_linear(module: nn.Linear, linear: nn.Linear) -> None:
+    """Initialise ``module`` (an ``nn.Linear`` subclass standing in for ``linear``) with ``linear``'s own
+    ``weight`` and ``bias`` parameters (not copies: ties and ``state_dict`` keys stay as they were), without
+    ``nn.Linear.__init__``, which would allocate a second weight."""
+    nn.Module.__init__(module)
+    module.weight = linear.weight
+    module.bias = linear.bias
+    module.in_features = linear.in_features
+    module.out_features = linear.out_features
+
+
 class PrepackedLinear(nn.Linear):
     """A drop-in for an ``nn.Linear`` whose weight is also kept reordered for oneDNN.
 
@@ -66,11 +77,7 @@ class PrepackedLinear(nn.Linear):
     """
 
     def __init__(self, linear: nn.Linear) -> None:
-        nn.Module.__init__(self)  # not nn.Linear.__init__: that would allocate a second weight
-        self.weight = linear.weight
-        self.bias = linear.bias
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
+        adopt_linear(self, linear)
         self._packed: torch.Tensor | None = None
         self._packed_version = -1
 
