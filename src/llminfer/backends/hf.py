@@ -31,7 +31,7 @@ def run_packed(
         tokens: per sequence, the tokens to compute (their positions start at ``starts[i]``).
         block_tables: per sequence, KV block ids covering those positions.
         keep_rows: indices into the packed row whose logits are wanted.
-        attention_backend: ``"torch"`` or ``"triton"`` (resolved, see
+        attention_backend: ``"torch"``, ``"cpu"`` (llminfer's CPU decode kernel) or ``"triton"`` (resolved, see
             :func:`~llminfer.backends.triton_attention.resolve_attention_backend`).
 
     Returns:
@@ -129,7 +129,7 @@ class HFBackend:
         model: a causal LM loaded with ``attn_implementation="llminfer_paged"``.
         cache: the paged KV tensors.
         eos_token_ids: suppressed below each request's ``min_new_tokens``.
-        attention_backend: ``"torch"`` or ``"triton"`` (already resolved for the device).
+        attention_backend: ``"torch"``, ``"cpu"`` or ``"triton"`` (already resolved for the device).
         cuda_graphs: capture pure-decode steps as CUDA graphs (CUDA with Triton attention only; see
             :mod:`llminfer.backends.cuda_graphs`); ``max_batch_size`` and ``max_model_len`` size them.
     """
