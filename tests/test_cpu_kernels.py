@@ -260,3 +260,8 @@ def test_disabled_by_environment(monkeypatch):
     finally:
         monkeypatch.undo()
         cpu_kernels._reset_for_tests()
+
+
+def test_build_folder_follows_the_cache_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("LLMINFER_CACHE_DIR", str(tmp_path))
+    assert cpu_kernels._cache_dir().parent == tmp_path / "cpu_kernels"

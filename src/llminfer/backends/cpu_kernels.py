@@ -5,16 +5,17 @@
 ``[N, K]`` (``K % 8 == 0``), accumulating in float32 (source: ``csrc/cpu_kernels.cpp``). It is made for the
 decode step, where ``M`` (the step's rows) is small and the product is bound by the weight bytes read:
 each thread reads a tile of output channels once for four activation rows at a time. Measured on an AMD
-EPYC with AVX2 only (2 threads, ``python bench/bench_cpu_kernels.py``): the 8 fp32 decoder layers of the
-bench model about 2x faster than ``F.linear`` from 1 to 64 rows, and the int8 products 1.2-1.7x faster
-than ``aten._weight_int8pack_mm`` (bf16 activations) from 1 to 128 rows. fp32 layers with more than
+EPYC with AVX2 only (2 threads, ``python bench/bench_cpu_kernels.py``): the 56 fp32 linear layers of the
+bench model 1.5x faster than ``F.linear`` at 1 row and 1.3-3.3x at 4-64 rows; the int8 layers and LM head
+1.2-2.1x faster than ``aten._weight_int8pack_mm`` (bf16 activations) from 1 to 64 rows. fp32 layers with more than
 :data:`FP32_MAX_ROWS` rows (prefill) stay on torch's GEMM; int8 layers take the kernel at any ``M``.
 
 Every output element is the same fixed sequence of fp32 operations whatever ``M``, the thread count or
 the row's place in a tile, so a row's result does not depend on what else is in the batch.
 
 The C++ source is compiled with ``torch.utils.cpp_extension`` (a C++ compiler and ninja; about 30 s
-once) into ``~/.cache/llminfer/cpu_kernels/<key>`` (``LLMINFER_CACHE`` moves ``~/.cache/llminfer``), keyed
+once) into ``~/.cache/llminfer/cpu_kernels/<key>`` (``$LLMINFER_CACHE_DIR`` moves ``~/.cache/llminfer``, as for
+the built-in model), keyed
 by the source, torch's version and the flags. Where it cannot be built or loaded (no compiler, no AVX2/FMA,
 not x86-64), :func:`skinny_linear_available` is False with the reason in :func:`unavailable_reason`, one
 warning is logged, and the callers keep torch's kernels. ``LLMINFER_CPU_KERNELS=0`` turns it off.
@@ -48,7 +49,9 @@ _state: dict[str, str | bool | None] = {"loaded": None, "reason": None}
 
 
 def _cache_dir() -> Path:
-    root = Path(os.environ.get("LLMINFER_CACHE", Path.home() / ".cache" / "llminfer"))
+    from llminfer.models.builtin import default_cache_dir
+
+    root = default_cache_dir()
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode() + torch.__version__.encode()).hexdigest()
     return root / "cpu_kernels" / key[:16]
 
