@@ -265,3 +265,49 @@ def test_disabled_by_environment(monkeypatch):
 def test_build_folder_follows_the_cache_dir(monkeypatch, tmp_path):
     monkeypatch.setenv("LLMINFER_CACHE_DIR", str(tmp_path))
     assert cpu_kernels._cache_dir().parent == tmp_path / "cpu_kernels"
+
+
+def test_ops_trace_under_torch_compile():
+    """Both ops have fake (shape-only) implementations, so ``torch.compile(fullgraph=True)`` captures them
+    in one graph (without them dynamo cannot trace the op and fullgraph raises) and the graph computes
+    what the eager call does."""
+    assert cpu_kernels.skinny_linear_available(), cpu_kernels.unavailable_reason()
+    torch.manual_seed(0)
+    fp32 = cpu_kernels.SkinnyLinear(nn.Linear(64, 24))
+    int8 = Int8WeightOnlyLinear(nn.Linear(64, 24))
+    assert cpu_kernels.enable_cpu_kernels(nn.Sequential(int8)) == 1
+    cache, tables, q, _, _ = _paged_step(4, 8, 2, 16, [3, 9], seed=5)
+    width = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    ctx_lens = torch.tensor([3, 9])
+
+    def step(x, q):
+        attn = torch.ops.llminfer_cpu.paged_decode_attention(q, cache.k[0], cache.v[0], block_tables, ctx_lens, 0.25)
+        return fp32(x) + int8(x), attn
+
+    x = torch.randn(3, 64)
+    q = q[0].transpose(0, 1).contiguous()  # [B, H, D]: one decode token per sequence
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        want = step(x, q)
+        got = torch.compile(step, backend="aot_eager", fullgraph=True)(x, q)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def test_compiled_backend_uses_the_kernels(model_dirs, monkeypatch):
+    """``--backend compiled`` on CPU takes the kernels too (inside its one graph) and gives the eager tokens."""
+    from llminfer.backends.compiled import COMPILE_BACKEND_ENV
+    from llminfer.config import Backend
+
+    monkeypatch.setenv(COMPILE_BACKEND_ENV, "aot_eager")
+    with make_engine(model_dirs["qwen2"], max_batch_size=2) as engine:
+        want = engine.run("compiled kernels", max_new_tokens=6, ignore_eos=True).token_ids
+    with make_engine(model_dirs["qwen2"], max_batch_size=2, backend=Backend.COMPILED,
+                     compile_fallback_to_eager=False) as engine:
+        info = engine.info()
+        assert info["attention_backend"] == "cpu" and info["cpu_kernel"].startswith("skinny_linear on ")
+        assert any(isinstance(m, cpu_kernels.SkinnyLinear) for m in engine.runtime.model.modules())
+        assert engine.run("compiled kernels", max_new_tokens=6, ignore_eos=True).token_ids == want
+        stats = engine.backend.stats()
+        assert stats["compiled_steps"] > 0 and stats["eager_steps"] == 0

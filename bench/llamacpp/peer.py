@@ -17,7 +17,7 @@ Threads: the idle cores (measured from ``/proc/stat`` over one second, at least 
 spin-waits at every op and collapses when its threads are oversubscribed. The load average is recorded
 before and after: figures from a loaded machine are not figures from a quiet one.
 
-    python bench/llamacpp/peer.py [--tokens 64] [--serve] [--json-out PATH]
+    python bench/llamacpp/peer.py [--tokens 64] [--backends eager,compiled] [--serve] [--json-out PATH]
 """
 
 from __future__ import annotations
@@ -151,8 +151,10 @@ def llamacpp_top1_agreement(base: Path, quant: Path, threads: int, work: Path) -
             "positions": _AGREEMENT_CHUNKS * _AGREEMENT_CTX // 2, "gguf": quant.name}
 
 
-def llminfer_decode(model_dir: Path, quant: str, tokens: int, threads: int) -> dict[str, Any]:
-    """llminfer's batch-1 decode ms per token (median of 3 runs, fp32), in this process."""
+def llminfer_decode(model_dir: Path, quant: str, tokens: int, threads: int, backend: str = "eager") -> dict[str, Any]:
+    """llminfer's batch-1 decode ms per token (median of 3 runs, fp32), in this process, on ``backend``
+    (``eager`` or ``compiled``: the same step under ``torch.compile``, which removes the per-op Python of
+    the HF modules; its warm-up run compiles the two shapes a batch-1 run uses)."""
     import statistics
 
     import torch
@@ -163,7 +165,7 @@ def llminfer_decode(model_dir: Path, quant: str, tokens: int, threads: int) -> d
 
     torch.set_num_threads(threads)
     cfg = EngineConfig(model_name=str(model_dir), dtype="float32", device="cpu", max_batch_size=1,
-                       batch_timeout_ms=0, quant=QuantConfig(mode=QuantMode(quant)))
+                       batch_timeout_ms=0, quant=QuantConfig(mode=QuantMode(quant)), backend=backend)
     tpot = []
     with InferenceEngine(cfg) as engine:
         prompt = random_prompts(1, 8, BENCH_VOCAB, seed=1)[0]
@@ -171,7 +173,7 @@ def llminfer_decode(model_dir: Path, quant: str, tokens: int, threads: int) -> d
         for _ in range(3):
             st = engine.run(prompt, max_new_tokens=tokens, ignore_eos=True).stats
             tpot.append((st.total_latency_ms - st.ttft_ms) / max(1, st.completion_tokens - 1))
-    return {"ms_per_token": statistics.median(tpot), "threads": threads, "quant": quant}
+    return {"ms_per_token": statistics.median(tpot), "threads": threads, "quant": quant, "backend": backend}
 
 
 def _free_port() -> int:
@@ -229,6 +231,8 @@ def serve_pair(model_dir: Path, gguf: Path, quant: str, threads: int, work: Path
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=64, help="decode tokens per batch-1 run")
+    ap.add_argument("--backends", type=lambda v: v.split(","), default=["eager", "compiled"],
+                    help="llminfer backends for the batch-1 rows, comma-separated (default eager,compiled)")
     ap.add_argument("--serve", action="store_true", help="also the 64-request serving workload on both servers")
     ap.add_argument("--json-out", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -250,13 +254,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"SKIP: llminfer {quant} vs llama.cpp {kind.upper()}: this llminfer has no --quant {quant}")
             continue
         peer = llama_bench(files[kind], args.tokens, threads)
-        ours = llminfer_decode(model_dir, quant, args.tokens, threads)
-        row = {"llminfer": ours, "llamacpp": peer, "kind": kind,
-               "ratio_llminfer_over_llamacpp_ms": ours["ms_per_token"] / peer["ms_per_token"]}
-        rows.append(row)
-        print(f"batch-1 decode {quant} vs {kind}: llminfer {ours['ms_per_token']:.1f} ms/token, llama.cpp "
-              f"{peer['ms_per_token']:.1f} ms/token, ratio {row['ratio_llminfer_over_llamacpp_ms']:.2f} "
-              f"({threads} threads, load {loadavg()})")
+        for backend in args.backends:
+            ours = llminfer_decode(model_dir, quant, args.tokens, threads, backend)
+            row = {"llminfer": ours, "llamacpp": peer, "kind": kind, "backend": backend,
+                   "ratio_llminfer_over_llamacpp_ms": ours["ms_per_token"] / peer["ms_per_token"]}
+            rows.append(row)
+            print(f"batch-1 decode {quant} ({backend}) vs {kind}: llminfer {ours['ms_per_token']:.1f} ms/token, "
+                  f"llama.cpp {peer['ms_per_token']:.1f} ms/token, ratio "
+                  f"{row['ratio_llminfer_over_llamacpp_ms']:.2f} ({threads} threads, load {loadavg()})")
     payload["batch1_decode"] = rows
     work = CACHE / "serve"
     work.mkdir(exist_ok=True)

@@ -127,10 +127,10 @@ def load_runtime(cfg: EngineConfig) -> Runtime:
     t0 = time.perf_counter()
     rt.model = load_model(rt.model_path, cfg, rt.dtype, device, attn_implementation="llminfer_paged",
                           quantization_config=quantization_config)
-    if cfg.cpu_kernels and cfg.backend is Backend.EAGER and device.type == "cpu":
+    if cfg.cpu_kernels and cfg.backend in (Backend.EAGER, Backend.COMPILED) and device.type == "cpu":
         from llminfer.backends.cpu_kernels import enable_cpu_kernels, skinny_linear_available
 
-        rt.cpu_kernel_layers = enable_cpu_kernels(rt.model)
+        rt.cpu_kernel_layers = enable_cpu_kernels(rt.model, include_head=cfg.backend is Backend.COMPILED)
         if (cfg.attention_backend == "auto" and rt.attention_backend == "torch" and rt.dtype == torch.float32
                 and skinny_linear_available()):
             rt.attention_backend = "cpu"
@@ -292,8 +292,8 @@ def _cpu_kernel_line(rt: Runtime, cfg: EngineConfig) -> str:
     """``llminfer info``'s line on llminfer's CPU linear kernel: how many layers use it, or why none."""
     if rt.cpu_kernel_layers:
         return f"skinny_linear on {rt.cpu_kernel_layers} layers (decode-sized products)"
-    if rt.device.type != "cpu" or cfg.backend is not Backend.EAGER:
-        return "off (CPU eager backend only)"
+    if rt.device.type != "cpu" or cfg.backend is Backend.VLLM:
+        return "off (CPU eager and compiled backends only)"
     if not cfg.cpu_kernels:
         return "off (cpu_kernels=False)"
     from llminfer.backends.cpu_kernels import unavailable_reason

@@ -82,6 +82,7 @@ def _load() -> bool:
                                    extra_ldflags=["-fopenmp"], build_directory=str(build), is_python_module=False,
                                    verbose=False)
                 torch.ops.llminfer_cpu.skinny_linear  # noqa: B018 - raises if the library did not register
+                _register_fake_impls()
             except Exception as exc:  # noqa: BLE001 - compiler, ninja, loader: any failure means "use torch"
                 lines = str(exc).strip().splitlines()
                 reason = f"build failed: {lines[-1][:200] if lines else type(exc).__name__}"
@@ -90,6 +91,30 @@ def _load() -> bool:
         if reason is not None and not reason.startswith(DISABLE_ENV):
             log.warning("llminfer CPU kernel unavailable; torch's kernels are used", reason=reason)
         return reason is None
+
+
+_fakes_registered = False
+
+
+def _register_fake_impls() -> None:
+    """Shape-only implementations of the two ops, so ``torch.compile`` (the compiled backend) traces
+    through them and inductor calls them as extern kernels instead of breaking the graph. Once per process:
+    the C++ library outlives :func:`_reset_for_tests`."""
+    global _fakes_registered
+    if _fakes_registered:
+        return
+
+    @torch.library.register_fake("llminfer_cpu::skinny_linear")
+    def _skinny_linear_fake(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
+                            bias: torch.Tensor | None = None) -> torch.Tensor:
+        return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+
+    @torch.library.register_fake("llminfer_cpu::paged_decode_attention")
+    def _paged_decode_attention_fake(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                     block_tables: torch.Tensor, ctx_lens: torch.Tensor, scale: float) -> torch.Tensor:
+        return query.new_empty(query.shape, dtype=torch.float32)
+
+    _fakes_registered = True
 
 
 def skinny_linear_available() -> bool:
@@ -147,11 +172,12 @@ class SkinnyLinear(nn.Linear):
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
-def enable_cpu_kernels(model: nn.Module) -> int:
+def enable_cpu_kernels(model: nn.Module, include_head: bool = False) -> int:
     """Put ``model``'s decode-sized linear products on :func:`skinny_linear`, in place, where the kernel
     builds and loads here: every fp32 CPU ``nn.Linear`` (modules of exactly that type with
-    ``in_features % 8 == 0``, except the LM head, which :func:`llminfer.backends.prepack.prepack_lm_head`
-    puts on oneDNN) becomes a :class:`SkinnyLinear`, and every
+    ``in_features % 8 == 0``; the LM head only with ``include_head``: the eager backend puts it on oneDNN
+    with :func:`llminfer.backends.prepack.prepack_lm_head`, whose lazily packed weight does not trace under
+    ``torch.compile``, so the compiled backend takes the kernel for it) becomes a :class:`SkinnyLinear`, and every
     :class:`~llminfer.backends.weight_only.Int8WeightOnlyLinear` (the head included) takes the kernel for
     any row count, with float32 activations.
 
@@ -162,7 +188,7 @@ def enable_cpu_kernels(model: nn.Module) -> int:
 
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     fp32 = [(name, m) for name, m in model.named_modules()
-            if type(m) is nn.Linear and m is not head and m.in_features % 8 == 0
+            if type(m) is nn.Linear and (include_head or m is not head) and m.in_features % 8 == 0
             and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"]
     int8 = [m for m in model.modules() if isinstance(m, Int8WeightOnlyLinear) and m.weight.device.type == "cpu"]
     if not (fp32 or int8) or not skinny_linear_available():
@@ -172,6 +198,7 @@ def enable_cpu_kernels(model: nn.Module) -> int:
         setattr(model.get_submodule(parent_name) if parent_name else model, child, SkinnyLinear(linear))
     for layer in int8:
         layer.use_cpu_kernel = True
+        layer._kernel_scales = layer.scales.float().contiguous()  # now, not inside a torch.compile trace
     return len(fp32) + len(int8)
 
 

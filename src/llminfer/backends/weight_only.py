@@ -162,19 +162,20 @@ class Int8WeightOnlyLinear(_WeightOnlyLinear):
     #: faster than torch's kernel at every row count measured, 1 to 128; one kernel for prefill and decode
     #: keeps a row's result independent of how the step was packed).
     use_cpu_kernel = False
-    _kernel_scales: torch.Tensor | None = None  # ``scales`` in float32 for that kernel, made on first use
+    _kernel_scales: torch.Tensor | None = None  # ``scales`` in float32 for that kernel (enable_cpu_kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from llminfer.backends import cpu_kernels
 
-        if not self.use_cpu_kernel or x.device.type != "cpu" or torch.compiler.is_compiling():
+        if not self.use_cpu_kernel or x.device.type != "cpu":
             return super().forward(x)
         rows = x.numel() // self.in_features
-        if self._kernel_scales is None or self._kernel_scales.dtype != torch.float32:
-            self._kernel_scales = self.scales.float().contiguous()
+        scales = self._kernel_scales
+        if scales is None or scales.dtype != torch.float32:  # made by enable_cpu_kernels (before any trace)
+            scales = self._kernel_scales = self.scales.float().contiguous()
         bias = None if self.bias is None else self.bias.float()
         flat = x.reshape(rows, self.in_features).float().contiguous()
-        out = cpu_kernels.skinny_linear(flat, self.weight, self._kernel_scales, bias)
+        out = cpu_kernels.skinny_linear(flat, self.weight, scales, bias)
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
