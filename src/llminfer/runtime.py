@@ -53,7 +53,7 @@ class Runtime:
             which compiles its own).
         attention_backend: the paged-attention kernels, resolved from ``cfg.attention_backend``
             (``"triton"``, ``"torch"``, or ``"cpu"``: llminfer's CPU decode kernel, which ``"auto"`` picks
-            for fp32 on CPU with the eager backend where :mod:`llminfer.backends.cpu_kernels` builds).
+            for fp32 on CPU with the eager or compiled backend where :mod:`llminfer.backends.cpu_kernels` builds).
         kv_sizing: on CUDA without an explicit KV budget, the profiling run's measurement (bytes:
             ``total_bytes``, ``used_bytes``, ``activation_peak_bytes``; and ``gpu_memory_utilization``).
         cpu_kernel_layers: how many linear layers run decode-sized products on llminfer's CPU kernel
