@@ -302,12 +302,15 @@ def test_compiled_backend_uses_the_kernels(model_dirs, monkeypatch):
 
     monkeypatch.setenv(COMPILE_BACKEND_ENV, "aot_eager")
     with make_engine(model_dirs["qwen2"], max_batch_size=2) as engine:
+        assert not isinstance(engine.runtime.model.get_output_embeddings(), cpu_kernels.SkinnyLinear)
         want = engine.run("compiled kernels", max_new_tokens=6, ignore_eos=True).token_ids
     with make_engine(model_dirs["qwen2"], max_batch_size=2, backend=Backend.COMPILED,
                      compile_fallback_to_eager=False) as engine:
         info = engine.info()
         assert info["attention_backend"] == "cpu" and info["cpu_kernel"].startswith("skinny_linear on ")
         assert any(isinstance(m, cpu_kernels.SkinnyLinear) for m in engine.runtime.model.modules())
+        # the compiled graph's LM head takes the kernel (the eager backend's oneDNN-packed head does not trace)
+        assert isinstance(engine.runtime.model.get_output_embeddings(), cpu_kernels.SkinnyLinear)
         assert engine.run("compiled kernels", max_new_tokens=6, ignore_eos=True).token_ids == want
         stats = engine.backend.stats()
         assert stats["compiled_steps"] > 0 and stats["eager_steps"] == 0

@@ -181,6 +181,10 @@ def enable_cpu_kernels(model: nn.Module, include_head: bool = False) -> int:
     :class:`~llminfer.backends.weight_only.Int8WeightOnlyLinear` (the head included) takes the kernel for
     any row count, with float32 activations.
 
+    Args:
+        model: the loaded model (modules swapped in place).
+        include_head: also put an fp32 ``nn.Linear`` LM head on the kernel (the compiled backend).
+
     Returns:
         How many layers now use the kernel (0 where it is unavailable: see :func:`unavailable_reason`).
     """
