@@ -5,8 +5,11 @@ float32 on an AVX2-only CPU, where bf16 matmuls are emulated; bfloat16 where the
 in which case both engines run the same dtype and the ratio is ~1) and with ``dtype="bfloat16"``. Each
 runs greedy decode at batch 1 (ms per output token after the first, the median over ``--reps``) and at
 batch ``--batch`` (output tokens/s of the whole batch, submitted at once to the continuous-batching
-scheduler). Repetitions alternate the order of the two engines. The figure is speed(auto) / speed(bf16);
-the issue asks >= 2 on an AVX2-only CPU.
+scheduler). Repetitions alternate the order of the engines. The figure is speed(auto) / speed(bf16);
+the issue asks >= 2 on an AVX2-only CPU. Where auto picked a half type, a third engine runs float32 next
+to it (``speed_ratio_float32_over_auto``): llminfer's CPU kernels serve fp32 only, so on a native-bf16 CPU
+batch-1 decode can be faster in fp32 than in bf16 (measured on a Sapphire Rapids VM: see
+``bench/llamacpp/README.md``), at twice the weight memory.
 
     python bench/bench_dtype.py [--reps 3] [--new-tokens 32] [--batch 32] [--quick]
 """
@@ -15,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
+
+import torch
 
 from common import BENCH_VOCAB, bench_model_path, environment, parse_args, random_prompts, save, timed
 from llminfer import CacheConfig, EngineConfig, InferenceEngine
@@ -37,6 +42,10 @@ def main() -> dict:
     configure_logging("warning")
     path = bench_model_path()
     engines = {"auto": _engine(path, "auto", args.batch), "bfloat16": _engine(path, "bfloat16", args.batch)}
+    if engines["auto"].runtime.dtype != torch.float32:
+        # Where auto picks a half type (native bf16/fp16), float32 runs next to it: the CPU kernels
+        # (skinny_linear, paged_decode_attention) serve fp32 only, so batch 1 may favour fp32 even there.
+        engines["float32"] = _engine(path, "float32", args.batch)
     chosen = {k: str(e.runtime.dtype).replace("torch.", "") for k, e in engines.items()}
     kw = dict(max_new_tokens=args.new_tokens, ignore_eos=True)
     for e in engines.values():  # warm-up, excluded
@@ -63,6 +72,9 @@ def main() -> dict:
         "batch": args.batch, "batch_output_tokens_per_s": bn, "batch_output_tokens_per_s_runs": batch_tps,
         "speed_ratio_auto_over_bf16": {"batch_1": b1["bfloat16"] / b1["auto"],
                                        f"batch_{args.batch}": bn["auto"] / bn["bfloat16"]},
+        **({"speed_ratio_float32_over_auto": {"batch_1": b1["auto"] / b1["float32"],
+                                               f"batch_{args.batch}": bn["float32"] / bn["auto"]}}
+           if "float32" in engines else {}),
         "new_tokens": args.new_tokens, "prompt_tokens": args.prompt_tokens, "reps": args.reps,
         "environment": environment(),
     }
@@ -70,6 +82,10 @@ def main() -> dict:
     print(f"[dtype] auto = {chosen['auto']}; batch 1: auto {b1['auto']:.1f} ms/token, bf16 {b1['bfloat16']:.1f} "
           f"ms/token (x{r['batch_1']:.2f}); batch {args.batch}: auto {bn['auto']:.1f} tok/s, bf16 "
           f"{bn['bfloat16']:.1f} tok/s (x{r[f'batch_{args.batch}']:.2f})")
+    if "float32" in engines:
+        f = payload["speed_ratio_float32_over_auto"]
+        print(f"[dtype] float32 next to auto: batch 1 {b1['float32']:.1f} ms/token (x{f['batch_1']:.2f} auto's speed); "
+              f"batch {args.batch} {bn['float32']:.1f} tok/s (x{f[f'batch_{args.batch}']:.2f})")
     print(f"-> {save('dtype_auto', payload)}")
     return payload
 
