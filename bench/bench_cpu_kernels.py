@@ -16,7 +16,12 @@ attention) against ``torch.ops.llminfer_cpu.paged_decode_attention``, which read
 Each figure is the best of ``--reps`` timed loops (ms per call over all layers); kernel and torch
 alternate in one process, so only their ratios are meant to be compared across machines.
 
+The kernel is the build for this CPU (AVX-512 where it has it, printed first); ``LLMINFER_CPU_KERNEL_ISA=avx2``
+runs the AVX2 build instead (saved as ``cpu_kernels_avx2``), so the two builds compare through their ratios
+to the same torch kernels.
+
     python bench/bench_cpu_kernels.py [--quick] [--reps 3]
+    LLMINFER_CPU_KERNEL_ISA=avx2 python bench/bench_cpu_kernels.py [--quick]
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import torch.nn.functional as F
 from common import environment, save
 from llminfer.backends import cpu_kernels
 from llminfer.backends.attention import PagedKVCache, build_metadata, paged_attention_forward
+from llminfer.benchmark.environment import StealMeter
 
 LAYER_SHAPES = [(512, 512), (128, 512), (128, 512), (512, 512), (1536, 512), (1536, 512), (512, 1536)]
 VOCAB, HIDDEN, LAYERS = 151_646, 512, 8
@@ -130,13 +136,21 @@ def main() -> dict[str, Any]:
         print(f"SKIP: llminfer's CPU kernel is unavailable here: {cpu_kernels.unavailable_reason()}")
         return {"skipped": cpu_kernels.unavailable_reason()}
     reps = 1 if args.quick else args.reps
+    isa = cpu_kernels.vector_isa()
+    print(f"kernel build: {isa}", flush=True)
     load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    steal = StealMeter()
     with torch.inference_mode():
-        payload = {"benchmark": "cpu_kernels", "threads": torch.get_num_threads(),
+        payload = {"benchmark": "cpu_kernels", "threads": torch.get_num_threads(), "kernel_isa": isa,
                    "products": products([1, 32] if args.quick else [1, 4, 8, 32, 64], reps),
                    "attention": attention(reps), "reps": reps, "loadavg_before": load_before,
-                   "loadavg_after": " ".join(f"{x:.2f}" for x in os.getloadavg()), "environment": environment()}
-    print(f"-> {save('cpu_kernels', payload)}")
+                   "loadavg_after": " ".join(f"{x:.2f}" for x in os.getloadavg()), "steal_pct": steal.pct(),
+                   "environment": environment()}
+    if payload["steal_pct"] is not None:
+        print(f"CPU time stolen by the hypervisor during the run: {payload['steal_pct']:.1f} %")
+    forced_avx2 = os.environ.get(cpu_kernels.ISA_ENV, "").strip().lower() == "avx2"
+    name = "cpu_kernels_avx2" if forced_avx2 else "cpu_kernels"
+    print(f"-> {save(name, payload)}")
     return payload
 
 

@@ -46,6 +46,7 @@ from common import BENCH_VOCAB, bench_model_path, environment, random_prompts, s
 from llminfer import CacheConfig, EngineConfig, InferenceEngine
 from llminfer.backends import hf as hf_backend
 from llminfer.backends.attention import ATTN_IMPLEMENTATION, paged_attention_forward
+from llminfer.benchmark.environment import StealMeter
 from llminfer.logging import configure_logging
 
 PARTS = ("linear_attn", "linear_mlp", "lm_head", "attention", "model_other", "metadata", "sampling",
@@ -263,7 +264,12 @@ def print_table(results: dict[str, Any]) -> None:
             cells += f"{v:>12.2f}{'':>6}"
         print(f"{label:<16}{cells}")
     print(f"copy bandwidth {results['copy_bandwidth_bytes_per_s'] / 1e9:.2f} GB/s (read + written); "
-          f"load average before {results['loadavg_before']}, after {results['loadavg_after']}")
+          f"load average before {results['loadavg_before']}, after {results['loadavg_after']}; "
+          f"steal {_pct(results.get('steal_pct'))}")
+
+
+def _pct(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.1f} %"
 
 
 def _loadavg() -> str:
@@ -274,6 +280,7 @@ def run(quick: bool, reps: int, plain_only: bool = False, compare: bool = False)
     configure_logging("warning")
     torch.set_num_threads(int(os.environ.get("LLMINFER_BENCH_THREADS", "2")))
     load_before = _loadavg()
+    steal = StealMeter()
     cfg = EngineConfig(model_name=str(bench_model_path()), dtype="float32", device="cpu", max_batch_size=32,
                        batch_timeout_ms=0, attention_backend=os.environ.get("LLMINFER_BENCH_ATTENTION", "auto"),
                        cache=CacheConfig(page_size_tokens=16, kv_cache_memory_bytes=256 << 20))
@@ -293,7 +300,8 @@ def run(quick: bool, reps: int, plain_only: bool = False, compare: bool = False)
                       f"{c['ms_per_step_after']:.1f} ms/step, after/before {c['ratio_after_over_before']:.2f} "
                       f"(runs {c['runs_ms']})")
             return {"benchmark": "step_profile_before_after", "cases": out, "reps": reps, "quick": quick,
-                    "loadavg_before": load_before, "loadavg_after": _loadavg(), "environment": environment()}
+                    "loadavg_before": load_before, "loadavg_after": _loadavg(), "steal_pct": steal.pct(),
+                    "environment": environment()}
         bw = copy_bandwidth("cpu", False, nbytes=256 << 20, reps=4 if quick else 10)
         for i, (batch, prompt_len, new_tokens, temperature) in enumerate([(*s, 0.0) for s in shapes] + sampled):
             case = profile_batch(engine, batch, prompt_len, new_tokens, reps, seed=100 * (i + 1),
@@ -312,6 +320,7 @@ def run(quick: bool, reps: int, plain_only: bool = False, compare: bool = False)
             "copy_bandwidth_bytes_per_s": bw, "cases": cases,
             "loadavg_before": load_before,
             "loadavg_after": _loadavg(),
+            "steal_pct": steal.pct(),
             "environment": environment()}
 
 
@@ -327,7 +336,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = ap.parse_args(argv)
     results = run(args.quick, args.reps, args.plain_only, args.before_after)
     if args.before_after:
-        print(f"load average before {results['loadavg_before']}, after {results['loadavg_after']}")
+        print(f"load average before {results['loadavg_before']}, after {results['loadavg_after']}; "
+              f"steal {_pct(results.get('steal_pct'))}")
     else:
         print_table(results)
     if args.json_out:

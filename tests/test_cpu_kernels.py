@@ -107,6 +107,7 @@ def test_skinny_linear_module_falls_back_outside_its_domain():
 
 def _paged_step(block_size, heads, kv_heads, head_dim, ctx_lens, seed, num_blocks=64):
     """A one-layer cache with random history and shuffled block tables; pure decode at ``ctx_lens``."""
+    assert cpu_kernels.skinny_linear_available(), cpu_kernels.unavailable_reason()  # loads the ops
     g = torch.Generator().manual_seed(seed)
     cache = PagedKVCache(1, num_blocks, block_size, kv_heads, head_dim, torch.float32, "cpu")
     cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=g))
@@ -131,12 +132,13 @@ class _Layer:
 
 @pytest.mark.parametrize("heads, kv_heads", [(8, 2), (4, 4), (6, 1)])
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_paged_decode_attention_matches_torch_path(heads, kv_heads, block_size):
+@pytest.mark.parametrize("head_dim", [16, 24, 64])
+def test_paged_decode_attention_matches_torch_path(heads, kv_heads, block_size, head_dim):
     """The kernel (``attention_backend="cpu"``) against the gather + masked-attention path on the same
     step: contexts of 1 token, within a block, on block edges and across many blocks; the KV write is the
-    same code on both."""
+    same code on both. A head_dim of 24 ends in half an AVX-512 vector."""
     ctx = [1, 3, block_size, block_size + 1, 77, 200]
-    cache, tables, q, k, v = _paged_step(block_size, heads, kv_heads, 16, ctx, seed=block_size + heads)
+    cache, tables, q, k, v = _paged_step(block_size, heads, kv_heads, head_dim, ctx, seed=block_size + heads)
     k0, v0 = cache.k[0].clone(), cache.v[0].clone()
     starts, lengths = [n - 1 for n in ctx], [1] * len(ctx)
     meta, _ = build_metadata(cache, starts, lengths, tables, "cpu", attention_backend="torch")
@@ -219,6 +221,7 @@ def test_engine_reports_and_honours_the_switch(model_dirs):
         info = engine.info()
         assert info["attention_backend"] == "cpu"
         assert info["cpu_kernel"].startswith("skinny_linear on ") and engine.runtime.cpu_kernel_layers > 0
+        assert f"({cpu_kernels.vector_isa()}, " in info["cpu_kernel"]
         on = engine.run("kernels on", max_new_tokens=6, ignore_eos=True).token_ids
     with make_engine(model_dirs["qwen2"], max_batch_size=2, cpu_kernels=False) as engine:
         info = engine.info()
@@ -265,6 +268,57 @@ def test_disabled_by_environment(monkeypatch):
 def test_build_folder_follows_the_cache_dir(monkeypatch, tmp_path):
     monkeypatch.setenv("LLMINFER_CACHE_DIR", str(tmp_path))
     assert cpu_kernels._cache_dir().parent == tmp_path / "cpu_kernels"
+
+
+def test_build_isa_follows_the_cpu_flags(monkeypatch):
+    """AVX-512 only where the CPU has all four of F/BW/DQ/VL (the build passes their -m flags), AVX2
+    otherwise or when ``LLMINFER_CPU_KERNEL_ISA=avx2``; the two builds live in different folders."""
+    avx2_only = {"avx2", "fma", "avx512f"}  # F alone (no BW/DQ/VL) is not enough
+    monkeypatch.delenv(cpu_kernels.ISA_ENV, raising=False)
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: avx2_only)
+    assert cpu_kernels.target_isa() == "avx2"
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: avx2_only | cpu_kernels.AVX512_CPU_FLAGS)
+    assert cpu_kernels.target_isa() == "avx512"
+    monkeypatch.setenv(cpu_kernels.ISA_ENV, "avx2")
+    assert cpu_kernels.target_isa() == "avx2"
+    assert "-mavx512f" in cpu_kernels.build_cflags("avx512") and "-mavx512f" not in cpu_kernels.build_cflags("avx2")
+    assert cpu_kernels._cache_dir("avx512") != cpu_kernels._cache_dir("avx2")
+
+
+def test_loaded_build_matches_the_cpu():
+    assert cpu_kernels.skinny_linear_available(), cpu_kernels.unavailable_reason()
+    want = "AVX-512" if cpu_kernels.target_isa() == "avx512" else "AVX2"
+    assert cpu_kernels.vector_isa() == want
+
+
+_AVX2_CHECK = """
+import torch
+from llminfer.backends import cpu_kernels
+assert cpu_kernels.skinny_linear_available(), cpu_kernels.unavailable_reason()
+assert cpu_kernels.vector_isa() == "AVX2", cpu_kernels.vector_isa()
+g = torch.Generator().manual_seed(0)
+for m, n, k in [(1, 7, 520), (5, 130, 64), (33, 4, 8)]:
+    x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    q, s = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g), torch.rand(n, generator=g)
+    ref = x.double() @ w.double().T + b.double()
+    torch.testing.assert_close(cpu_kernels.skinny_linear(x, w, None, b).double(), ref, atol=1e-4 * k**0.5, rtol=1e-5)
+    ref = x.double() @ (q.double() * s.double()[:, None]).T
+    torch.testing.assert_close(cpu_kernels.skinny_linear(x, q, s).double(), ref, atol=1e-4 * k**0.5, rtol=1e-5)
+print("avx2 ok")
+"""
+
+
+@pytest.mark.skipif(cpu_kernels.target_isa() != "avx512", reason="this CPU has no AVX-512: the AVX2 build is the one under test")
+def test_avx2_build_on_an_avx512_cpu():
+    """On an AVX-512 CPU every other test runs the AVX-512 build; the AVX2 build (what AVX2-only CPUs get)
+    is built and checked here in a child process (one process cannot load both)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, cpu_kernels.ISA_ENV: "avx2"}
+    done = subprocess.run([sys.executable, "-c", _AVX2_CHECK], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "avx2 ok" in done.stdout, done.stderr[-2000:]
 
 
 def test_ops_trace_under_torch_compile():

@@ -152,3 +152,20 @@ def test_llamacpp_agreement_reads_same_top_p(tmp_path, monkeypatch):
     got = peer.llamacpp_top1_agreement(base, quant, 1, tmp_path)
     assert got == {"same_top1_pct": 92.262, "stderr_pct": 1.191, "positions": 512, "gguf": "m-q8_0.gguf"}
     assert (tmp_path / "m-f32.kld").exists()
+
+
+def test_steal_meter_reports_the_stolen_share(monkeypatch):
+    """``StealMeter`` (recorded by the CPU benchmarks): steal jiffies over all jiffies between two reads of
+    ``/proc/stat``, None where it cannot be read or no time passed; ``cpu_jiffies`` parses the real file."""
+    from llminfer.benchmark import environment as env
+
+    real = env.cpu_jiffies()
+    if os.path.exists("/proc/stat"):
+        assert real is not None and real["total"] >= real["idle"] + real["steal"] >= 0
+    reads = iter([{"idle": 0, "steal": 10, "total": 1000}, {"idle": 0, "steal": 40, "total": 1200},
+                  {"idle": 0, "steal": 40, "total": 1200}, None])
+    monkeypatch.setattr(env, "cpu_jiffies", lambda: next(reads))
+    meter = env.StealMeter()
+    assert meter.pct() == pytest.approx(15.0)  # 30 of 200 ticks
+    meter.restart()
+    assert meter.pct() is None  # no time passed (and then unreadable)

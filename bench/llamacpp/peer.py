@@ -48,11 +48,18 @@ def loadavg() -> str:
 
 def _cpu_times() -> tuple[int, int] | None:
     """(idle, total) jiffies summed over all CPUs from ``/proc/stat``, None where it cannot be read."""
-    try:
-        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    except (OSError, ValueError):
-        return None
-    return fields[3] + (fields[4] if len(fields) > 4 else 0), sum(fields)
+    from llminfer.benchmark.environment import cpu_jiffies
+
+    j = cpu_jiffies()
+    return None if j is None else (j["idle"], j["total"])
+
+
+def _fmt_pct(pct: float | None) -> str:
+    return "n/a" if pct is None else f"{pct:.1f} %"
+
+
+def _steal(meter: Any) -> str:
+    return _fmt_pct(meter.pct())
 
 
 def idle_cores(sample_s: float = 1.0) -> int:
@@ -219,6 +226,8 @@ def bench_serve(base_url: str, out: Path) -> dict[str, Any]:
 
 def serve_pair(model_dir: Path, gguf: Path, quant: str, threads: int, work: Path) -> dict[str, Any]:
     """``llama-server -np 32`` and ``llminfer serve`` at matched precision, one after the other."""
+    from llminfer.benchmark.environment import StealMeter
+
     results = {}
     servers = {
         "llama_server": [str(BIN / "llama-server"), "-m", str(gguf), "-np", "32", "-c", str(32 * 640),
@@ -232,7 +241,9 @@ def serve_pair(model_dir: Path, gguf: Path, quant: str, threads: int, work: Path
                                 env={**os.environ, "OMP_NUM_THREADS": str(threads)}, start_new_session=True)
         try:
             _wait_http(f"http://127.0.0.1:{port}/health", proc)
+            meter = StealMeter()
             results[name] = bench_serve(f"http://127.0.0.1:{port}", work / f"serve_{name}_{quant}.json")
+            results[name]["steal_pct"] = meter.pct()
         finally:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(timeout=60)
@@ -247,6 +258,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--serve", action="store_true", help="also the 64-request serving workload on both servers")
     ap.add_argument("--json-out", type=Path, default=None)
     args = ap.parse_args(argv)
+    from llminfer.benchmark.environment import StealMeter
+
+    whole_run = StealMeter()
     payload: dict[str, Any] = {"benchmark": "llamacpp_peer", "loadavg_before": loadavg()}
     if shutil.which("cmake") is None or shutil.which("c++") is None:
         print("SKIP: llama.cpp peer benchmark: cmake or a C++ compiler is missing")
@@ -264,15 +278,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if quant not in have:
             print(f"SKIP: llminfer {quant} vs llama.cpp {kind.upper()}: this llminfer has no --quant {quant}")
             continue
+        meter = StealMeter()
         peer = llama_bench(files[kind], args.tokens, threads)
+        peer["steal_pct"] = meter.pct()
         for backend in args.backends:
+            meter.restart()
             ours = llminfer_decode(model_dir, quant, args.tokens, threads, backend)
+            ours["steal_pct"] = meter.pct()
             row = {"llminfer": ours, "llamacpp": peer, "kind": kind, "backend": backend,
                    "ratio_llminfer_over_llamacpp_ms": ours["ms_per_token"] / peer["ms_per_token"]}
             rows.append(row)
             print(f"batch-1 decode {quant} ({backend}) vs {kind}: llminfer {ours['ms_per_token']:.1f} ms/token, "
                   f"llama.cpp {peer['ms_per_token']:.1f} ms/token, ratio "
-                  f"{row['ratio_llminfer_over_llamacpp_ms']:.2f} ({threads} threads, load {loadavg()})")
+                  f"{row['ratio_llminfer_over_llamacpp_ms']:.2f} ({threads} threads, load {loadavg()}, steal "
+                  f"{_steal(meter)} of llminfer's run, {_fmt_pct(peer['steal_pct'])} of llama.cpp's)")
     payload["batch1_decode"] = rows
     work = CACHE / "serve"
     work.mkdir(exist_ok=True)
@@ -285,9 +304,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.serve:
         payload["serving"] = {quant: serve_pair(model_dir, files[kind], quant, threads, work)
                               for _dtype, quant, kind in PAIRS if quant in have}
+        for quant, res in payload["serving"].items():
+            ours, peer = (res[name].get("summary", {}).get("output_tokens_per_s") for name in ("llminfer", "llama_server"))
+            if ours and peer:
+                print(f"serving {quant}: llminfer {ours:.1f} output tok/s, llama-server {peer:.1f}, ratio "
+                      f"{ours / peer:.2f} (steal {_fmt_pct(res['llminfer']['steal_pct'])} / "
+                      f"{_fmt_pct(res['llama_server']['steal_pct'])})")
     payload.update({"loadavg_after": loadavg(), "threads": threads, "environment": environment(),
-                    "build_seconds": _build_seconds()})
-    print(f"load average before {payload['loadavg_before']}, after {payload['loadavg_after']}")
+                    "build_seconds": _build_seconds(), "steal_pct": whole_run.pct()})
+    print(f"load average before {payload['loadavg_before']}, after {payload['loadavg_after']}; CPU time stolen "
+          f"by the hypervisor over the run: {_fmt_pct(payload['steal_pct'])}")
     if args.json_out:
         args.json_out.write_text(json.dumps(payload, indent=2, default=str))
         print(f"-> {args.json_out}")

@@ -291,7 +291,9 @@ def describe_runtime(rt: Runtime, cfg: EngineConfig) -> dict[str, Any]:
 def _cpu_kernel_line(rt: Runtime, cfg: EngineConfig) -> str:
     """``llminfer info``'s line on llminfer's CPU linear kernel: how many layers use it, or why none."""
     if rt.cpu_kernel_layers:
-        return f"skinny_linear on {rt.cpu_kernel_layers} layers (decode-sized products)"
+        from llminfer.backends.cpu_kernels import vector_isa
+
+        return f"skinny_linear on {rt.cpu_kernel_layers} layers ({vector_isa()}, decode-sized products)"
     if rt.device.type != "cpu" or cfg.backend is Backend.VLLM:
         return "off (CPU eager and compiled backends only)"
     if not cfg.cpu_kernels:

@@ -222,3 +222,41 @@ class MemoryProbe:
             kind, peak = "rss_lifetime_peak", peak_rss / mib
         return {"memory_kind": kind, "peak_memory_mb": peak, "peak_rss_mb": peak_rss / mib,
                 "baseline_rss_mb": None if baseline is None else baseline / mib, "peak_device_mb": device_mb}
+
+
+def cpu_jiffies() -> dict[str, int] | None:
+    """The machine's CPU time so far from the aggregate ``cpu`` line of ``/proc/stat`` (all CPUs, in clock
+    ticks): ``idle`` (idle + iowait), ``steal`` (time a hypervisor ran something else while this VM's vCPUs
+    wanted to run, see proc(5)) and ``total``. None where it cannot be read (not Linux)."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    if len(fields) < 4:
+        return None
+    return {"idle": fields[3] + (fields[4] if len(fields) > 4 else 0),
+            "steal": fields[7] if len(fields) > 7 else 0, "total": sum(fields[:8])}
+
+
+class StealMeter:
+    """The share of CPU time stolen by the hypervisor since the meter was made (or last :meth:`restart`).
+
+    On a VM the host may deschedule a vCPU while it has work; a decode step with one parallel region per
+    layer then waits at every region for the stalled thread, so a few percent of steal can slow a step by
+    far more than that (measured here: the same int8 step from 14 to 46 ms/token). Benchmarks record it next
+    to their figures, so a slow run can be told from a slow engine.
+    """
+
+    def __init__(self) -> None:
+        self._start = cpu_jiffies()
+
+    def restart(self) -> None:
+        self._start = cpu_jiffies()
+
+    def pct(self) -> float | None:
+        """Stolen share of all CPU time since the start, in percent; None where ``/proc/stat`` is unreadable
+        or no time has passed."""
+        now = cpu_jiffies()
+        if self._start is None or now is None or now["total"] <= self._start["total"]:
+            return None
+        return 100.0 * (now["steal"] - self._start["steal"]) / (now["total"] - self._start["total"])

@@ -1,4 +1,6 @@
-// llminfer's CPU kernels for the decode step (AVX2 + FMA), loaded by llminfer/backends/cpu_kernels.py.
+// llminfer's CPU kernels for the decode step, loaded by llminfer/backends/cpu_kernels.py. Built for
+// AVX-512 (F, BW, DQ, VL: 16 fp32 lanes, 32 registers) where the CPU has it, else for AVX2 + FMA (8 lanes,
+// 16 registers); LLMINFER_KERNEL_AVX512 tells which (the build passes -mavx512* only in the first case).
 //
 // Skinny linear products: out[M, N] = x[M, K] @ (w[N, K] * scale[N]).T + bias[N], fp32
 // activations and accumulation, weights fp32 or int8 (symmetric per output channel).
@@ -7,10 +9,11 @@
 // the weight bytes read, not by FLOPs. torch's fp32 kernels stream the weights at well under the memory
 // bandwidth on some CPUs, and its int8 weight-only kernel dequantizes the weight again for every
 // activation row. Here each thread takes a range of output channels and, for NT channels at a time,
-// reads (and for int8 converts) their weight once per MT activation rows, accumulating in AVX2 registers.
+// reads (and for int8 converts) their weight once per MT activation rows, accumulating in vector registers.
 //
-// Every output element is one fixed sequence of fp32 FMAs over k (8 lanes, then a fixed lane sum), so a
-// row's result does not depend on M, on the thread count or on where the row falls in a tile.
+// Every output element is one fixed sequence of fp32 FMAs over k (kLanes lanes, then a fixed lane sum), so
+// a row's result does not depend on M, on the thread count or on where the row falls in a tile (it does
+// depend on the ISA the kernel was built for: AVX2 and AVX-512 sum in different orders).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -22,47 +25,99 @@
 #include <cstdint>
 #include <vector>
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
+#define LLMINFER_KERNEL_AVX512 1
+#else
+#define LLMINFER_KERNEL_AVX512 0
+#endif
+
 namespace {
 
-inline float lane_sum(__m256 v) {
+// The vector operations the kernels use, for the ISA this file is built for. Rows are K % 8 == 0 long;
+// with 16 lanes a row may end in half a vector, which the *_half forms read with the upper lanes zero.
+#if LLMINFER_KERNEL_AVX512
+using vec = __m512;
+constexpr int64_t kLanes = 16;
+inline vec vzero() { return _mm512_setzero_ps(); }
+inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline vec vload(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline vec vload_half(const float* p) { return _mm512_maskz_loadu_ps(0x00FF, p); }
+inline vec vload_half(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline void vstore(float* p, vec v) { _mm512_storeu_ps(p, v); }
+inline void vstore_half(float* p, vec v) { _mm512_mask_storeu_ps(p, 0x00FF, v); }
+inline vec vset1(float a) { return _mm512_set1_ps(a); }
+inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
+inline float lane_sum(vec v) {
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#else
+using vec = __m256;
+constexpr int64_t kLanes = 8;
+inline vec vzero() { return _mm256_setzero_ps(); }
+inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline vec vload(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+// With 8 lanes a row never ends in half a vector; these exist so the kernels read the same for both ISAs.
+inline vec vload_half(const float* p) { return vload(p); }
+inline vec vload_half(const int8_t* p) { return vload(p); }
+inline void vstore(float* p, vec v) { _mm256_storeu_ps(p, v); }
+inline void vstore_half(float* p, vec v) { _mm256_storeu_ps(p, v); }
+inline vec vset1(float a) { return _mm256_set1_ps(a); }
+inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
+inline float lane_sum(vec v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
-
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-
-inline __m256 load8(const int8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
+#endif
 
 // MT activation rows times NT weight rows over the whole of K (K % 8 == 0).
 template <int MT, int NT, typename W>
 inline void micro_tile(const float* x, int64_t ldx, const W* w, int64_t ldw, int64_t K, const float* scale,
                        const float* bias, float* out, int64_t ldo) {
-  __m256 acc[MT][NT];
+  vec acc[MT][NT];
   for (int m = 0; m < MT; ++m)
-    for (int n = 0; n < NT; ++n) acc[m][n] = _mm256_setzero_ps();
+    for (int n = 0; n < NT; ++n) acc[m][n] = vzero();
   auto step = [&](int64_t k) {
-    __m256 wv[NT];
-    for (int n = 0; n < NT; ++n) wv[n] = load8(w + n * ldw + k);
+    vec wv[NT];
+    for (int n = 0; n < NT; ++n) wv[n] = vload(w + n * ldw + k);
     for (int m = 0; m < MT; ++m) {
-      const __m256 xv = _mm256_loadu_ps(x + m * ldx + k);
-      for (int n = 0; n < NT; ++n) acc[m][n] = _mm256_fmadd_ps(xv, wv[n], acc[m][n]);
+      const vec xv = vload(x + m * ldx + k);
+      for (int n = 0; n < NT; ++n) acc[m][n] = vfma(xv, wv[n], acc[m][n]);
     }
   };
   // A cache line of weights at a time, prefetching the same line of the next NT rows (the next tile):
   // the hardware prefetcher alone leaves the int8 loop waiting on memory (measured on Zen: 3.5 -> 5.5 G
   // weights/s on one thread). Prefetching past the end of the weights is harmless (no fault).
   constexpr int64_t kLine = 64 / static_cast<int64_t>(sizeof(W));
+  static_assert(kLine % kLanes == 0, "a cache line holds whole vectors");
   int64_t k = 0;
   for (; k + kLine <= K; k += kLine) {
     for (int n = 0; n < NT; ++n)
       _mm_prefetch(reinterpret_cast<const char*>(w + (n + NT) * ldw + k), _MM_HINT_T0);
-    for (int64_t j = k; j < k + kLine; j += 8) step(j);
+    for (int64_t j = k; j < k + kLine; j += kLanes) step(j);
   }
-  for (; k < K; k += 8) step(k);
+  for (; k + kLanes <= K; k += kLanes) step(k);
+  if (k < K) {  // AVX-512 only: the last 8 columns, upper lanes zero in both operands
+    vec wv[NT];
+    for (int n = 0; n < NT; ++n) wv[n] = vload_half(w + n * ldw + k);
+    for (int m = 0; m < MT; ++m) {
+      const vec xv = vload_half(x + m * ldx + k);
+      for (int n = 0; n < NT; ++n) acc[m][n] = vfma(xv, wv[n], acc[m][n]);
+    }
+  }
   for (int m = 0; m < MT; ++m)
     for (int n = 0; n < NT; ++n) {
       float v = lane_sum(acc[m][n]);
@@ -73,7 +128,9 @@ inline void micro_tile(const float* x, int64_t ldx, const W* w, int64_t ldw, int
 }
 
 constexpr int kRows = 4;  // MT: activation rows per tile
-constexpr int kCols = 3;  // NT: weight rows (output channels) per tile; 12 accumulators + 3 weights + 1 x
+// NT: weight rows (output channels) per tile. AVX2 (16 registers): 12 accumulators + 3 weights + 1 x.
+// AVX-512 (32 registers): 24 + 6 + 1; at one row that is also 6 independent FMA chains instead of 3.
+constexpr int kCols = LLMINFER_KERNEL_AVX512 ? 6 : 3;
 
 template <int NT, typename W>
 inline void column_block(const float* x, int64_t M, int64_t K, const W* w, const float* scale,
@@ -107,7 +164,12 @@ inline void weight_block(const float* x, int64_t M, int64_t K, const int8_t* w, 
   thread_local std::vector<float> converted;
   converted.resize(static_cast<size_t>(NT * K));
   for (int n = 0; n < NT; ++n)
-    for (int64_t k = 0; k < K; k += 8) _mm256_storeu_ps(converted.data() + n * K + k, load8(w + n * K + k));
+    for (int64_t k = 0; k < K; k += kLanes) {
+      if (k + kLanes <= K)
+        vstore(converted.data() + n * K + k, vload(w + n * K + k));
+      else
+        vstore_half(converted.data() + n * K + k, vload_half(w + n * K + k));
+    }
   column_block<NT>(x, M, K, converted.data(), scale, bias, out, N);
 }
 
@@ -124,6 +186,11 @@ void skinny_linear_impl(const float* x, int64_t M, int64_t K, const W* w, int64_
       const float* st = scale ? scale + n : nullptr;
       const float* bt = bias ? bias + n : nullptr;
       switch (std::min<int64_t>(kCols, N - n)) {
+#if LLMINFER_KERNEL_AVX512
+        case 6: weight_block<6>(x, M, K, wt, st, bt, out + n, N); break;
+        case 5: weight_block<5>(x, M, K, wt, st, bt, out + n, N); break;
+        case 4: weight_block<4>(x, M, K, wt, st, bt, out + n, N); break;
+#endif
         case 3: weight_block<3>(x, M, K, wt, st, bt, out + n, N); break;
         case 2: weight_block<2>(x, M, K, wt, st, bt, out + n, N); break;
         default: weight_block<1>(x, M, K, wt, st, bt, out + n, N); break;
@@ -168,8 +235,12 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight, const c1
 
 }  // namespace
 
+// The vector ISA this library was built for: 512 (AVX-512) or 256 (AVX2).
+int64_t vector_bits() { return LLMINFER_KERNEL_AVX512 ? 512 : 256; }
+
 TORCH_LIBRARY(llminfer_cpu, m) {
   m.def("skinny_linear(Tensor x, Tensor weight, Tensor? scale=None, Tensor? bias=None) -> Tensor");
+  m.def("vector_bits() -> int", &vector_bits);
 }
 
 TORCH_LIBRARY_IMPL(llminfer_cpu, CPU, m) { m.impl("skinny_linear", &skinny_linear); }
@@ -189,20 +260,22 @@ TORCH_LIBRARY_IMPL(llminfer_cpu, CPU, m) { m.impl("skinny_linear", &skinny_linea
 namespace {
 
 inline float dot(const float* a, const float* b, int64_t d) {
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  vec acc0 = vzero(), acc1 = vzero();
   int64_t i = 0;
-  for (; i + 16 <= d; i += 16) {
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+  for (; i + 2 * kLanes <= d; i += 2 * kLanes) {
+    acc0 = vfma(vload(a + i), vload(b + i), acc0);
+    acc1 = vfma(vload(a + i + kLanes), vload(b + i + kLanes), acc1);
   }
-  for (; i < d; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-  return lane_sum(_mm256_add_ps(acc0, acc1));
+  for (; i + kLanes <= d; i += kLanes) acc0 = vfma(vload(a + i), vload(b + i), acc0);
+  if (i < d) acc1 = vfma(vload_half(a + i), vload_half(b + i), acc1);  // AVX-512: the last 8
+  return lane_sum(vadd(acc0, acc1));
 }
 
 inline void axpy(float alpha, const float* x, float* y, int64_t d) {
-  const __m256 a = _mm256_set1_ps(alpha);
-  for (int64_t i = 0; i < d; i += 8)
-    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(a, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  const vec a = vset1(alpha);
+  int64_t i = 0;
+  for (; i + kLanes <= d; i += kLanes) vstore(y + i, vfma(a, vload(x + i), vload(y + i)));
+  if (i < d) vstore_half(y + i, vfma(a, vload_half(x + i), vload_half(y + i)));  // AVX-512: the last 8
 }
 
 }  // namespace
