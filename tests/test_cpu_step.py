@@ -154,6 +154,22 @@ def test_llamacpp_agreement_reads_same_top_p(tmp_path, monkeypatch):
     assert (tmp_path / "m-f32.kld").exists()
 
 
+def test_llamacpp_repack_probe(tmp_path, monkeypatch, capsys):
+    """A GGUF whose batched prompt pass dies on a signal (llama.cpp's AMX matmul on some VMs) runs with
+    ``--no-repack``; one that passes, or no llama-bench at all, keeps llama.cpp's default."""
+    spec = importlib.util.spec_from_file_location("peer", BENCH / "llamacpp" / "peer.py")
+    peer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(peer)
+    monkeypatch.setattr(peer, "BIN", tmp_path)
+    assert not peer.repack_crashes(tmp_path / "absent.gguf")
+    fake = tmp_path / "llama-bench"
+    fake.write_text('#!/bin/bash\n[[ $2 == *q8_0* ]] && kill -SEGV $$\nexit 0\n')
+    fake.chmod(0o755)
+    assert peer._no_repack(tmp_path / "m-q8_0.gguf") == ["--no-repack"]
+    assert "crash here on m-q8_0.gguf (signal 11" in capsys.readouterr().out
+    assert peer._no_repack(tmp_path / "m-f32.gguf") == []
+
+
 def test_steal_meter_reports_the_stolen_share(monkeypatch):
     """``StealMeter`` (recorded by the CPU benchmarks): steal jiffies over all jiffies between two reads of
     ``/proc/stat``, None where it cannot be read or no time passed; ``cpu_jiffies`` parses the real file."""

@@ -23,6 +23,7 @@ before and after: figures from a loaded machine are not figures from a quiet one
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -120,13 +121,43 @@ def convert(model_dir: Path) -> dict[str, Path]:
     return files
 
 
+_REPACK_CRASHES: dict[Path, bool] = {}
+
+
+def repack_crashes(gguf: Path) -> bool:
+    """Whether llama.cpp's repacked CPU weights (its AMX and interleaved matmuls) crash on a batched step
+    of ``gguf`` here: a 16-token ``llama-bench`` prompt pass that dies on a signal. Seen on a Sapphire Rapids
+    VM: ``ggml_backend_amx_mul_mat`` takes a general protection fault on Q8_0 and Q4_0 (llama-server and
+    llama-perplexity die with it), while batch-1 decode works. Where it crashes, every llama.cpp run of that
+    file gets ``--repack 0`` / ``--no-repack`` (printed once)."""
+    if gguf not in _REPACK_CRASHES:
+        try:
+            probe = subprocess.run([str(BIN / "llama-bench"), "-m", str(gguf), "-p", "16", "-n", "0", "-r", "1",
+                                    "-t", "1"], capture_output=True, text=True)
+        except OSError:  # no llama-bench: nothing to probe with, keep llama.cpp's default
+            _REPACK_CRASHES[gguf] = False
+            return False
+        _REPACK_CRASHES[gguf] = probe.returncode < 0
+        if _REPACK_CRASHES[gguf]:
+            print(f"note: llama.cpp's repacked weights crash here on {gguf.name} (signal {-probe.returncode} on a "
+                  "batched step); running it with --no-repack")
+    return _REPACK_CRASHES[gguf]
+
+
 def llama_bench(gguf: Path, tokens: int, threads: int) -> dict[str, Any]:
     """``llama-bench`` text generation (tg) of ``tokens`` tokens at batch 1: ms per token."""
+    repack = ["--repack", "0"] if repack_crashes(gguf) else []
     out = subprocess.run([str(BIN / "llama-bench"), "-m", str(gguf), "-p", "0", "-n", str(tokens),
-                          "-t", str(threads), "-r", "3", "-o", "json"], capture_output=True, text=True, check=True)
+                          "-t", str(threads), "-r", "3", "-o", "json", *repack], capture_output=True, text=True,
+                         check=True)
     row = json.loads(out.stdout)[0]
     tps = float(row["avg_ts"])
-    return {"tok_per_s": tps, "ms_per_token": 1e3 / tps, "threads": threads, "gguf": gguf.name}
+    return {"tok_per_s": tps, "ms_per_token": 1e3 / tps, "threads": threads, "gguf": gguf.name,
+            "repack": not repack}
+
+
+def _no_repack(gguf: Path) -> list[str]:
+    return ["--no-repack"] if repack_crashes(gguf) else []
 
 
 _AGREEMENT_CHUNKS, _AGREEMENT_CTX = 8, 128  # llama-perplexity scores the second half of each chunk
@@ -150,15 +181,16 @@ def llamacpp_top1_agreement(base: Path, quant: Path, threads: int, work: Path) -
     try:
         if not base_kld.exists():
             try:
-                subprocess.run([str(exe), "-m", str(base), *common], check=True, capture_output=True)
+                subprocess.run([str(exe), "-m", str(base), *common, *_no_repack(base)], check=True,
+                               capture_output=True)
             except subprocess.CalledProcessError:
                 base_kld.unlink(missing_ok=True)  # a partial base file would poison every later comparison
                 raise
-        out = subprocess.run([str(exe), "-m", str(quant), *common, "--kl-divergence"], check=True,
-                             capture_output=True, text=True)
+        out = subprocess.run([str(exe), "-m", str(quant), *common, "--kl-divergence", *_no_repack(quant)],
+                             check=True, capture_output=True, text=True)
     except subprocess.CalledProcessError as exc:
-        # Seen on a Sapphire Rapids VM (AVX-512, AMX): the --kl-divergence pass over Q8_0 and Q4_0 dies with
-        # SIGSEGV inside llama-perplexity while the f32 base pass succeeds; the batch-1 rows stay valid.
+        # Seen on a Sapphire Rapids VM (AVX-512, AMX) before repack_crashes(): the --kl-divergence pass over
+        # Q8_0 and Q4_0 died with SIGSEGV in llama.cpp's AMX matmul; whatever else fails, the batch-1 rows stay.
         print(f"SKIP: llama.cpp top-1 agreement for {quant.name}: llama-perplexity exited with {exc.returncode}")
         return None
     match = re.search(r"Same top p:\s*([\d.]+)\s*±\s*([\d.]+)", out.stdout + out.stderr)
@@ -224,6 +256,12 @@ def bench_serve(base_url: str, out: Path) -> dict[str, Any]:
     return json.loads(out.read_text())
 
 
+def _output_tokens_per_s(artifact: dict[str, Any]) -> float | None:
+    """Output tok/s of a ``bench-serve`` artifact's (only) load point; None for a failed run."""
+    points = artifact.get("points") or [{}]
+    return points[0].get("summary", {}).get("output_tokens_per_s")
+
+
 def serve_pair(model_dir: Path, gguf: Path, quant: str, threads: int, work: Path) -> dict[str, Any]:
     """``llama-server -np 32`` and ``llminfer serve`` at matched precision, one after the other."""
     from llminfer.benchmark.environment import StealMeter
@@ -231,7 +269,7 @@ def serve_pair(model_dir: Path, gguf: Path, quant: str, threads: int, work: Path
     results = {}
     servers = {
         "llama_server": [str(BIN / "llama-server"), "-m", str(gguf), "-np", "32", "-c", str(32 * 640),
-                         "-t", str(threads), "--host", "127.0.0.1"],
+                         "-t", str(threads), "--host", "127.0.0.1", *_no_repack(gguf)],
         "llminfer": [sys.executable, "-m", "llminfer", "serve", "--model", str(model_dir), "--dtype", "float32",
                      "--max-batch-size", "32", "--quant", quant, "--host", "127.0.0.1"],
     }
@@ -244,8 +282,12 @@ def serve_pair(model_dir: Path, gguf: Path, quant: str, threads: int, work: Path
             meter = StealMeter()
             results[name] = bench_serve(f"http://127.0.0.1:{port}", work / f"serve_{name}_{quant}.json")
             results[name]["steal_pct"] = meter.pct()
+        except (RuntimeError, subprocess.CalledProcessError) as exc:  # the server died, or the workload failed
+            print(f"SKIP: serving {quant} on {name}: {exc}")
+            results[name] = {"error": str(exc)}
         finally:
-            os.killpg(proc.pid, signal.SIGTERM)
+            with contextlib.suppress(ProcessLookupError):  # already gone if it crashed
+                os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(timeout=60)
     return results
 
@@ -305,7 +347,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         payload["serving"] = {quant: serve_pair(model_dir, files[kind], quant, threads, work)
                               for _dtype, quant, kind in PAIRS if quant in have}
         for quant, res in payload["serving"].items():
-            ours, peer = (res[name].get("summary", {}).get("output_tokens_per_s") for name in ("llminfer", "llama_server"))
+            ours, peer = (_output_tokens_per_s(res.get(name, {})) for name in ("llminfer", "llama_server"))
             if ours and peer:
                 print(f"serving {quant}: llminfer {ours:.1f} output tok/s, llama-server {peer:.1f}, ratio "
                       f"{ours / peer:.2f} (steal {_fmt_pct(res['llminfer']['steal_pct'])} / "

@@ -243,8 +243,9 @@ class StealMeter:
 
     On a VM the host may deschedule a vCPU while it has work; a decode step with one parallel region per
     layer then waits at every region for the stalled thread, so a few percent of steal can slow a step by
-    far more than that (measured here: the same int8 step from 14 to 46 ms/token). Benchmarks record it next
-    to their figures, so a slow run can be told from a slow engine.
+    far more than that (measured on a 2-vCPU VM: the same int8 batch-1 forward took 13-15 ms in one run and
+    31 ms in another minutes later). Benchmarks record it next to their figures, so a slow run can be told
+    from a slow engine.
     """
 
     def __init__(self) -> None:
