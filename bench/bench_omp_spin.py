@@ -75,8 +75,10 @@ def run_setting(spincount: str | None, quant: str) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
     if spincount is not None:
         env["GOMP_SPINCOUNT"] = spincount
-    done = subprocess.run([sys.executable, "-c", _CHILD, str(HERE), quant], env=env, capture_output=True, text=True,
-                          check=True)
+    done = subprocess.run([sys.executable, "-c", _CHILD, str(HERE), quant], env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"bench_omp_spin: the GOMP_SPINCOUNT={spincount or 'default'} run failed:\n"
+                         f"{done.stderr[-2000:]}")
     line = next(ln for ln in done.stdout.splitlines() if ln.startswith("RESULT "))
     return json.loads(line[len("RESULT "):])
 

@@ -59,10 +59,6 @@ def _fmt_pct(pct: float | None) -> str:
     return "n/a" if pct is None else f"{pct:.1f} %"
 
 
-def _steal(meter: Any) -> str:
-    return _fmt_pct(meter.pct())
-
-
 def idle_cores(sample_s: float = 1.0) -> int:
     """How many cores are idle, at least 1: the CPU count times the idle share of ``/proc/stat`` over
     ``sample_s`` seconds, rounded; else the CPU count less the 1-minute load average. The load average
@@ -333,7 +329,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"batch-1 decode {quant} ({backend}) vs {kind}: llminfer {ours['ms_per_token']:.1f} ms/token, "
                   f"llama.cpp {peer['ms_per_token']:.1f} ms/token, ratio "
                   f"{row['ratio_llminfer_over_llamacpp_ms']:.2f} ({threads} threads, load {loadavg()}, steal "
-                  f"{_steal(meter)} of llminfer's run, {_fmt_pct(peer['steal_pct'])} of llama.cpp's)")
+                  f"{_fmt_pct(ours['steal_pct'])} of llminfer's run, {_fmt_pct(peer['steal_pct'])} of llama.cpp's)")
     payload["batch1_decode"] = rows
     work = CACHE / "serve"
     work.mkdir(exist_ok=True)
