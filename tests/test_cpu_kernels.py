@@ -270,55 +270,72 @@ def test_build_folder_follows_the_cache_dir(monkeypatch, tmp_path):
     assert cpu_kernels._cache_dir().parent == tmp_path / "cpu_kernels"
 
 
-def test_build_isa_follows_the_cpu_flags(monkeypatch):
-    """AVX-512 only where the CPU has all four of F/BW/DQ/VL (the build passes their -m flags), AVX2
-    otherwise or when ``LLMINFER_CPU_KERNEL_ISA=avx2``; the two builds live in different folders."""
-    avx2_only = {"avx2", "fma", "avx512f"}  # F alone (no BW/DQ/VL) is not enough
+def test_build_isa_follows_the_switch_and_the_cpu_flags(monkeypatch):
+    """AVX2 by default; AVX-512 only with ``LLMINFER_CPU_KERNEL_ISA=avx512`` on a CPU with all four of
+    F/BW/DQ/VL (the build then passes their -m flags); the two builds live in different folders."""
+    partial = {"avx2", "fma", "avx512f"}  # F alone (no BW/DQ/VL) is not enough
     monkeypatch.delenv(cpu_kernels.ISA_ENV, raising=False)
-    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: avx2_only)
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: partial | cpu_kernels.AVX512_CPU_FLAGS)
     assert cpu_kernels.target_isa() == "avx2"
-    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: avx2_only | cpu_kernels.AVX512_CPU_FLAGS)
+    monkeypatch.setenv(cpu_kernels.ISA_ENV, "avx512")
     assert cpu_kernels.target_isa() == "avx512"
-    monkeypatch.setenv(cpu_kernels.ISA_ENV, "avx2")
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: partial)
     assert cpu_kernels.target_isa() == "avx2"
     assert "-mavx512f" in cpu_kernels.build_cflags("avx512") and "-mavx512f" not in cpu_kernels.build_cflags("avx2")
     assert cpu_kernels._cache_dir("avx512") != cpu_kernels._cache_dir("avx2")
 
 
-def test_loaded_build_matches_the_cpu():
+def test_loaded_build_matches_the_switch():
     assert cpu_kernels.skinny_linear_available(), cpu_kernels.unavailable_reason()
     want = "AVX-512" if cpu_kernels.target_isa() == "avx512" else "AVX2"
     assert cpu_kernels.vector_isa() == want
 
 
-_AVX2_CHECK = """
-import torch
+_AVX512_CHECK = """
+import math, torch
 from llminfer.backends import cpu_kernels
 assert cpu_kernels.skinny_linear_available(), cpu_kernels.unavailable_reason()
-assert cpu_kernels.vector_isa() == "AVX2", cpu_kernels.vector_isa()
+assert cpu_kernels.vector_isa() == "AVX-512", cpu_kernels.vector_isa()
 g = torch.Generator().manual_seed(0)
-for m, n, k in [(1, 7, 520), (5, 130, 64), (33, 4, 8)]:
+for m, n, k in [(1, 7, 520), (5, 130, 64), (33, 4, 8), (4, 13, 24)]:  # K % 16 == 8 ends in half a vector
     x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
     q, s = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g), torch.rand(n, generator=g)
     ref = x.double() @ w.double().T + b.double()
     torch.testing.assert_close(cpu_kernels.skinny_linear(x, w, None, b).double(), ref, atol=1e-4 * k**0.5, rtol=1e-5)
     ref = x.double() @ (q.double() * s.double()[:, None]).T
     torch.testing.assert_close(cpu_kernels.skinny_linear(x, q, s).double(), ref, atol=1e-4 * k**0.5, rtol=1e-5)
-print("avx2 ok")
+    assert torch.equal(cpu_kernels.skinny_linear(x, w)[m - 1], cpu_kernels.skinny_linear(x[m - 1:], w)[0])
+for d in (24, 64):  # decode attention, head_dim 24 ends in half a vector
+    B, H, HKV, NB, BS = 3, 4, 2, 6, 4
+    q = torch.randn(B, H, d, generator=g)
+    kc, vc = torch.randn(HKV, NB, BS, d, generator=g), torch.randn(HKV, NB, BS, d, generator=g)
+    tables = torch.tensor([[5, 0, 3], [1, 2, 4], [4, 0, 0]])
+    lens = torch.tensor([11, 9, 1])
+    out = torch.ops.llminfer_cpu.paged_decode_attention(q, kc, vc, tables, lens, 1 / math.sqrt(d))
+    for bi in range(B):
+        slots = [(int(tables[bi, t // BS]), t % BS) for t in range(int(lens[bi]))]
+        for h in range(H):
+            kv = h // (H // HKV)
+            keys = torch.stack([kc[kv, blk, off] for blk, off in slots]).double()
+            vals = torch.stack([vc[kv, blk, off] for blk, off in slots]).double()
+            p = torch.softmax(keys @ q[bi, h].double() / math.sqrt(d), dim=0)
+            torch.testing.assert_close(out[bi, h].double(), p @ vals, atol=1e-5, rtol=1e-5)
+print("avx512 ok")
 """
 
 
-@pytest.mark.skipif(cpu_kernels.target_isa() != "avx512", reason="this CPU has no AVX-512: the AVX2 build is the one under test")
-def test_avx2_build_on_an_avx512_cpu():
-    """On an AVX-512 CPU every other test runs the AVX-512 build; the AVX2 build (what AVX2-only CPUs get)
-    is built and checked here in a child process (one process cannot load both)."""
+@pytest.mark.skipif(not cpu_kernels.AVX512_CPU_FLAGS <= cpu_kernels.cpu_flags(), reason="this CPU has no AVX-512")
+def test_avx512_build_where_the_cpu_has_it():
+    """The opt-in AVX-512 build (``LLMINFER_CPU_KERNEL_ISA=avx512``), built and checked in a child process (one
+    process cannot load both builds): products against float64, a row alone against the same row in a
+    batch, and decode attention against a float64 reference, including rows that end in half a vector."""
     import os
     import subprocess
     import sys
 
-    env = {**os.environ, cpu_kernels.ISA_ENV: "avx2"}
-    done = subprocess.run([sys.executable, "-c", _AVX2_CHECK], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and "avx2 ok" in done.stdout, done.stderr[-2000:]
+    env = {**os.environ, cpu_kernels.ISA_ENV: "avx512"}
+    done = subprocess.run([sys.executable, "-c", _AVX512_CHECK], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "avx512 ok" in done.stdout, done.stderr[-2000:]
 
 
 def test_ops_trace_under_torch_compile():

@@ -16,14 +16,18 @@ the row's place in a tile, so a row's result does not depend on what else is in 
 The C++ source is compiled with ``torch.utils.cpp_extension`` (a C++ compiler and ninja; about 30 s
 once) into ``~/.cache/llminfer/cpu_kernels/<key>`` (``$LLMINFER_CACHE_DIR`` moves ``~/.cache/llminfer``, as for
 the built-in model), keyed
-by the source, torch's version and the flags. It is built for AVX-512 (16 fp32 lanes, 32 registers: six output
-channels per tile instead of three) where the CPU has AVX-512 F/BW/DQ/VL, else for AVX2 + FMA;
-``LLMINFER_CPU_KERNEL_ISA=avx2`` forces the AVX2 build (to compare the two side by side), and
-:func:`vector_isa` tells which one is loaded. Measured on an Intel Xeon (Sapphire Rapids: AVX-512, 2 threads),
-``bench/bench_cpu_kernels.py --quick`` with each build back to back, as ratios to the same torch kernels: at 1
-row both builds stream the weights at the bandwidth (torch/kernel 1.09 vs 0.99 for the fp32 layers, 1.44 vs
-1.56 for the int8 head); at 32 rows the AVX-512 build is the faster one (fp32 layers 1.35 vs 0.93, int8 layers
-1.37 vs 0.92, fp32 head 0.92 vs 0.59, int8 head 1.43 vs 0.92). Where it cannot be built or loaded (no compiler, no AVX2/FMA,
+by the source, torch's version and the flags. It is built for AVX2 + FMA, or, with
+``LLMINFER_CPU_KERNEL_ISA=avx512`` on a CPU with AVX-512 F/BW/DQ/VL, for AVX-512 (16 fp32 lanes, 32
+registers: six output channels per tile instead of three); :func:`vector_isa` tells which one is loaded.
+Measured on an Intel Xeon (Sapphire Rapids: AVX-512, 2 threads), ``bench/bench_cpu_kernels.py --quick`` with
+each build back to back, as ratios to the same torch kernels: at 1 row both builds stream the weights at the
+bandwidth (torch/kernel 1.09 vs 0.99 for the fp32 layers, 1.44 vs 1.56 for the int8 head); at 32 rows the
+AVX-512 build is the faster one (fp32 layers 1.35 vs 0.93, int8 layers 1.37 vs 0.92, fp32 head 0.92 vs 0.59,
+int8 head 1.43 vs 0.92). It is opt-in because fp32 steps of more than :data:`FP32_MAX_ROWS` rows (long
+prefills) stay on torch's GEMM, whose bits differ from the kernel's: a prompt prefilled alone (kernel) and
+the same prompt prefilled in a large step (GEMM) can then sample differently under one seed. With the
+AVX-512 build that shows in ``tests/test_sampling.py::test_seed_independent_of_batch_composition``; the AVX2
+build has the same gap, and that test's seed happens not to hit it. Where it cannot be built or loaded (no compiler, no AVX2/FMA,
 not x86-64), :func:`skinny_linear_available` is False with the reason in :func:`unavailable_reason`, one
 warning is logged, and the callers keep torch's kernels. ``LLMINFER_CPU_KERNELS=0`` turns it off.
 """
@@ -60,9 +64,10 @@ _state: dict[str, str | bool | None] = {"loaded": None, "reason": None}
 
 
 def target_isa() -> str:
-    """The ISA the kernel is (to be) built for: ``"avx512"`` where the CPU has all of
-    :data:`AVX512_CPU_FLAGS` and ``$LLMINFER_CPU_KERNEL_ISA`` is not ``avx2``, else ``"avx2"``."""
-    if os.environ.get(ISA_ENV, "").strip().lower() == "avx2":
+    """The ISA the kernel is (to be) built for: ``"avx512"`` where ``$LLMINFER_CPU_KERNEL_ISA`` is ``avx512``
+    and the CPU has all of :data:`AVX512_CPU_FLAGS`, else ``"avx2"`` (the default: see the module docstring
+    for why the AVX-512 build is opt-in)."""
+    if os.environ.get(ISA_ENV, "").strip().lower() != "avx512":
         return "avx2"
     return "avx512" if AVX512_CPU_FLAGS <= cpu_flags() else "avx2"
 
