@@ -252,6 +252,7 @@ class StealMeter:
         self._start = cpu_jiffies()
 
     def restart(self) -> None:
+        """Measure from now on (one read of ``/proc/stat``)."""
         self._start = cpu_jiffies()
 
     def pct(self) -> float | None:

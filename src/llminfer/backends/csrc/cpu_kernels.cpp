@@ -1,6 +1,7 @@
-// llminfer's CPU kernels for the decode step, loaded by llminfer/backends/cpu_kernels.py. Built for
-// AVX-512 (F, BW, DQ, VL: 16 fp32 lanes, 32 registers) where the CPU has it, else for AVX2 + FMA (8 lanes,
-// 16 registers); LLMINFER_KERNEL_AVX512 tells which (the build passes -mavx512* only in the first case).
+// llminfer's CPU kernels for the decode step, loaded by llminfer/backends/cpu_kernels.py. Built for AVX2 +
+// FMA (8 lanes, 16 registers) by default, or for AVX-512 (F, BW, DQ, VL: 16 fp32 lanes, 32 registers) when
+// LLMINFER_CPU_KERNEL_ISA=avx512 and the CPU has it (the build then passes -mavx512*);
+// LLMINFER_KERNEL_AVX512 tells which.
 //
 // Skinny linear products: out[M, N] = x[M, K] @ (w[N, K] * scale[N]).T + bias[N], fp32
 // activations and accumulation, weights fp32 or int8 (symmetric per output channel).
@@ -23,6 +24,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
@@ -32,6 +34,14 @@
 #endif
 
 namespace {
+
+// The fixed lane sum of 8 fp32 lanes (both builds end with it).
+inline float lane_sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
 
 // The vector operations the kernels use, for the ISA this file is built for. Rows are K % 8 == 0 long;
 // with 16 lanes a row may end in half a vector, which the *_half forms read with the upper lanes zero.
@@ -53,11 +63,7 @@ inline vec vset1(float a) { return _mm512_set1_ps(a); }
 inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
 inline float lane_sum(vec v) {
-  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
+  return lane_sum8(_mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)));
 }
 #else
 using vec = __m256;
@@ -75,12 +81,7 @@ inline void vstore_half(float* p, vec v) { _mm256_storeu_ps(p, v); }
 inline vec vset1(float a) { return _mm256_set1_ps(a); }
 inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
-inline float lane_sum(vec v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+inline float lane_sum(vec v) { return lane_sum8(v); }
 #endif
 
 // MT activation rows times NT weight rows over the whole of K (K % 8 == 0).
@@ -90,14 +91,17 @@ inline void micro_tile(const float* x, int64_t ldx, const W* w, int64_t ldw, int
   vec acc[MT][NT];
   for (int m = 0; m < MT; ++m)
     for (int n = 0; n < NT; ++n) acc[m][n] = vzero();
-  auto step = [&](int64_t k) {
+  // One vector of columns from k; kHalf: the last 8 columns of a row, upper lanes zero in both operands.
+  auto step = [&](int64_t k, auto half) {
+    constexpr bool kHalf = decltype(half)::value;
     vec wv[NT];
-    for (int n = 0; n < NT; ++n) wv[n] = vload(w + n * ldw + k);
+    for (int n = 0; n < NT; ++n) wv[n] = kHalf ? vload_half(w + n * ldw + k) : vload(w + n * ldw + k);
     for (int m = 0; m < MT; ++m) {
-      const vec xv = vload(x + m * ldx + k);
+      const vec xv = kHalf ? vload_half(x + m * ldx + k) : vload(x + m * ldx + k);
       for (int n = 0; n < NT; ++n) acc[m][n] = vfma(xv, wv[n], acc[m][n]);
     }
   };
+  constexpr std::false_type kFull{};
   // A cache line of weights at a time, prefetching the same line of the next NT rows (the next tile):
   // the hardware prefetcher alone leaves the int8 loop waiting on memory (measured on Zen: 3.5 -> 5.5 G
   // weights/s on one thread). Prefetching past the end of the weights is harmless (no fault).
@@ -107,17 +111,10 @@ inline void micro_tile(const float* x, int64_t ldx, const W* w, int64_t ldw, int
   for (; k + kLine <= K; k += kLine) {
     for (int n = 0; n < NT; ++n)
       _mm_prefetch(reinterpret_cast<const char*>(w + (n + NT) * ldw + k), _MM_HINT_T0);
-    for (int64_t j = k; j < k + kLine; j += kLanes) step(j);
+    for (int64_t j = k; j < k + kLine; j += kLanes) step(j, kFull);
   }
-  for (; k + kLanes <= K; k += kLanes) step(k);
-  if (k < K) {  // AVX-512 only: the last 8 columns, upper lanes zero in both operands
-    vec wv[NT];
-    for (int n = 0; n < NT; ++n) wv[n] = vload_half(w + n * ldw + k);
-    for (int m = 0; m < MT; ++m) {
-      const vec xv = vload_half(x + m * ldx + k);
-      for (int n = 0; n < NT; ++n) acc[m][n] = vfma(xv, wv[n], acc[m][n]);
-    }
-  }
+  for (; k + kLanes <= K; k += kLanes) step(k, kFull);
+  if (k < K) step(k, std::true_type{});  // AVX-512 only (with 8 lanes K % 8 == 0 leaves no half)
   for (int m = 0; m < MT; ++m)
     for (int n = 0; n < NT; ++n) {
       float v = lane_sum(acc[m][n]);
