@@ -16,12 +16,13 @@ attention) against ``torch.ops.llminfer_cpu.paged_decode_attention``, which read
 Each figure is the best of ``--reps`` timed loops (ms per call over all layers); kernel and torch
 alternate in one process, so only their ratios are meant to be compared across machines.
 
-The kernel is the default AVX2 build (printed first); ``LLMINFER_CPU_KERNEL_ISA=avx512`` runs the opt-in AVX-512
-build instead where the CPU has it (saved as ``cpu_kernels_avx512``), so the two builds compare through their
-ratios to the same torch kernels.
+The kernel is the build this CPU gets by default (printed first: AVX-512 where the CPU has AVX-512
+F/BW/DQ/VL, else AVX2); ``LLMINFER_CPU_KERNEL_ISA=avx2`` runs the AVX2 build instead (saved as
+``cpu_kernels_avx2``), so on an AVX-512 CPU the two builds compare through their ratios to the same torch
+kernels.
 
     python bench/bench_cpu_kernels.py [--quick] [--reps 3]
-    LLMINFER_CPU_KERNEL_ISA=avx512 python bench/bench_cpu_kernels.py [--quick]
+    LLMINFER_CPU_KERNEL_ISA=avx2 python bench/bench_cpu_kernels.py [--quick]
 """
 
 from __future__ import annotations
@@ -148,7 +149,9 @@ def main() -> dict[str, Any]:
                    "environment": environment()}
     if payload["steal_pct"] is not None:
         print(f"CPU time stolen by the hypervisor during the run: {payload['steal_pct']:.1f} %")
-    name = "cpu_kernels_avx512" if isa == "AVX-512" else "cpu_kernels"
+    # The build this CPU gets by default saves as cpu_kernels (what run_all reads); a forced AVX2 build on an
+    # AVX-512 CPU as cpu_kernels_avx2.
+    name = "cpu_kernels" if cpu_kernels.target_isa() == cpu_kernels.best_isa() else "cpu_kernels_avx2"
     print(f"-> {save(name, payload)}")
     return payload
 

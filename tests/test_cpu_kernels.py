@@ -57,21 +57,27 @@ def test_skinny_linear_int8_matches_dequantized(m):
 
 
 def test_skinny_linear_rows_are_batch_invariant():
-    """A row's result has the same bits alone, in any batch, at any place in a 4-row tile, with 1 or 2
-    threads: the kernel's reduction order depends on nothing but K."""
+    """A row's result has the same bits alone, in any batch (decode-sized or prefill-sized, which run the
+    tiles in different orders), at any place in a 4-row tile, with 1 or 2 threads, fp32 or int8, with the
+    scale and bias epilogue: the kernel's operations depend on nothing but K."""
     g = torch.Generator().manual_seed(0)
     w, w8, s = torch.randn(131, 512, generator=g), torch.randint(-127, 128, (131, 512), generator=g,
                                                                   dtype=torch.int8), torch.rand(131, generator=g)
+    b = torch.randn(131, generator=g)
     row = torch.randn(1, 512, generator=g)
-    alone = [cpu_kernels.skinny_linear(row, w), cpu_kernels.skinny_linear(row, w8, s)]
+    variants = [(w, None, None), (w, None, b), (w8, s, None), (w8, s, b)]
+    alone = [cpu_kernels.skinny_linear(row, *v) for v in variants]
     threads = torch.get_num_threads()
     try:
-        for num_threads, m, at in ((1, 7, 5), (threads, 7, 3), (threads, 32, 31), (threads, 2, 0)):
+        # 1-4 rows, up to 16 (int8 converted in registers), more (blocked, int8 converted once per block)
+        for num_threads, m, at in ((1, 7, 5), (threads, 7, 3), (threads, 32, 31), (threads, 2, 0), (threads, 4, 2),
+                                   (threads, 5, 4), (threads, 16, 13), (threads, 17, 16), (threads, 300, 150),
+                                   (1, 300, 299)):
             torch.set_num_threads(num_threads)
             x = torch.randn(m, 512, generator=g)
             x[at] = row[0]
-            assert torch.equal(cpu_kernels.skinny_linear(x, w)[at], alone[0][0])
-            assert torch.equal(cpu_kernels.skinny_linear(x, w8, s)[at], alone[1][0])
+            for v, ref in zip(variants, alone):
+                assert torch.equal(cpu_kernels.skinny_linear(x, *v)[at], ref[0]), (m, at, v[0].dtype)
     finally:
         torch.set_num_threads(threads)
 
@@ -95,8 +101,11 @@ def test_skinny_linear_module_falls_back_outside_its_domain():
     mod = cpu_kernels.SkinnyLinear(lin)
     assert mod.weight is lin.weight and mod.bias is lin.bias
     with torch.inference_mode():
-        for x in (torch.randn(3, 5, 64), torch.randn(cpu_kernels.FP32_MAX_ROWS + 1, 64)):
-            torch.testing.assert_close(mod(x), F.linear(x, lin.weight, lin.bias), atol=1e-5, rtol=1e-5)
+        for x in (torch.randn(3, 5, 64), torch.randn(1000, 64)):  # decode- and prefill-sized: the kernel
+            out = mod(x)
+            assert torch.equal(out, cpu_kernels.skinny_linear(x.reshape(-1, 64), lin.weight, None, lin.bias)
+                               .reshape(out.shape))
+            torch.testing.assert_close(out, F.linear(x, lin.weight, lin.bias), atol=1e-5, rtol=1e-5)
         x = torch.randn(2, 64).double()  # another dtype: F.linear, which refuses the mix like nn.Linear
         with pytest.raises(RuntimeError):
             mod(x)
@@ -271,16 +280,21 @@ def test_build_folder_follows_the_cache_dir(monkeypatch, tmp_path):
 
 
 def test_build_isa_follows_the_switch_and_the_cpu_flags(monkeypatch):
-    """AVX2 by default; AVX-512 only with ``LLMINFER_CPU_KERNEL_ISA=avx512`` on a CPU with all four of
-    F/BW/DQ/VL (the build then passes their -m flags); the two builds live in different folders."""
+    """AVX-512 where the CPU has all four of F/BW/DQ/VL (the build then passes their -m flags), else AVX2;
+    ``LLMINFER_CPU_KERNEL_ISA=avx2`` forces AVX2; the two builds live in different folders."""
     partial = {"avx2", "fma", "avx512f"}  # F alone (no BW/DQ/VL) is not enough
     monkeypatch.delenv(cpu_kernels.ISA_ENV, raising=False)
     monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: partial | cpu_kernels.AVX512_CPU_FLAGS)
-    assert cpu_kernels.target_isa() == "avx2"
-    monkeypatch.setenv(cpu_kernels.ISA_ENV, "avx512")
-    assert cpu_kernels.target_isa() == "avx512"
+    assert cpu_kernels.target_isa() == cpu_kernels.best_isa() == "avx512"
+    for value, want in (("avx2", "avx2"), (" AVX2 ", "avx2"), ("avx512", "avx512"), ("auto", "avx512")):
+        monkeypatch.setenv(cpu_kernels.ISA_ENV, value)
+        assert cpu_kernels.target_isa() == want, value
     monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: partial)
-    assert cpu_kernels.target_isa() == "avx2"
+    for value in ("avx512", "auto", "avx2"):
+        monkeypatch.setenv(cpu_kernels.ISA_ENV, value)
+        assert cpu_kernels.target_isa() == "avx2", value
+    monkeypatch.delenv(cpu_kernels.ISA_ENV)
+    assert cpu_kernels.target_isa() == cpu_kernels.best_isa() == "avx2"
     assert "-mavx512f" in cpu_kernels.build_cflags("avx512") and "-mavx512f" not in cpu_kernels.build_cflags("avx2")
     assert cpu_kernels._cache_dir("avx512") != cpu_kernels._cache_dir("avx2")
 
@@ -291,11 +305,11 @@ def test_loaded_build_matches_the_switch():
     assert cpu_kernels.vector_isa() == want
 
 
-_AVX512_CHECK = """
-import math, torch
+_OTHER_BUILD_CHECK = """
+import math, sys, torch
 from llminfer.backends import cpu_kernels
 assert cpu_kernels.skinny_linear_available(), cpu_kernels.unavailable_reason()
-assert cpu_kernels.vector_isa() == "AVX-512", cpu_kernels.vector_isa()
+assert cpu_kernels.vector_isa() == sys.argv[1], cpu_kernels.vector_isa()
 g = torch.Generator().manual_seed(0)
 for m, n, k in [(1, 7, 520), (5, 130, 64), (33, 4, 8), (4, 13, 24)]:  # K % 16 == 8 ends in half a vector
     x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
@@ -305,6 +319,7 @@ for m, n, k in [(1, 7, 520), (5, 130, 64), (33, 4, 8), (4, 13, 24)]:  # K % 16 =
     ref = x.double() @ (q.double() * s.double()[:, None]).T
     torch.testing.assert_close(cpu_kernels.skinny_linear(x, q, s).double(), ref, atol=1e-4 * k**0.5, rtol=1e-5)
     assert torch.equal(cpu_kernels.skinny_linear(x, w)[m - 1], cpu_kernels.skinny_linear(x[m - 1:], w)[0])
+    assert torch.equal(cpu_kernels.skinny_linear(x, q, s, b)[m - 1], cpu_kernels.skinny_linear(x[m - 1:], q, s, b)[0])
 for d in (24, 64):  # decode attention, head_dim 24 ends in half a vector
     B, H, HKV, NB, BS = 3, 4, 2, 6, 4
     q = torch.randn(B, H, d, generator=g)
@@ -320,22 +335,26 @@ for d in (24, 64):  # decode attention, head_dim 24 ends in half a vector
             vals = torch.stack([vc[kv, blk, off] for blk, off in slots]).double()
             p = torch.softmax(keys @ q[bi, h].double() / math.sqrt(d), dim=0)
             torch.testing.assert_close(out[bi, h].double(), p @ vals, atol=1e-5, rtol=1e-5)
-print("avx512 ok")
+print("other build ok")
 """
 
 
 @pytest.mark.skipif(not cpu_kernels.AVX512_CPU_FLAGS <= cpu_kernels.cpu_flags(), reason="this CPU has no AVX-512")
-def test_avx512_build_where_the_cpu_has_it():
-    """The opt-in AVX-512 build (``LLMINFER_CPU_KERNEL_ISA=avx512``), built and checked in a child process (one
-    process cannot load both builds): products against float64, a row alone against the same row in a
-    batch, and decode attention against a float64 reference, including rows that end in half a vector."""
+def test_other_build_where_the_cpu_has_avx512():
+    """On an AVX-512 CPU, the build this process did not load (AVX2 with ``LLMINFER_CPU_KERNEL_ISA=avx2``, or
+    AVX-512 where this process was forced to AVX2), built and checked in a child process (one process cannot
+    load both builds): products against float64, a row alone against the same row in a batch, and decode
+    attention against a float64 reference, including rows that end in half a vector (AVX-512)."""
     import os
     import subprocess
     import sys
 
-    env = {**os.environ, cpu_kernels.ISA_ENV: "avx512"}
-    done = subprocess.run([sys.executable, "-c", _AVX512_CHECK], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and "avx512 ok" in done.stdout, done.stderr[-2000:]
+    other = "avx2" if cpu_kernels.target_isa() == "avx512" else "avx512"
+    env = {**os.environ, cpu_kernels.ISA_ENV: other}
+    name = "AVX-512" if other == "avx512" else "AVX2"
+    done = subprocess.run([sys.executable, "-c", _OTHER_BUILD_CHECK, name], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0 and "other build ok" in done.stdout, done.stderr[-2000:]
 
 
 def test_ops_trace_under_torch_compile():

@@ -7,29 +7,32 @@ decode step, where ``M`` (the step's rows) is small and the product is bound by 
 each thread reads a tile of output channels once for four activation rows at a time. Measured on an AMD
 EPYC with AVX2 only (2 threads, ``python bench/bench_cpu_kernels.py``): the 56 fp32 linear layers of the
 bench model 1.5x faster than ``F.linear`` at 1 row and 1.3-3.3x at 4-64 rows; the int8 layers and LM head
-1.2-2.1x faster than ``aten._weight_int8pack_mm`` (bf16 activations) from 1 to 64 rows. fp32 layers with more than
-:data:`FP32_MAX_ROWS` rows (prefill) stay on torch's GEMM; int8 layers take the kernel at any ``M``.
+1.2-2.1x faster than ``aten._weight_int8pack_mm`` (bf16 activations) from 1 to 64 rows. Every fp32 and
+int8 product takes the kernel, prefill-sized ones included: with more than four rows each thread holds a
+block of tiles' weights in L2 while every group of four rows passes over it, which on a 2-core AMD EPYC
+(Zen 4, AVX-512) ran the fp32 layers at 0.8-1.0x torch's GEMM speed from 128 to 1024 rows
+(``bench/bench_cpu_kernels.py`` shapes).
 
 Every output element is the same fixed sequence of fp32 operations whatever ``M``, the thread count or
-the row's place in a tile, so a row's result does not depend on what else is in the batch.
+the row's place in a tile (the build passes ``-ffp-contract=off``, so the compiler cannot fuse the
+scale-and-bias epilogue in some code paths and not others), so a row's result does not depend on what
+else is in the batch. torch's GEMM does not give that: a row's bits change with ``M``, which is why no
+product size goes back to it.
 
 The C++ source is compiled with ``torch.utils.cpp_extension`` (a C++ compiler and ninja; about 30 s
 once) into ``~/.cache/llminfer/cpu_kernels/<key>`` (``$LLMINFER_CACHE_DIR`` moves ``~/.cache/llminfer``, as for
-the built-in model), keyed
-by the source, torch's version and the flags. It is built for AVX2 + FMA, or, with
-``LLMINFER_CPU_KERNEL_ISA=avx512`` on a CPU with AVX-512 F/BW/DQ/VL, for AVX-512 (16 fp32 lanes, 32
-registers: six output channels per tile instead of three); :func:`vector_isa` tells which one is loaded.
-Measured on an Intel Xeon (Sapphire Rapids: AVX-512, 2 threads), ``bench/bench_cpu_kernels.py --quick`` with
-each build back to back, as ratios to the same torch kernels: at 1 row both builds stream the weights at the
-bandwidth (torch/kernel 1.09 vs 0.99 for the fp32 layers, 1.44 vs 1.56 for the int8 head); at 32 rows the
-AVX-512 build is the faster one (fp32 layers 1.35 vs 0.93, int8 layers 1.37 vs 0.92, fp32 head 0.92 vs 0.59,
-int8 head 1.43 vs 0.92). It is opt-in because fp32 steps of more than :data:`FP32_MAX_ROWS` rows (long
-prefills) stay on torch's GEMM, whose bits differ from the kernel's: a prompt prefilled alone (kernel) and
-the same prompt prefilled in a large step (GEMM) can then sample differently under one seed. With the
-AVX-512 build that shows in ``tests/test_sampling.py::test_seed_independent_of_batch_composition``; the AVX2
-build has the same gap, and that test's seed happens not to hit it. Where it cannot be built or loaded (no compiler, no AVX2/FMA,
-not x86-64), :func:`skinny_linear_available` is False with the reason in :func:`unavailable_reason`, one
-warning is logged, and the callers keep torch's kernels. ``LLMINFER_CPU_KERNELS=0`` turns it off.
+the built-in model), keyed by the source, torch's version and the flags. It is built for AVX-512 (16 fp32
+lanes, 32 registers: six output channels per tile instead of three) where the CPU has AVX-512 F/BW/DQ/VL
+(:func:`best_isa`), else for AVX2 + FMA; ``LLMINFER_CPU_KERNEL_ISA=avx2`` forces the AVX2 build, and
+:func:`vector_isa` tells which one is loaded. Measured with ``bench/bench_cpu_kernels.py --quick``, each
+build back to back, as ratios to the same torch kernels: on an Intel Xeon (Sapphire Rapids, 2 threads) at
+1 row both builds stream the weights at the bandwidth (torch/kernel 1.09 vs 0.99 for the fp32 layers,
+1.44 vs 1.56 for the int8 head) and at 32 rows the AVX-512 build is the faster one (fp32 layers 1.35 vs
+0.93, int8 layers 1.37 vs 0.92, fp32 head 0.92 vs 0.59, int8 head 1.43 vs 0.92); on an AMD EPYC (Zen 4),
+the 56 fp32 layers took 0.97-1.03 ms vs 1.35-1.80 ms at 1 row and 9.6-12.5 vs 14.0-14.3 ms at 32 rows
+(two rounds each). Where it cannot be built or loaded (no compiler, no AVX2/FMA, not x86-64),
+:func:`skinny_linear_available` is False with the reason in :func:`unavailable_reason`, one warning is
+logged, and the callers keep torch's kernels. ``LLMINFER_CPU_KERNELS=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -50,26 +53,30 @@ from llminfer.backends.loading import cpu_flags
 log = structlog.get_logger("llminfer.cpu_kernels")
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_kernels.cpp"
-CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp")
+CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off")
 #: Added to :data:`CFLAGS` for the AVX-512 build, which needs every one of :data:`AVX512_CPU_FLAGS`.
 AVX512_CFLAGS = ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl")
 AVX512_CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512dq", "avx512vl"})
 DISABLE_ENV = "LLMINFER_CPU_KERNELS"
 ISA_ENV = "LLMINFER_CPU_KERNEL_ISA"
-#: Activation rows up to which the fp32 layers take the kernel (beyond it torch's GEMM is as fast or faster).
-FP32_MAX_ROWS = 128
 
 _lock = threading.Lock()
 _state: dict[str, str | bool | None] = {"loaded": None, "reason": None}
 
 
-def target_isa() -> str:
-    """The ISA the kernel is (to be) built for: ``"avx512"`` where ``$LLMINFER_CPU_KERNEL_ISA`` is ``avx512``
-    and the CPU has all of :data:`AVX512_CPU_FLAGS`, else ``"avx2"`` (the default: see the module docstring
-    for why the AVX-512 build is opt-in)."""
-    if os.environ.get(ISA_ENV, "").strip().lower() != "avx512":
-        return "avx2"
+def best_isa() -> str:
+    """The widest ISA this CPU can run the kernel in: ``"avx512"`` where it has all of
+    :data:`AVX512_CPU_FLAGS`, else ``"avx2"``."""
     return "avx512" if AVX512_CPU_FLAGS <= cpu_flags() else "avx2"
+
+
+def target_isa() -> str:
+    """The ISA the kernel is (to be) built for: :func:`best_isa`, unless ``$LLMINFER_CPU_KERNEL_ISA`` is
+    ``avx2`` (the AVX2 build on any CPU). ``avx512`` or ``auto`` (or unset) ask for the best; a CPU without
+    AVX-512 then gets the AVX2 build."""
+    if os.environ.get(ISA_ENV, "").strip().lower() == "avx2":
+        return "avx2"
+    return best_isa()
 
 
 def build_cflags(isa: str) -> tuple[str, ...]:
@@ -189,9 +196,10 @@ class SkinnyLinear(nn.Linear):
     """A drop-in for an fp32 ``nn.Linear`` that runs decode-sized inputs on :func:`skinny_linear`.
 
     It is an ``nn.Linear`` holding the same ``weight`` and ``bias`` parameters (ties, ``state_dict`` keys
-    and PEFT wrapping unchanged). Input ``[..., in_features]`` float32 on CPU with at most
-    :data:`FP32_MAX_ROWS` rows, no autograd, gives ``[..., out_features]`` float32 from the kernel; anything
-    else (more rows, another dtype or device, a non-contiguous weight, gradients) takes ``F.linear``.
+    and PEFT wrapping unchanged). Input ``[..., in_features]`` float32 on CPU with any number of rows, no
+    autograd, gives ``[..., out_features]`` float32 from the kernel (the same bits for a row whatever the
+    other rows); anything else (another dtype or device, a non-contiguous weight, gradients) takes
+    ``F.linear``.
     """
 
     def __init__(self, linear: nn.Linear) -> None:
@@ -202,7 +210,7 @@ class SkinnyLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         rows = x.numel() // max(1, self.in_features)
-        if (rows > FP32_MAX_ROWS or x.dtype != torch.float32 or w.dtype != torch.float32 or x.device.type != "cpu"
+        if (x.dtype != torch.float32 or w.dtype != torch.float32 or x.device.type != "cpu"
                 or w.device.type != "cpu" or not w.is_contiguous()
                 or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
             return F.linear(x, w, self.bias)

@@ -1,20 +1,23 @@
-// llminfer's CPU kernels for the decode step, loaded by llminfer/backends/cpu_kernels.py. Built for AVX2 +
-// FMA (8 lanes, 16 registers) by default, or for AVX-512 (F, BW, DQ, VL: 16 fp32 lanes, 32 registers) when
-// LLMINFER_CPU_KERNEL_ISA=avx512 and the CPU has it (the build then passes -mavx512*);
+// llminfer's CPU kernels, loaded by llminfer/backends/cpu_kernels.py. Built for AVX-512 (F, BW, DQ, VL: 16
+// fp32 lanes, 32 registers) where the CPU has it, else for AVX2 + FMA (8 lanes, 16 registers);
 // LLMINFER_KERNEL_AVX512 tells which.
 //
-// Skinny linear products: out[M, N] = x[M, K] @ (w[N, K] * scale[N]).T + bias[N], fp32
-// activations and accumulation, weights fp32 or int8 (symmetric per output channel).
+// Linear products: out[M, N] = x[M, K] @ (w[N, K] * scale[N]).T + bias[N], fp32 activations and
+// accumulation, weights fp32 or int8 (symmetric per output channel).
 //
 // Why: at decode M (the step's rows) is 1..64 while N and K are the model's, so the product is bound by
 // the weight bytes read, not by FLOPs. torch's fp32 kernels stream the weights at well under the memory
 // bandwidth on some CPUs, and its int8 weight-only kernel dequantizes the weight again for every
 // activation row. Here each thread takes a range of output channels and, for NT channels at a time,
 // reads (and for int8 converts) their weight once per MT activation rows, accumulating in vector registers.
+// Prefill-sized products (more than MT rows) run here too, blocked for the caches, because torch's GEMM
+// gives a row different bits at different M.
 //
-// Every output element is one fixed sequence of fp32 FMAs over k (kLanes lanes, then a fixed lane sum), so
-// a row's result does not depend on M, on the thread count or on where the row falls in a tile (it does
-// depend on the ISA the kernel was built for: AVX2 and AVX-512 sum in different orders).
+// Every output element is one fixed sequence of fp32 FMAs over k (kLanes lanes, then a fixed lane sum,
+// then scale and bias: the build passes -ffp-contract=off so that epilogue is never fused in one code
+// path and not in another), so a row's result does not depend on M, on the thread count or on where the
+// row falls in a tile (it does depend on the ISA the kernel was built for: AVX2 and AVX-512 sum in
+// different orders).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -129,45 +132,51 @@ constexpr int kRows = 4;  // MT: activation rows per tile
 // AVX-512 (32 registers): 24 + 6 + 1; at one row that is also 6 independent FMA chains instead of 3.
 constexpr int kCols = LLMINFER_KERNEL_AVX512 ? 6 : 3;
 
+// One tile: `rows` (1..kRows) activation rows times NT weight rows.
 template <int NT, typename W>
-inline void column_block(const float* x, int64_t M, int64_t K, const W* w, const float* scale,
-                         const float* bias, float* out, int64_t N) {
-  int64_t m = 0;
-  for (; m + kRows <= M; m += kRows)
-    micro_tile<kRows, NT>(x + m * K, K, w, K, K, scale, bias, out + m * N, N);
-  switch (M - m) {
-    case 3: micro_tile<3, NT>(x + m * K, K, w, K, K, scale, bias, out + m * N, N); break;
-    case 2: micro_tile<2, NT>(x + m * K, K, w, K, K, scale, bias, out + m * N, N); break;
-    case 1: micro_tile<1, NT>(x + m * K, K, w, K, K, scale, bias, out + m * N, N); break;
-    default: break;
+inline void row_tile(int64_t rows, const float* x, int64_t K, const W* w, int64_t ldw, const float* scale,
+                     const float* bias, float* out, int64_t N) {
+  switch (rows) {
+    case 4: micro_tile<4, NT>(x, K, w, ldw, K, scale, bias, out, N); break;
+    case 3: micro_tile<3, NT>(x, K, w, ldw, K, scale, bias, out, N); break;
+    case 2: micro_tile<2, NT>(x, K, w, ldw, K, scale, bias, out, N); break;
+    default: micro_tile<1, NT>(x, K, w, ldw, K, scale, bias, out, N); break;
   }
 }
 
-template <int NT>
-inline void weight_block(const float* x, int64_t M, int64_t K, const float* w, const float* scale,
-                         const float* bias, float* out, int64_t N) {
-  column_block<NT>(x, M, K, w, scale, bias, out, N);
+// The tile of output channels [n, n + nt) (nt <= kCols) for activation rows [m, m + rows).
+template <typename W>
+inline void tile(int64_t nt, int64_t rows, const float* x, int64_t K, const W* w, const float* scale,
+                 const float* bias, float* out, int64_t N) {
+  switch (nt) {
+#if LLMINFER_KERNEL_AVX512
+    case 6: row_tile<6>(rows, x, K, w, K, scale, bias, out, N); break;
+    case 5: row_tile<5>(rows, x, K, w, K, scale, bias, out, N); break;
+    case 4: row_tile<4>(rows, x, K, w, K, scale, bias, out, N); break;
+#endif
+    case 3: row_tile<3>(rows, x, K, w, K, scale, bias, out, N); break;
+    case 2: row_tile<2>(rows, x, K, w, K, scale, bias, out, N); break;
+    default: row_tile<1>(rows, x, K, w, K, scale, bias, out, N); break;
+  }
 }
 
-// int8: with more rows than one tile, convert the NT weight rows to fp32 once (exactly: every int8 is a
-// float) instead of once per tile of rows; the products are the same FMAs either way.
-template <int NT>
-inline void weight_block(const float* x, int64_t M, int64_t K, const int8_t* w, const float* scale,
-                         const float* bias, float* out, int64_t N) {
-  if (M <= kRows) {
-    column_block<NT>(x, M, K, w, scale, bias, out, N);
-    return;
-  }
+// Weights (as fp32) of one block of tiles, held in L2 while every activation row passes over them.
+constexpr int64_t kBlockBytes = 256 * 1024;
+
+// The weights of channels [n0, n1) as fp32: the weights themselves, or (int8) a thread-local copy
+// converted exactly (every int8 is a float); the products are the same FMAs either way.
+inline const float* block_weights(const float* w, int64_t n0, int64_t, int64_t K) { return w + n0 * K; }
+inline const float* block_weights(const int8_t* w, int64_t n0, int64_t n1, int64_t K) {
   thread_local std::vector<float> converted;
-  converted.resize(static_cast<size_t>(NT * K));
-  for (int n = 0; n < NT; ++n)
-    for (int64_t k = 0; k < K; k += kLanes) {
-      if (k + kLanes <= K)
-        vstore(converted.data() + n * K + k, vload(w + n * K + k));
-      else
-        vstore_half(converted.data() + n * K + k, vload_half(w + n * K + k));
-    }
-  column_block<NT>(x, M, K, converted.data(), scale, bias, out, N);
+  converted.resize(static_cast<size_t>((n1 - n0) * K));
+  const int8_t* src = w + n0 * K;
+  for (int64_t i = 0; i < (n1 - n0) * K; i += kLanes) {
+    if (i + kLanes <= (n1 - n0) * K)
+      vstore(converted.data() + i, vload(src + i));
+    else
+      vstore_half(converted.data() + i, vload_half(src + i));
+  }
+  return converted.data();
 }
 
 template <typename W>
@@ -176,21 +185,32 @@ void skinny_linear_impl(const float* x, int64_t M, int64_t K, const W* w, int64_
   const int64_t tiles = (N + kCols - 1) / kCols;
   // Enough tiles per task that a task reads at least ~64 KB of weights.
   const int64_t grain = std::max<int64_t>(1, (64 * 1024) / (kCols * K * static_cast<int64_t>(sizeof(W))));
+  // int8 weights are converted in registers for every group of rows up to this many rows; beyond, one
+  // converted copy of a block (kBlockBytes) costs less than converting again for each group.
+  constexpr int64_t kDirectRows = std::is_same<W, int8_t>::value ? 4 * kRows : kRows;
   at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t n = t * kCols;
-      const W* wt = w + n * K;
-      const float* st = scale ? scale + n : nullptr;
-      const float* bt = bias ? bias + n : nullptr;
-      switch (std::min<int64_t>(kCols, N - n)) {
-#if LLMINFER_KERNEL_AVX512
-        case 6: weight_block<6>(x, M, K, wt, st, bt, out + n, N); break;
-        case 5: weight_block<5>(x, M, K, wt, st, bt, out + n, N); break;
-        case 4: weight_block<4>(x, M, K, wt, st, bt, out + n, N); break;
-#endif
-        case 3: weight_block<3>(x, M, K, wt, st, bt, out + n, N); break;
-        case 2: weight_block<2>(x, M, K, wt, st, bt, out + n, N); break;
-        default: weight_block<1>(x, M, K, wt, st, bt, out + n, N); break;
+    if (M <= kDirectRows) {  // decode: each tile's weights are read once, straight from memory
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t n = t * kCols;
+        for (int64_t m = 0; m < M; m += kRows)
+          tile(std::min<int64_t>(kCols, N - n), std::min<int64_t>(kRows, M - m), x + m * K, K, w + n * K,
+               scale ? scale + n : nullptr, bias ? bias + n : nullptr, out + m * N + n, N);
+      }
+      return;
+    }
+    // More rows (prefill): a block of tiles whose fp32 weights fit in L2, then every group of kRows rows
+    // over the whole block, so each group of rows is read from L1 and each weight from L2. The loop order
+    // changes which tile runs when, not the operations of any output element.
+    const int64_t block_tiles = std::max<int64_t>(1, kBlockBytes / (kCols * K * static_cast<int64_t>(sizeof(float))));
+    for (int64_t b0 = begin; b0 < end; b0 += block_tiles) {
+      const int64_t b1 = std::min(end, b0 + block_tiles);
+      const int64_t n0 = b0 * kCols, n1 = std::min(N, b1 * kCols);
+      const float* wb = block_weights(w, n0, n1, K);
+      for (int64_t m = 0; m < M; m += kRows) {
+        const int64_t rows = std::min<int64_t>(kRows, M - m);
+        for (int64_t n = n0; n < n1; n += kCols)
+          tile(std::min<int64_t>(kCols, n1 - n), rows, x + m * K, K, wb + (n - n0) * K, scale ? scale + n : nullptr,
+               bias ? bias + n : nullptr, out + m * N + n, N);
       }
     }
   });
