@@ -56,7 +56,7 @@ class Runtime:
             for fp32 on CPU with the eager or compiled backend where :mod:`llminfer.backends.cpu_kernels` builds).
         kv_sizing: on CUDA without an explicit KV budget, the profiling run's measurement (bytes:
             ``total_bytes``, ``used_bytes``, ``activation_peak_bytes``; and ``gpu_memory_utilization``).
-        cpu_kernel_layers: how many linear layers run decode-sized products on llminfer's CPU kernel
+        cpu_kernel_layers: how many linear layers run on llminfer's CPU kernel
             (:mod:`llminfer.backends.cpu_kernels`; 0 off CPU, with it off, or where it cannot be built).
     """
 
@@ -293,7 +293,7 @@ def _cpu_kernel_line(rt: Runtime, cfg: EngineConfig) -> str:
     if rt.cpu_kernel_layers:
         from llminfer.backends.cpu_kernels import vector_isa
 
-        return f"skinny_linear on {rt.cpu_kernel_layers} layers ({vector_isa()}, decode-sized products)"
+        return f"skinny_linear on {rt.cpu_kernel_layers} layers ({vector_isa()}, every row count)"
     if rt.device.type != "cpu" or cfg.backend is Backend.VLLM:
         return "off (CPU eager and compiled backends only)"
     if not cfg.cpu_kernels:

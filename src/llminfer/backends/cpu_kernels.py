@@ -1,4 +1,4 @@
-"""llminfer's own CPU kernel for decode-sized linear products (AVX-512 or AVX2 + FMA), built on first use.
+"""llminfer's own CPU kernel for linear products, made for decode and used at every size (AVX-512 or AVX2 + FMA).
 
 ``torch.ops.llminfer_cpu.skinny_linear(x, weight, scale=None, bias=None)`` computes
 ``x @ (weight * scale[:, None]).T + bias`` for a float32 ``x`` ``[M, K]`` and a float32 or int8 ``weight``
@@ -193,7 +193,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | N
 
 
 class SkinnyLinear(nn.Linear):
-    """A drop-in for an fp32 ``nn.Linear`` that runs decode-sized inputs on :func:`skinny_linear`.
+    """A drop-in for an fp32 ``nn.Linear`` that runs its products on :func:`skinny_linear`.
 
     It is an ``nn.Linear`` holding the same ``weight`` and ``bias`` parameters (ties, ``state_dict`` keys
     and PEFT wrapping unchanged). Input ``[..., in_features]`` float32 on CPU with any number of rows, no
@@ -220,7 +220,7 @@ class SkinnyLinear(nn.Linear):
 
 
 def enable_cpu_kernels(model: nn.Module, include_head: bool = False) -> int:
-    """Put ``model``'s decode-sized linear products on :func:`skinny_linear`, in place, where the kernel
+    """Put ``model``'s linear products on :func:`skinny_linear`, in place, where the kernel
     builds and loads here: every fp32 CPU ``nn.Linear`` (modules of exactly that type with
     ``in_features % 8 == 0``; the LM head only with ``include_head``: the eager backend puts it on oneDNN
     with :func:`llminfer.backends.prepack.prepack_lm_head`, whose lazily packed weight does not trace under
