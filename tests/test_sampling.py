@@ -86,6 +86,17 @@ def test_warpers_match_hf(logits, temperature, top_k, top_p, min_p):
     _same(ours[0], theirs[0])
 
 
+@pytest.mark.parametrize("top_p", [1 - 2 ** -30, 0.9999999999999999, 1 - 1e-7])
+def test_top_p_just_below_one_matches_hf(top_p):
+    """A top_p that rounds to 1.0 in float32 still drops what Hugging Face drops (found by hypothesis: 1 - top_p
+    must be taken before rounding)."""
+    x = torch.tensor([[0.0] * 23 + [40.0]])  # the 23 small tokens hold ~1e-16 of the mass
+    ours = warp(x.clone(), [SamplingParams(temperature=1.0, top_p=top_p)])
+    theirs = TopPLogitsWarper(top_p)(torch.zeros(1, 1, dtype=torch.long), x.clone())
+    _same(ours[0], theirs[0])
+    assert torch.isinf(ours[0, :23]).all()
+
+
 @st.composite
 def _sparse_probs(draw_):
     vocab = draw_(st.integers(1, 2600))  # up to three 1024-token blocks, the last one partial

@@ -54,10 +54,11 @@ def build_backend(rt: Runtime, cfg: EngineConfig) -> Any:
 
 
 def build_core(rt: Runtime, cfg: EngineConfig, backend: Any, tracer: Tracer,
-               stat_loggers: list[Any] | None = None) -> EngineCoreProtocol:
+               stat_loggers: list[Any] | None = None, model_thread: Any = None) -> EngineCoreProtocol:
     """A fresh engine core over ``backend``: llminfer's :class:`EngineCore` (with a new scheduler on the
-    runtime's KV pool), or :class:`~llminfer.backends.vllm.VLLMEngineCore` for vLLM's handle; both feed
-    ``stat_loggers`` (:mod:`llminfer.stats`)."""
+    runtime's KV pool, stepping on ``model_thread``, a :class:`~llminfer.core.model_thread.ModelThread`,
+    or anyio's workers when None), or :class:`~llminfer.backends.vllm.VLLMEngineCore` for vLLM's handle;
+    both feed ``stat_loggers`` (:mod:`llminfer.stats`)."""
     if rt.kv_manager is None:
         from llminfer.backends.vllm import VLLMEngineCore
 
@@ -72,7 +73,7 @@ def build_core(rt: Runtime, cfg: EngineConfig, backend: Any, tracer: Tracer,
         num_lookahead_tokens=cfg.speculative_num_assistant_tokens if rt.draft_model is not None else 0,
     )
     return EngineCore(Scheduler(limits, rt.kv_manager, rt.eos_token_ids), backend, cfg.batch_timeout_ms, tracer,
-                      stat_loggers)
+                      stat_loggers, model_thread)
 
 
 def default_stages(rt: Runtime, core: EngineCoreProtocol, tracer: Tracer) -> dict[str, Stage]:

@@ -27,6 +27,7 @@ import attrs
 from llminfer import assembly
 from llminfer.chat import ChatResult
 from llminfer.config import EngineConfig
+from llminfer.core.model_thread import ModelThread, model_thread_enabled
 from llminfer.errors import EngineClosedError, EngineError, InvalidRequestError
 from llminfer.frontend.input import InputProcessor, build_request
 from llminfer.frontend.output import RequestHandle, collect_all
@@ -86,6 +87,9 @@ class InferenceEngine:
         self._portal_cm = self._portal = self._pipeline_cm = None  # the background loop (sync API)
         self._loop_token: Any = None  # the caller's event loop, inside ``running()``
         self._closed = False
+        # Loading and every step run on this one thread, so torch's OpenMP keeps one thread team (see
+        # llminfer.core.model_thread); None with LLMINFER_MODEL_THREAD=0.
+        self.model_thread: ModelThread | None = ModelThread() if model_thread_enabled() else None
         # start() and close() from many threads at once: one portal per engine, never two half-started
         # ones, and none started after close().
         self._lifecycle = threading.RLock()
@@ -108,11 +112,20 @@ class InferenceEngine:
         if self._closed and self.runtime is None:
             raise EngineClosedError(_CLOSED)
         if self.runtime is None:
+            self._on_model_thread(self._load_now)
+        return self
+
+    def _load_now(self) -> None:
+        if self.runtime is None:  # a second load() queued behind the first finds it done
             runtime = load_runtime(self.cfg)
             self.backend = assembly.build_backend(runtime, self.cfg)
-            self.core = assembly.build_core(runtime, self.cfg, self.backend, self.tracer, self.stat_loggers)
+            self.core = assembly.build_core(runtime, self.cfg, self.backend, self.tracer, self.stat_loggers,
+                                            self.model_thread)
             self.runtime = runtime
-        return self
+
+    def _on_model_thread(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` on the model thread (in this thread with ``LLMINFER_MODEL_THREAD=0``)."""
+        return self.model_thread.call(fn, *args) if self.model_thread is not None else fn(*args)
 
     # ------------------------------------------------------------------ assembly and lifecycle
     def default_stages(self) -> dict[str, Stage]:
@@ -121,7 +134,7 @@ class InferenceEngine:
             raise EngineError("call load() first" if self.runtime is None else "the engine's own pipeline runs "
                               "on this KV cache: close() the engine before building another pipeline")
         core = assembly.build_core(self.runtime, self.cfg, self.backend, self.tracer,
-                                    self.stat_loggers)
+                                    self.stat_loggers, self.model_thread)
         return assembly.default_stages(self.runtime, core, self.tracer)
 
     def build_pipeline(self, after_detokenize: Sequence[Stage] = (), sink: Stage | None = None) -> Pipeline:
@@ -183,7 +196,10 @@ class InferenceEngine:
         if self._closed:
             raise EngineClosedError(_CLOSED)
         if self.runtime is None:
-            await anyio.to_thread.run_sync(self.load)
+            if self.model_thread is not None:
+                await self.model_thread.run(self.load)
+            else:
+                await anyio.to_thread.run_sync(self.load)
         with self._lifecycle:  # never blocks for long: start() holds it only while a portal starts
             if self._closed:
                 raise EngineClosedError(_CLOSED)
@@ -206,6 +222,8 @@ class InferenceEngine:
         self._closed = True  # first, without the lock: submitting threads stop at once
         with self._lifecycle:
             self._stop_background()
+            if self.model_thread is not None:
+                self.model_thread.close()  # ends the thread (and its OpenMP team); a later use starts one
 
     def stop(self) -> None:
         """Stop the background event loop that the sync methods started (in-flight requests finish first,
@@ -495,7 +513,8 @@ class InferenceEngine:
             ConfigError: a bad or already used name. ModelLoadError: it cannot be loaded.
             EngineError: requests are in flight.
         """
-        return self._adapters_for("load an adapter").load(path_or_id, adapter_name, activate=activate)
+        manager = self._adapters_for("load an adapter")
+        return self._on_model_thread(lambda: manager.load(path_or_id, adapter_name, activate=activate))
 
     def set_adapter(self, adapter_name: str | None) -> None:
         """Make ``adapter_name`` the active adapter (None: the base model) for every later request;
@@ -504,7 +523,8 @@ class InferenceEngine:
         Raises:
             ConfigError: no adapter of that name. EngineError: requests are in flight.
         """
-        self._adapters_for("switch adapters").set(adapter_name)
+        manager = self._adapters_for("switch adapters")
+        self._on_model_thread(manager.set, adapter_name)
 
     def unload_adapter(self, adapter_name: str) -> None:
         """Remove an adapter's weights and reset the prefix cache (a later adapter of the same name must
@@ -513,7 +533,8 @@ class InferenceEngine:
         Raises:
             ConfigError: no adapter of that name. EngineError: requests are in flight.
         """
-        self._adapters_for("unload an adapter").unload(adapter_name)
+        manager = self._adapters_for("unload an adapter")
+        self._on_model_thread(manager.unload, adapter_name)
         self.reset_prefix_cache()
 
     # ------------------------------------------------------------------ introspection

@@ -5,7 +5,8 @@ Start reading here. :meth:`EngineCore._step_loop` is the loop that explains the 
     while there is work:
         take every message waiting in the inbox, in order    (requests, aborts, stop-string finishes, control)
         plan = scheduler.schedule()                          (which tokens of which requests, this step)
-        output = await to_thread(backend.execute, plan)      (the model step, off the event loop)
+        output = await model_thread.run(backend.execute, plan)  (the model step, off the event loop, on the
+                                                             engine's one model thread: core.model_thread)
         updates = scheduler.update_from_output(plan, output) (append tokens, finish requests, free blocks)
         emit one EngineStepOutput                            (→ detokenize → sink → the request's handle)
 
@@ -26,6 +27,7 @@ import anyio
 import structlog
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
+from llminfer.core.model_thread import ModelThread
 from llminfer.core.scheduler import Scheduler
 from llminfer.errors import EngineError, LLMInferError, RequestAbortedError
 from llminfer.protocols import Backend
@@ -61,6 +63,8 @@ class EngineCore:
         tracer: records the core's trace events, from the requests' own timestamps.
         stat_loggers: get each emitted step's :class:`~llminfer.stats.IterationStats` (the list is read at
             every step, so loggers added later are served too).
+        model_thread: where ``backend.execute`` runs (the engine passes the thread it loaded the model on);
+            None: anyio's worker threads, one step at a time.
 
     Raises:
         TypeError: ``backend`` does not implement :class:`~llminfer.protocols.Backend`.
@@ -69,7 +73,8 @@ class EngineCore:
     name = "core"
 
     def __init__(self, scheduler: Scheduler, backend: Backend, batch_timeout_ms: float = 0.0,
-                 tracer: Tracer | None = None, stat_loggers: list[StatLogger] | None = None) -> None:
+                 tracer: Tracer | None = None, stat_loggers: list[StatLogger] | None = None,
+                 model_thread: ModelThread | None = None) -> None:
         if not isinstance(backend, Backend):
             raise TypeError(f"{backend!r} is not a Backend (needs name, execute(plan), release(ids) and describe())")
         self.scheduler = scheduler
@@ -77,6 +82,7 @@ class EngineCore:
         self.batch_timeout_s = batch_timeout_ms / 1000.0
         self.tracer = tracer or Tracer(enabled=False)
         self.stat_loggers = stat_loggers if stat_loggers is not None else []
+        self.model_thread = model_thread
         self._limiter = anyio.CapacityLimiter(1)
         self._inbox_open = True
         self._closing = False  # Control("close") seen: finish the admitted requests, then return
@@ -144,8 +150,11 @@ class EngineCore:
                                    t_ns=req.first_scheduled_ns)
             self.tracer.record(STEP, SCHEDULER_STAGE, "scheduled", plan.num_tokens)
         try:
-            result = await anyio.to_thread.run_sync(self.backend.execute, plan, limiter=self._limiter,
-                                                    abandon_on_cancel=False)
+            if self.model_thread is not None:
+                result = await self.model_thread.run(self.backend.execute, plan)
+            else:
+                result = await anyio.to_thread.run_sync(self.backend.execute, plan, limiter=self._limiter,
+                                                        abandon_on_cancel=False)
         except Exception as exc:  # noqa: BLE001 - Backend.execute should return errors; fail the step if not
             now = time.perf_counter_ns()
             result = StepOutput(plan.step_id, {}, now, now, error=exc)

@@ -225,23 +225,26 @@ def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 
     Args:
         logits: ``[S, V]`` float32.
-        top_p: ``[S]`` float32 in (0, 1].
+        top_p: ``[S]`` in (0, 1], float64 (as the request gave it): ``1 - top_p`` is taken in float64 and
+            then rounded to the logits' dtype, as Hugging Face compares with the Python float ``1 - top_p``
+            (a ``top_p`` just below 1 rounds to 1.0 in float32, which would drop nothing).
     """
     vocab = logits.shape[-1]
+    drop = (1 - top_p.double()).to(logits.dtype).to(logits.device)  # [S]: the mass that may be dropped
     if vocab > 4 * _TOP_P_CANDIDATES:
         probs = logits.softmax(dim=-1)
         top_probs, top_idx = probs.topk(_TOP_P_CANDIDATES, dim=-1)  # descending
         outside = (1.0 - top_probs.sum(dim=-1)).clamp_min(0.0)
-        if bool((outside <= 1 - top_p).all()):
+        if bool((outside <= drop).all()):
             cum = outside[:, None] + top_probs.flip(-1).cumsum(dim=-1)  # ascending, like HF
-            remove = cum <= (1 - top_p)[:, None]
+            remove = cum <= drop[:, None]
             remove[:, -1] = False
             keep = ~remove.flip(-1)
             kept = torch.where(keep, logits.gather(1, top_idx), torch.full_like(top_probs, NEG_INF))
             return torch.full_like(logits, NEG_INF).scatter_(1, top_idx, kept)
     sorted_logits, sorted_idx = torch.sort(logits, descending=False, dim=-1)
     cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-    remove = cum <= (1 - top_p)[:, None]
+    remove = cum <= drop[:, None]
     remove[:, -1] = False
     mask = remove.scatter(1, sorted_idx, remove)
     return logits.masked_fill(mask, NEG_INF)
@@ -332,7 +335,8 @@ def warp(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor
     if any(p.top_k > 0 for p in params):
         x = apply_top_k(x, torch.tensor([p.top_k for p in params], device=x.device))
     if any(p.top_p < 1.0 for p in params):
-        x = apply_top_p(x, torch.tensor([p.top_p for p in params], device=x.device, dtype=x.dtype))
+        x = apply_top_p(x, torch.tensor([p.top_p for p in params], dtype=torch.float64))  # on the CPU: not all
+        # devices have float64
     if any(p.min_p > 0.0 for p in params):
         x = apply_min_p(x, torch.tensor([p.min_p for p in params], device=x.device, dtype=x.dtype))
     return x

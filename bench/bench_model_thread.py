@@ -1,0 +1,90 @@
+"""Batch-1 CPU decode with the engine's one model thread against steps on anyio's worker threads.
+
+The engine loads the model and runs every step on one thread (:mod:`llminfer.core.model_thread`), so
+torch's OpenMP keeps a single thread team; ``LLMINFER_MODEL_THREAD=0`` restores the old placement (load in
+the calling thread, steps on whichever anyio worker is free), where libgomp manages more threads than CPUs,
+throttles its spin-wait and puts its workers to sleep between the step's parallel regions.
+
+Each setting runs in its own process (a fresh OpenMP runtime), alternating for ``--rounds`` rounds, for
+each ``--quant`` and ``--backends`` pair: batch-1 decode ms/token on the bench model (median of 3 runs of
+``--tokens`` tokens after a warm-up run), with the share of CPU time stolen by the hypervisor during it.
+
+    python bench/bench_model_thread.py [--rounds 2] [--quant none,int8-wo] [--backends eager,compiled]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+
+_CHILD = r"""
+import json, statistics, sys
+sys.path.insert(0, sys.argv[1])
+from common import BENCH_VOCAB, bench_model_path, random_prompts
+from llminfer import EngineConfig, InferenceEngine
+from llminfer.benchmark.environment import StealMeter
+from llminfer.config import QuantConfig, QuantMode
+from llminfer.logging import configure_logging
+configure_logging("warning")
+quant, backend, tokens = sys.argv[2], sys.argv[3], int(sys.argv[4])
+cfg = EngineConfig(model_name=str(bench_model_path()), dtype="float32", device="cpu", max_batch_size=1,
+                   batch_timeout_ms=0, quant=QuantConfig(mode=QuantMode(quant)), backend=backend)
+with InferenceEngine(cfg) as engine:
+    prompt = random_prompts(1, 8, BENCH_VOCAB, seed=1)[0]
+    engine.run(prompt, max_new_tokens=4, ignore_eos=True)
+    steal, tpot = StealMeter(), []
+    for _ in range(3):
+        st = engine.run(prompt, max_new_tokens=tokens, ignore_eos=True).stats
+        tpot.append((st.total_latency_ms - st.ttft_ms) / max(1, st.completion_tokens - 1))
+print("RESULT " + json.dumps({"ms_per_token": statistics.median(tpot), "runs_ms": tpot, "steal_pct": steal.pct()}))
+"""
+
+
+def run_setting(model_thread: bool, quant: str, backend: str, tokens: int) -> dict[str, Any]:
+    env = {**os.environ, "LLMINFER_MODEL_THREAD": "1" if model_thread else "0"}
+    done = subprocess.run([sys.executable, "-c", _CHILD, str(HERE), quant, backend, str(tokens)], env=env,
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"bench_model_thread: the run ({quant}, {backend}, model thread {model_thread}) "
+                         f"failed:\n{done.stderr[-2000:]}")
+    line = next(ln for ln in done.stdout.splitlines() if ln.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--quant", type=lambda v: v.split(","), default=["none", "int8-wo"])
+    ap.add_argument("--backends", type=lambda v: v.split(","), default=["eager", "compiled"])
+    ap.add_argument("--tokens", type=int, default=64)
+    args = ap.parse_args(argv)
+    from common import environment, save
+
+    load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    rows = []
+    for quant in args.quant:
+        for backend in args.backends:
+            for r in range(args.rounds):
+                for model_thread in (False, True):
+                    res = run_setting(model_thread, quant, backend, args.tokens)
+                    res.update(round=r, quant=quant, backend=backend, model_thread=model_thread)
+                    rows.append(res)
+                    steal = "n/a" if res["steal_pct"] is None else f"{res['steal_pct']:.1f} %"
+                    where = "one model thread " if model_thread else "anyio's workers  "
+                    print(f"{quant:8s} {backend:8s} round {r} steps on {where} {res['ms_per_token']:6.1f} ms/token "
+                          f"(runs {', '.join(f'{x:.1f}' for x in res['runs_ms'])}), steal {steal}", flush=True)
+    payload = {"benchmark": "model_thread", "rows": rows, "loadavg_before": load_before,
+               "loadavg_after": " ".join(f"{x:.2f}" for x in os.getloadavg()), "environment": environment()}
+    print(f"-> {save('model_thread', payload)}")
+    return payload
+
+
+if __name__ == "__main__":
+    main()
