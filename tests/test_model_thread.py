@@ -4,6 +4,7 @@ callers wait for their call even when cancelled, and the engine loads and steps 
 
 from __future__ import annotations
 
+import os
 import threading
 
 import anyio
@@ -43,6 +44,27 @@ def test_close_ends_the_thread_and_a_later_call_starts_another():
     assert second is not first and second.is_alive() and second.name.startswith("llminfer-model")
     thread.close()
     thread.close()  # idempotent
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
+def test_forked_child_starts_its_own_thread():
+    thread = mt.ModelThread()
+    parent = thread.call(threading.get_ident)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: the parent's model thread does not exist here
+        try:
+            ok = thread.call(threading.get_ident) not in (parent, None) and thread.on_thread() is False
+            os.write(write, b"ok" if ok else b"no")
+        finally:
+            os._exit(0)
+    os.close(write)
+    try:
+        assert os.read(read, 2) == b"ok"
+    finally:
+        os.close(read)
+        os.waitpid(pid, 0)
+        thread.close()
 
 
 @pytest.mark.parametrize("asyncio_path", [True, False])

@@ -434,3 +434,24 @@ def test_sigterm_with_streams_in_flight_ends_every_stream_with_done(subprocess_s
     out = log_path.read_text()
     assert len(re.findall(r"\] shutting down\s", out)) == 1
     assert "Traceback" not in out and "stream failed" not in out
+
+
+def test_accept_retry_after_shutdown_is_not_a_traceback():
+    """asyncio retries accept() a second after running out of descriptors; when shutdown closed the socket
+    meanwhile the retry raises ValueError('Invalid file descriptor: -1'): dropped, while anything else still
+    reaches the loop's default handler."""
+    from llminfer.api import server
+
+    seen = []
+
+    class Loop:
+        def default_exception_handler(self, context):
+            seen.append(context)
+
+    retry = {"message": "Exception in callback", "exception": ValueError("Invalid file descriptor: -1"),
+             "handle": "<TimerHandle when=1.0 BaseSelectorEventLoop._start_serving(...)>"}
+    server._loop_exception(Loop(), retry)
+    assert seen == []
+    other = {"message": "Exception in callback", "exception": ValueError("boom"), "handle": "<Handle f()>"}
+    server._loop_exception(Loop(), other)
+    assert seen == [other]

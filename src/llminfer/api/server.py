@@ -190,7 +190,8 @@ class _Server(uvicorn.Server):
 
 def _loop_exception(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
     """Out of file descriptors, asyncio stops accepting for a second and logs a traceback each time: one
-    line instead (the read and keep-alive timeouts free descriptors; the clients wait in the backlog)."""
+    line instead (the read and keep-alive timeouts free descriptors; the clients wait in the backlog). A
+    retry that fires after shutdown closed the listening socket is dropped quietly."""
     exc = context.get("exception")
     if isinstance(exc, OSError) and "accept" in str(context.get("message", "")):
         now = time.monotonic()
@@ -198,6 +199,11 @@ def _loop_exception(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) ->
             _accept_warned[0] = now
             log.warning("cannot accept connections", error=str(exc), hint="raise the open-files limit "
                         "(ulimit -n); idle connections close after --read-timeout-s / --keep-alive-timeout-s")
+        return
+    if isinstance(exc, ValueError) and "_start_serving" in repr(context.get("handle")):
+        # The retry asyncio scheduled after such an accept failure fired after shutdown had closed the
+        # listening socket (its descriptor is -1 now): nothing is left to accept on.
+        log.debug("accept retry after the listening socket closed", error=str(exc))
         return
     loop.default_exception_handler(context)
 

@@ -22,6 +22,7 @@ import asyncio
 import concurrent.futures
 import os
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -52,6 +53,14 @@ class ModelThread:
         self._lock = threading.Lock()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._ident: int | None = None
+        # A forked child has none of the parent's threads: it starts its own model thread when it needs one.
+        ref = weakref.ref(self)
+        os.register_at_fork(after_in_child=lambda: (thread := ref()) is not None and thread._forget())
+
+    def _forget(self) -> None:
+        self._lock = threading.Lock()
+        self._pool = None
+        self._ident = None
 
     def _remember_ident(self) -> None:
         self._ident = threading.get_ident()
