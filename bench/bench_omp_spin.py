@@ -1,8 +1,10 @@
 """OpenMP spin-waiting and the CPU decode step on a VM: libgomp's default against a long ``GOMP_SPINCOUNT``.
 
 libgomp lets an idle worker spin before it sleeps, but cuts that spin to 1,000 iterations once it manages
-more threads than there are CPUs: in llminfer that happens as soon as a second thread (the engine's step
-thread, after the model was loaded in the main thread) runs parallel regions. The worker then sleeps and is
+more threads than there are CPUs: that happens as soon as a second thread runs parallel regions. The engine
+no longer does that itself (it loads and steps on one model thread, ``llminfer.core.model_thread``; see
+``bench_model_thread.py``), but the ``spin`` check below does it on purpose before the decode check, as a
+user's own threads would. The worker then sleeps and is
 woken at every region of the step (one per layer), and on a VM a halted vCPU comes back through the
 hypervisor, which the guest counts as steal. ``GOMP_SPINCOUNT`` sets both spin counts; libgomp reads it when
 it loads, so each setting runs in its own process.

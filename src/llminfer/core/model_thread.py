@@ -6,9 +6,10 @@ thread ``anyio.to_thread`` hands out, the process ends up with several teams. On
 threads than there are CPUs it cuts the time its idle threads spin from about 300,000 iterations to 1,000
 (libgomp's ``GOMP_SPINCOUNT`` throttling), so between two of a step's parallel regions (a decode step has
 one or more per linear layer) the team's threads go to sleep and each region waits for them to wake.
-Measured on a 2-core AMD EPYC (Zen 4), int8-wo batch-1 decode of the ~114M bench model on the compiled
-backend: 18.6-23.8 ms per token with steps on anyio's workers, 12.9-14.3 ms with load and steps on one
-thread (``python bench/bench_model_thread.py`` runs the two side by side).
+Measured on a 2-core AMD EPYC (Zen 4), batch-1 decode of the ~114M bench model, steps on anyio's workers
+against load and steps on one thread (``python bench/bench_model_thread.py --rounds 1``, one process per
+setting): fp32 eager 30.9 -> 24.1 ms per token, fp32 compiled 29.7 -> 21.2, int8-wo eager 20.6 -> 14.0,
+int8-wo compiled 19.6 -> 13.3.
 
 A :class:`ModelThread` runs submitted calls one at a time, in order, on one thread that lives until
 :meth:`ModelThread.close` (a later call starts a fresh thread). ``LLMINFER_MODEL_THREAD=0`` makes
