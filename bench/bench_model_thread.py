@@ -15,10 +15,7 @@ each ``--quant`` and ``--backends`` pair: batch-1 decode ms/token on the bench m
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -48,14 +45,11 @@ print("RESULT " + json.dumps({"ms_per_token": statistics.median(tpot), "runs_ms"
 
 
 def run_setting(model_thread: bool, quant: str, backend: str, tokens: int) -> dict[str, Any]:
+    from common import run_child
+
     env = {**os.environ, "LLMINFER_MODEL_THREAD": "1" if model_thread else "0"}
-    done = subprocess.run([sys.executable, "-c", _CHILD, str(HERE), quant, backend, str(tokens)], env=env,
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"bench_model_thread: the run ({quant}, {backend}, model thread {model_thread}) "
-                         f"failed:\n{done.stderr[-2000:]}")
-    line = next(ln for ln in done.stdout.splitlines() if ln.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
+    return run_child(_CHILD, [str(HERE), quant, backend, str(tokens)], env,
+                     f"bench_model_thread: the run ({quant}, {backend}, model thread {model_thread})")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

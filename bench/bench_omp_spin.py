@@ -22,10 +22,7 @@ Two checks per setting, alternating settings for ``--rounds`` rounds:
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -77,12 +74,9 @@ def run_setting(spincount: str | None, quant: str) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
     if spincount is not None:
         env["GOMP_SPINCOUNT"] = spincount
-    done = subprocess.run([sys.executable, "-c", _CHILD, str(HERE), quant], env=env, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"bench_omp_spin: the GOMP_SPINCOUNT={spincount or 'default'} run failed:\n"
-                         f"{done.stderr[-2000:]}")
-    line = next(ln for ln in done.stdout.splitlines() if ln.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
+    from common import run_child
+
+    return run_child(_CHILD, [str(HERE), quant], env, f"bench_omp_spin: the GOMP_SPINCOUNT={spincount or 'default'} run")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -116,3 +116,19 @@ def save(name: str, payload: dict[str, Any]) -> Path:
     path = RESULTS_DIR / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2, default=str))
     return path
+
+
+def run_child(code: str, args: Sequence[str], env: dict[str, str], what: str) -> dict[str, Any]:
+    """Run ``code`` in a fresh Python process (``python -c code *args`` with ``env``: a fresh OpenMP runtime
+    and environment) and return the JSON it printed on its ``RESULT `` line.
+
+    Raises:
+        SystemExit: the child failed (the message names ``what`` and ends with its stderr).
+    """
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{what} failed:\n{done.stderr[-2000:]}")
+    line = next(ln for ln in done.stdout.splitlines() if ln.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
