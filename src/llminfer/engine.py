@@ -26,7 +26,7 @@ import attrs
 
 from llminfer import assembly
 from llminfer.chat import ChatResult
-from llminfer.config import EngineConfig
+from llminfer.config import Backend, EngineConfig
 from llminfer.core.model_thread import ModelThread, model_thread_enabled
 from llminfer.errors import EngineClosedError, EngineError, InvalidRequestError
 from llminfer.frontend.input import InputProcessor, build_request
@@ -88,8 +88,10 @@ class InferenceEngine:
         self._loop_token: Any = None  # the caller's event loop, inside ``running()``
         self._closed = False
         # Loading and every step run on this one thread, so torch's OpenMP keeps one thread team (see
-        # llminfer.core.model_thread); None with LLMINFER_MODEL_THREAD=0.
-        self.model_thread: ModelThread | None = ModelThread() if model_thread_enabled() else None
+        # llminfer.core.model_thread); None with LLMINFER_MODEL_THREAD=0, and for vLLM, whose engine is
+        # created where the caller is (it may install signal handlers, which only the main thread can).
+        use_thread = model_thread_enabled() and self.cfg.backend is not Backend.VLLM
+        self.model_thread: ModelThread | None = ModelThread() if use_thread else None
         # start() and close() from many threads at once: one portal per engine, never two half-started
         # ones, and none started after close().
         self._lifecycle = threading.RLock()
