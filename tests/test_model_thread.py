@@ -49,13 +49,16 @@ def test_close_ends_the_thread_and_a_later_call_starts_another():
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
 def test_forked_child_starts_its_own_thread():
     thread = mt.ModelThread()
-    parent = thread.call(threading.get_ident)
+    thread.call(threading.get_ident)  # the parent's model thread exists, and is idle
     read, write = os.pipe()
     pid = os.fork()
-    if pid == 0:  # the child: the parent's model thread does not exist here
-        try:
-            ok = thread.call(threading.get_ident) not in (parent, None) and thread.on_thread() is False
+    if pid == 0:  # the child: the parent's model thread does not exist here; without the fork hook the
+        try:      # call would queue for it forever (thread idents may repeat across a fork: not compared)
+            started = thread.submit(threading.current_thread).result(timeout=30)
+            ok = started.is_alive() and started.name.startswith("llminfer-model") and not thread.on_thread()
             os.write(write, b"ok" if ok else b"no")
+        except BaseException:
+            os.write(write, b"no")
         finally:
             os._exit(0)
     os.close(write)
