@@ -10,7 +10,7 @@ bench model 1.5x faster than ``F.linear`` at 1 row and 1.3-3.3x at 4-64 rows; th
 1.2-2.1x faster than ``aten._weight_int8pack_mm`` (bf16 activations) from 1 to 64 rows. Every fp32 and
 int8 product takes the kernel, prefill-sized ones included: with more than four rows each thread holds a
 block of tiles' weights in L2 while every group of four rows passes over it, which on a 2-core AMD EPYC
-(Zen 4, AVX-512) ran the fp32 layers at 0.8-1.0x torch's GEMM speed from 128 to 1024 rows
+(Zen 4, AVX-512) ran the fp32 layers at 0.7-1.0x torch's GEMM speed from 128 to 1024 rows
 (``bench/bench_cpu_kernels.py`` shapes).
 
 Every output element is the same fixed sequence of fp32 operations whatever ``M``, the thread count or
