@@ -10,8 +10,8 @@ bench model 1.5x faster than ``F.linear`` at 1 row and 1.3-3.3x at 4-64 rows; th
 1.2-2.1x faster than ``aten._weight_int8pack_mm`` (bf16 activations) from 1 to 64 rows. Every fp32 and
 int8 product takes the kernel, prefill-sized ones included: with more than four rows each thread holds a
 block of tiles' weights in L2 while every group of four rows passes over it, which on a 2-core AMD EPYC
-(Zen 4, AVX-512) ran the fp32 layers at 0.7-1.0x torch's GEMM speed from 128 to 1024 rows
-(``bench/bench_cpu_kernels.py`` shapes).
+(Zen 4, AVX-512) ran the bench model's fp32 layers at 0.7-1.0x torch's GEMM speed from 128 to 1024 rows
+(a one-off timing of ``skinny_linear`` against ``F.linear`` on those shapes).
 
 Every output element is the same fixed sequence of fp32 operations whatever ``M``, the thread count or
 the row's place in a tile (the build passes ``-ffp-contract=off``, so the compiler cannot fuse the
@@ -28,9 +28,9 @@ lanes, 32 registers: six output channels per tile instead of three) where the CP
 build back to back, as ratios to the same torch kernels: on an Intel Xeon (Sapphire Rapids, 2 threads) at
 1 row both builds stream the weights at the bandwidth (torch/kernel 1.09 vs 0.99 for the fp32 layers,
 1.44 vs 1.56 for the int8 head) and at 32 rows the AVX-512 build is the faster one (fp32 layers 1.35 vs
-0.93, int8 layers 1.37 vs 0.92, fp32 head 0.92 vs 0.59, int8 head 1.43 vs 0.92); on an AMD EPYC (Zen 4),
-the 56 fp32 layers took 0.97-1.03 ms vs 1.35-1.80 ms at 1 row and 9.6-12.5 vs 14.0-14.3 ms at 32 rows
-(two rounds each). Where it cannot be built or loaded (no compiler, no AVX2/FMA, not x86-64),
+0.93, int8 layers 1.37 vs 0.92, fp32 head 0.92 vs 0.59, int8 head 1.43 vs 0.92); on an AMD EPYC (Zen 4,
+``--reps 3``, two rounds of each build) the fp32 layers 2.08-2.15 vs 1.70-1.98 at 1 row and
+1.37-1.56 vs 1.24 at 32 rows. Where it cannot be built or loaded (no compiler, no AVX2/FMA, not x86-64),
 :func:`skinny_linear_available` is False with the reason in :func:`unavailable_reason`, one warning is
 logged, and the callers keep torch's kernels. ``LLMINFER_CPU_KERNELS=0`` turns it off.
 """

@@ -71,7 +71,11 @@ class ModelThread:
         return self._ident is not None and threading.get_ident() == self._ident
 
     def submit(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
-        """Queue ``fn(*args)`` on the model thread (started if need be); returns its future."""
+        """Queue ``fn(*args)`` on the model thread (started if need be); returns its future.
+
+        Raises:
+            RuntimeError: the interpreter is shutting down (``concurrent.futures`` takes no new work then).
+        """
         with self._lock:
             if self._pool is None:
                 self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=self.name,

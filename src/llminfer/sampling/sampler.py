@@ -230,7 +230,7 @@ def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
             (a ``top_p`` just below 1 rounds to 1.0 in float32, which would drop nothing).
     """
     vocab = logits.shape[-1]
-    drop = (1 - top_p.double()).to(logits.dtype).to(logits.device)  # [S]: the mass that may be dropped
+    drop = (1 - top_p.double()).to(device=logits.device, dtype=logits.dtype)  # [S]: the mass that may be dropped
     if vocab > 4 * _TOP_P_CANDIDATES:
         probs = logits.softmax(dim=-1)
         top_probs, top_idx = probs.topk(_TOP_P_CANDIDATES, dim=-1)  # descending
