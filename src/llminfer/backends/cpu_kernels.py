@@ -30,7 +30,7 @@ build back to back, as ratios to the same torch kernels: on an Intel Xeon (Sapph
 1.44 vs 1.56 for the int8 head) and at 32 rows the AVX-512 build is the faster one (fp32 layers 1.35 vs
 0.93, int8 layers 1.37 vs 0.92, fp32 head 0.92 vs 0.59, int8 head 1.43 vs 0.92); on an AMD EPYC (Zen 4,
 ``--reps 3``, two rounds of each build) the fp32 layers 2.08-2.15 vs 1.70-1.98 at 1 row and
-1.37-1.56 vs 1.24 at 32 rows. Where it cannot be built or loaded (no compiler, no AVX2/FMA, not x86-64),
+1.37-1.56 vs 1.14-1.24 at 32 rows. Where it cannot be built or loaded (no compiler, no AVX2/FMA, not x86-64),
 :func:`skinny_linear_available` is False with the reason in :func:`unavailable_reason`, one warning is
 logged, and the callers keep torch's kernels. ``LLMINFER_CPU_KERNELS=0`` turns it off.
 """
