@@ -95,7 +95,10 @@ inline void micro_tile(const float* x, int64_t ldx, const W* w, int64_t ldw, int
   for (int m = 0; m < MT; ++m)
     for (int n = 0; n < NT; ++n) acc[m][n] = vzero();
   // One vector of columns from k; kHalf: the last 8 columns of a row, upper lanes zero in both operands.
-  auto step = [&](int64_t k, auto half) {
+  // always_inline: GCC otherwise kept this lambda out of line, so every vector step was a call that
+  // loaded and stored all the accumulators (measured on Zen 4: the int8 LM head 6.9 -> 5.9 ms on 2 threads,
+  // 1-row int8 products from L2 10.8 -> 19.5 G weights/s on one; the same operations, so the same bits).
+  auto step = [&](int64_t k, auto half) __attribute__((always_inline)) {
     constexpr bool kHalf = decltype(half)::value;
     vec wv[NT];
     for (int n = 0; n < NT; ++n) wv[n] = kHalf ? vload_half(w + n * ldw + k) : vload(w + n * ldw + k);
