@@ -56,17 +56,72 @@ def test_skinny_linear_int8_matches_dequantized(m):
     torch.testing.assert_close(out.double(), _ref(x, q, scale, bias), atol=1e-4, rtol=1e-5)
 
 
+def _integer_path() -> bool:
+    """Whether int8 products run on the VNNI build's integer path here."""
+    assert cpu_kernels.skinny_linear_available(), cpu_kernels.unavailable_reason()
+    return cpu_kernels.int8_activation_bits() == 14
+
+
+def _int8_integer_ref(x, q, scale, bias):
+    """The integer path's result computed by torch: each row rounded to 14 bits (``sx = max|x| / 8191``,
+    ``round(x / sx)``), the exact int64 dot product, ``float32(double(dot) * sx * scale) + bias``."""
+    sx = x.abs().amax(1) / 8191
+    safe = torch.where(sx > 0, sx, torch.ones_like(sx))
+    xq = torch.where(sx[:, None] > 0, torch.round(x / safe[:, None]), torch.zeros_like(x)).clamp(-8191, 8191)
+    dot = xq.long() @ q.long().T
+    out = (dot.double() * sx.double()[:, None] * scale.double()[None, :]).float()
+    return out + bias if bias is not None else out
+
+
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 17, 300])
+@pytest.mark.parametrize("n, k", [(1, 32), (7, 512), (130, 64), (67, 1536), (5, 520), (6, 96)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_int8_linear_is_exact_integer_arithmetic(m, n, k, bias):
+    """On the VNNI build with K % 32 == 0: bit for bit the torch reference of the integer scheme, and within
+    the activation rounding's bound of float64; anywhere else exactly :func:`skinny_linear`."""
+    g = torch.Generator().manual_seed(m * 100 + n + k)
+    x = torch.randn(m, k, generator=g) * 3
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scale, b = torch.rand(n, generator=g) / 50, (torch.randn(n, generator=g) if bias else None)
+    out = cpu_kernels.int8_linear(x, q, scale, b)
+    if not (_integer_path() and k % 32 == 0):
+        assert torch.equal(out, cpu_kernels.skinny_linear(x, q, scale, b))
+        return
+    assert torch.equal(out, _int8_integer_ref(x, q, scale, b))
+    # |error| <= half a rounding step of each activation times the weights' absolute sum
+    step = x.abs().amax(1, keepdim=True).double() / 8191
+    bound = 0.5 * step * (q.double().abs() * scale.double()[:, None]).sum(1)[None, :]
+    err = (out.double() - _ref(x, q, scale, b)).abs()
+    assert (err <= bound + 1e-4 * out.double().abs() + 1e-5).all()
+
+
+def test_int8_linear_rows_with_nan_or_zeros():
+    """A row holding a NaN or an infinity gives NaN outputs (as float32 activations would); an all-zero row
+    gives the bias; neither changes the other rows."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 64, generator=g)
+    x[1, 5], x[2] = float("nan"), 0.0
+    x[3, 0] = float("inf")
+    q, s, b = torch.randint(-127, 128, (9, 64), generator=g, dtype=torch.int8), torch.rand(9, generator=g), torch.randn(9)
+    out = cpu_kernels.int8_linear(x, q, s, b)
+    assert torch.isnan(out[1]).all() and torch.equal(out[2], b) and not torch.isfinite(out[3]).any()
+    assert torch.equal(out[0], cpu_kernels.int8_linear(x[:1], q, s, b)[0])
+
+
 def test_skinny_linear_rows_are_batch_invariant():
     """A row's result has the same bits alone, in any batch (decode-sized or prefill-sized, which run the
-    tiles in different orders), at any place in a 4-row tile, with 1 or 2 threads, fp32 or int8, with the
-    scale and bias epilogue: the kernel's operations depend on nothing but K."""
+    tiles in different orders), at any place in a 4-row tile, with 1 or 2 threads, fp32 or int8 (both
+    :func:`skinny_linear` and :func:`int8_linear`, whose VNNI path quantizes each row), with the scale and
+    bias epilogue: the kernel's operations depend on nothing but K."""
     g = torch.Generator().manual_seed(0)
     w, w8, s = torch.randn(131, 512, generator=g), torch.randint(-127, 128, (131, 512), generator=g,
                                                                   dtype=torch.int8), torch.rand(131, generator=g)
     b = torch.randn(131, generator=g)
     row = torch.randn(1, 512, generator=g)
-    variants = [(w, None, None), (w, None, b), (w8, s, None), (w8, s, b)]
-    alone = [cpu_kernels.skinny_linear(row, *v) for v in variants]
+    sk, i8 = cpu_kernels.skinny_linear, cpu_kernels.int8_linear
+    variants = [(sk, w, None, None), (sk, w, None, b), (sk, w8, s, None), (sk, w8, s, b), (i8, w8, s, None),
+                (i8, w8, s, b)]
+    alone = [fn(row, *v) for fn, *v in variants]
     threads = torch.get_num_threads()
     try:
         # 1-4 rows, up to 16 (int8 converted in registers), more (blocked, int8 converted once per block)
@@ -76,8 +131,8 @@ def test_skinny_linear_rows_are_batch_invariant():
             torch.set_num_threads(num_threads)
             x = torch.randn(m, 512, generator=g)
             x[at] = row[0]
-            for v, ref in zip(variants, alone):
-                assert torch.equal(cpu_kernels.skinny_linear(x, *v)[at], ref[0]), (m, at, v[0].dtype)
+            for (fn, *v), ref in zip(variants, alone):
+                assert torch.equal(fn(x, *v)[at], ref[0]), (m, at, fn, v[0].dtype, v[2] is None)
     finally:
         torch.set_num_threads(threads)
 
@@ -217,10 +272,14 @@ def test_int8_weight_only_layer_uses_the_kernel_at_any_row_count():
     assert cpu_kernels.enable_cpu_kernels(nn.Sequential(layer)) == 1 and layer.use_cpu_kernel
     want = lambda x: F.linear(x.double(), layer.dequantized_weight().double(), lin.bias.double())  # noqa: E731
     with torch.inference_mode():
-        small = torch.randn(2, 3, 64)  # 6 rows: the kernel, float32 activations
-        torch.testing.assert_close(layer(small).double(), want(small), atol=1e-4, rtol=1e-5)
+        small = torch.randn(2, 3, 64)  # 6 rows: the kernel (float32 or, on VNNI, 14-bit activations)
+        flat = small.reshape(6, 64)
+        assert torch.equal(layer(small).reshape(6, 40),
+                           cpu_kernels.int8_linear(flat, layer.weight, layer.scales.float(), lin.bias.detach()))
+        atol = 1e-4 if not _integer_path() else 1e-3
+        torch.testing.assert_close(layer(small).double(), want(small), atol=atol, rtol=1e-5)
         big = torch.randn(300, 64)
-        torch.testing.assert_close(layer(big).double(), want(big), atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(layer(big).double(), want(big), atol=atol, rtol=1e-5)
         layer.use_cpu_kernel = False  # torch's kernel: bf16 activations, so only close
         torch.testing.assert_close(layer(big).double(), want(big), atol=5e-2, rtol=2e-2)
 
@@ -320,6 +379,9 @@ for m, n, k in [(1, 7, 520), (5, 130, 64), (33, 4, 8), (4, 13, 24)]:  # K % 16 =
     torch.testing.assert_close(cpu_kernels.skinny_linear(x, q, s).double(), ref, atol=1e-4 * k**0.5, rtol=1e-5)
     assert torch.equal(cpu_kernels.skinny_linear(x, w)[m - 1], cpu_kernels.skinny_linear(x[m - 1:], w)[0])
     assert torch.equal(cpu_kernels.skinny_linear(x, q, s, b)[m - 1], cpu_kernels.skinny_linear(x[m - 1:], q, s, b)[0])
+    assert torch.equal(cpu_kernels.int8_linear(x, q, s, b)[m - 1], cpu_kernels.int8_linear(x[m - 1:], q, s, b)[0])
+    if cpu_kernels.int8_activation_bits() is None:  # no integer path in this build: int8_linear is skinny_linear
+        assert torch.equal(cpu_kernels.int8_linear(x, q, s, b), cpu_kernels.skinny_linear(x, q, s, b))
 for d in (24, 64):  # decode attention, head_dim 24 ends in half a vector
     B, H, HKV, NB, BS = 3, 4, 2, 6, 4
     q = torch.randn(B, H, d, generator=g)

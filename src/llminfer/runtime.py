@@ -291,9 +291,12 @@ def describe_runtime(rt: Runtime, cfg: EngineConfig) -> dict[str, Any]:
 def _cpu_kernel_line(rt: Runtime, cfg: EngineConfig) -> str:
     """``llminfer info``'s line on llminfer's CPU linear kernel: how many layers use it, or why none."""
     if rt.cpu_kernel_layers:
-        from llminfer.backends.cpu_kernels import vector_isa
+        from llminfer.backends.cpu_kernels import int8_activation_bits, vector_isa
 
-        return f"skinny_linear on {rt.cpu_kernel_layers} layers ({vector_isa()}, every row count)"
+        int8 = ""
+        if cfg.quant.mode is QuantMode.INT8_WO and int8_activation_bits():
+            int8 = f"; int8 on VNNI integer dot products, {int8_activation_bits()}-bit activations"
+        return f"skinny_linear on {rt.cpu_kernel_layers} layers ({vector_isa()}, every row count{int8})"
     if rt.device.type != "cpu" or cfg.backend is Backend.VLLM:
         return "off (CPU eager and compiled backends only)"
     if not cfg.cpu_kernels:

@@ -57,6 +57,9 @@ CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off")
 #: Added to :data:`CFLAGS` for the AVX-512 build, which needs every one of :data:`AVX512_CPU_FLAGS`.
 AVX512_CFLAGS = ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl")
 AVX512_CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512dq", "avx512vl"})
+#: Added to the AVX-512 build where the CPU has ``avx512_vnni``: int8 products then run on integer dot
+#: products (:func:`int8_linear`).
+VNNI_CFLAGS = ("-mavx512vnni",)
 DISABLE_ENV = "LLMINFER_CPU_KERNELS"
 ISA_ENV = "LLMINFER_CPU_KERNEL_ISA"
 
@@ -80,8 +83,11 @@ def target_isa() -> str:
 
 
 def build_cflags(isa: str) -> tuple[str, ...]:
-    """The compiler flags of the build for ``isa`` (``"avx2"`` or ``"avx512"``)."""
-    return CFLAGS + (AVX512_CFLAGS if isa == "avx512" else ())
+    """The compiler flags of the build for ``isa`` (``"avx2"`` or ``"avx512"``; the AVX-512 build adds
+    :data:`VNNI_CFLAGS` where the CPU has ``avx512_vnni``)."""
+    if isa != "avx512":
+        return CFLAGS
+    return CFLAGS + AVX512_CFLAGS + (VNNI_CFLAGS if "avx512_vnni" in cpu_flags() else ())
 
 
 def _cache_dir(isa: str = "avx2") -> Path:
@@ -148,6 +154,11 @@ def _register_fake_impls() -> None:
                             bias: torch.Tensor | None = None) -> torch.Tensor:
         return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)
 
+    @torch.library.register_fake("llminfer_cpu::int8_linear")
+    def _int8_linear_fake(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                          bias: torch.Tensor | None = None) -> torch.Tensor:
+        return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+
     @torch.library.register_fake("llminfer_cpu::paged_decode_attention")
     def _paged_decode_attention_fake(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                      block_tables: torch.Tensor, ctx_lens: torch.Tensor, scale: float) -> torch.Tensor:
@@ -166,6 +177,14 @@ def vector_isa() -> str | None:
     if not _state["loaded"]:
         return None
     return "AVX-512" if torch.ops.llminfer_cpu.vector_bits() == 512 else "AVX2"
+
+
+def int8_activation_bits() -> int | None:
+    """The bits :func:`int8_linear` rounds activations to: 14 on the AVX-512 VNNI build (integer dot
+    products), None where int8 products keep float32 activations (other builds) or the kernel is not loaded."""
+    if not _state["loaded"]:
+        return None
+    return int(torch.ops.llminfer_cpu.int8_activation_bits()) or None
 
 
 def unavailable_reason() -> str | None:
@@ -190,6 +209,36 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | N
         RuntimeError: the kernel is not loaded, or the arguments break the rules above.
     """
     return torch.ops.llminfer_cpu.skinny_linear(x, weight, scale, bias)
+
+
+def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ (weight * scale[:, None]).T + bias`` for an int8 ``weight``: on integer dot products where the
+    kernel is the AVX-512 VNNI build (:func:`int8_activation_bits` is 14) and ``K % 32 == 0``,
+    ``K <= 32768``; elsewhere exactly :func:`skinny_linear` (float32 activations).
+
+    The integer path rounds each activation row on its own to 14 bits (``sx = max|x| / 8191`` in float32,
+    ``q = round(x / sx)`` to nearest even), sums ``q * weight`` exactly (``vpdpwssd`` into int32 lanes, the
+    lanes in int64) and returns ``float32(double(dot) * sx * scale) + bias``. Exact sums make a row's result
+    independent of the batch, the threads and the order of the sums; against float32 activations it differs
+    by the rounding of the activations (at most half a step of ``max|x| / 8191`` per element). A row holding
+    a NaN or an infinity gives NaN outputs. The scheme is symmetric per-token activation quantization (as
+    in ZeroQuant and SmoothQuant's W8A8) with 14 bits instead of 8, which keeps int8-wo's agreement with
+    the float model (``bench/bench_quant.py``) while the products run on integer instructions.
+
+    Args:
+        x: float32 ``[M, K]``, contiguous, on CPU, ``K % 8 == 0``.
+        weight: int8 ``[N, K]``, contiguous, values in [-127, 127].
+        scale: float32 ``[N]`` per-output-channel scale.
+        bias: float32 ``[N]``, or None.
+
+    Returns:
+        float32 ``[M, N]``.
+
+    Raises:
+        RuntimeError: the kernel is not loaded, or the arguments break the rules above.
+    """
+    return torch.ops.llminfer_cpu.int8_linear(x, weight, scale, bias)
 
 
 class SkinnyLinear(nn.Linear):

@@ -175,7 +175,7 @@ class Int8WeightOnlyLinear(_WeightOnlyLinear):
             scales = self._kernel_scales = self.scales.float().contiguous()
         bias = None if self.bias is None else self.bias.float()
         flat = x.reshape(rows, self.in_features).float().contiguous()
-        out = cpu_kernels.skinny_linear(flat, self.weight, scales, bias)
+        out = cpu_kernels.int8_linear(flat, self.weight, scales, bias)
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:

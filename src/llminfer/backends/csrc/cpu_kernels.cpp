@@ -35,6 +35,13 @@
 #else
 #define LLMINFER_KERNEL_AVX512 0
 #endif
+// VNNI (vpdpbusd: 64 u8 x s8 products summed into 16 int32 lanes per instruction) in the AVX-512 build
+// where the CPU has it: int8 products then take the integer path (int8_linear below).
+#if LLMINFER_KERNEL_AVX512 && defined(__AVX512VNNI__)
+#define LLMINFER_KERNEL_VNNI 1
+#else
+#define LLMINFER_KERNEL_VNNI 0
+#endif
 
 namespace {
 
@@ -219,6 +226,173 @@ void skinny_linear_impl(const float* x, int64_t M, int64_t K, const W* w, int64_
   });
 }
 
+#if LLMINFER_KERNEL_VNNI
+// ------------------------------------------------------------------------------------------------
+// int8 products on integer dot products (the VNNI build).
+//
+// Each activation row is quantized on its own to 14 bits: sx = max|x| / 8191 (float32), q = round(x / sx)
+// (to nearest even) in [-8191, 8191], stored as int16. vpdpwssd multiplies 32 int16 pairs (q, and the
+// weights sign-extended from int8) and adds each two into 16 int32 lanes; a lane holds K / 16 products of
+// at most 8191 * 127, exact in int32 for K <= 32768, and the lanes are summed in int64. So the dot product
+// is exact, and the output is float32(double(dot) * sx * scale[n]) + bias[n]: a row's result does not
+// depend on M, the threads, the tile or the order of the sums, and differs from the fp32-activation result
+// only by the rounding of the activations (at most half a step of max|x| / 8191 per element).
+constexpr int kActMax = 8191;
+constexpr int64_t kIntK = 32;         // int16 activations per vector: the integer path needs K % 32 == 0
+constexpr int64_t kIntMaxK = 32768;   // int32 lanes stay exact up to this K
+
+// Quantized activation rows: q [M, K] int16, and each row's scale sx (NaN where the row has a NaN or an
+// infinity, which makes its outputs NaN as the float path's would be).
+struct QuantizedRows {
+  std::vector<int16_t> q;
+  std::vector<double> scale;
+};
+
+inline QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
+  QuantizedRows r;
+  r.q.resize(static_cast<size_t>(M * K));
+  r.scale.resize(static_cast<size_t>(M));
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const float* row = x + m * K;
+      __m512 mx = _mm512_setzero_ps();
+      __mmask16 nan = 0;  // max_ps drops a NaN operand, so NaNs are looked for on their own
+      for (int64_t k = 0; k < K; k += 16) {
+        const __m512 v = _mm512_loadu_ps(row + k);
+        mx = _mm512_max_ps(mx, _mm512_abs_ps(v));
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      }
+      const float amax = _mm512_reduce_max_ps(mx);
+      const bool finite = nan == 0 && std::isfinite(amax);
+      int16_t* q = r.q.data() + m * K;
+      if (!finite || amax == 0.f) {
+        std::fill(q, q + K, static_cast<int16_t>(0));
+        r.scale[m] = finite ? 0.0 : std::nan("");
+        continue;
+      }
+      const float sx = amax / static_cast<float>(kActMax);
+      r.scale[m] = static_cast<double>(sx);
+      const __m512 vsx = _mm512_set1_ps(sx);
+      const __m512i lo = _mm512_set1_epi32(-kActMax), hi = _mm512_set1_epi32(kActMax);
+      for (int64_t k = 0; k < K; k += 16) {
+        // cvtps rounds to nearest even (the default MXCSR mode), as torch.round does
+        const __m512i qi = _mm512_cvtps_epi32(_mm512_div_ps(_mm512_loadu_ps(row + k), vsx));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k),
+                            _mm512_cvtepi32_epi16(_mm512_min_epi32(_mm512_max_epi32(qi, lo), hi)));
+      }
+    }
+  });
+  return r;
+}
+
+// The sums of 8 vectors of 8 int64 lanes each, out[i] = sum of v[i]'s lanes (a transposing tree of adds:
+// 21 operations for the 8 sums instead of 8 separate horizontal reductions).
+inline void lane_sums8(const __m512i* v, int64_t* out) {
+  __m512i t[4], r[2];
+  for (int i = 0; i < 4; ++i)  // per 128-bit lane L: [v[2i] pair sum, v[2i+1] pair sum]
+    t[i] = _mm512_add_epi64(_mm512_unpacklo_epi64(v[2 * i], v[2 * i + 1]),
+                            _mm512_unpackhi_epi64(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 2; ++i)  // [t0 L0+L1, t0 L2+L3, t1 L0+L1, t1 L2+L3]
+    r[i] = _mm512_add_epi64(_mm512_shuffle_i64x2(t[2 * i], t[2 * i + 1], 0x88),
+                            _mm512_shuffle_i64x2(t[2 * i], t[2 * i + 1], 0xDD));
+  _mm512_storeu_si512(out, _mm512_add_epi64(_mm512_shuffle_i64x2(r[0], r[1], 0x88),
+                                            _mm512_shuffle_i64x2(r[0], r[1], 0xDD)));
+}
+
+// MT activation rows times NT channels over the whole of K: one int32 accumulator per pair.
+template <int MT, int NT>
+inline void int_micro_tile(const QuantizedRows& r, int64_t m0, const int8_t* w, int64_t K, const float* scale,
+                           const float* bias, float* out, int64_t ldo) {
+  __m512i acc[MT][NT];
+  for (int m = 0; m < MT; ++m)
+    for (int n = 0; n < NT; ++n) acc[m][n] = _mm512_setzero_si512();
+  const int16_t* q = r.q.data() + m0 * K;
+  // 32 columns from k (always_inline: see micro_tile).
+  auto step = [&](int64_t k) __attribute__((always_inline)) {
+    __m512i wv[NT];
+    for (int n = 0; n < NT; ++n)
+      wv[n] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + n * K + k)));
+    for (int m = 0; m < MT; ++m) {
+      const __m512i xv = _mm512_loadu_si512(q + m * K + k);
+      for (int n = 0; n < NT; ++n) acc[m][n] = _mm512_dpwssd_epi32(acc[m][n], xv, wv[n]);
+    }
+  };
+  int64_t k = 0;
+  for (; k + 64 <= K; k += 64) {  // a cache line of weights, prefetching the same line of the next tile
+    for (int n = 0; n < NT; ++n) _mm_prefetch(reinterpret_cast<const char*>(w + (n + NT) * K + k), _MM_HINT_T0);
+    step(k);
+    step(k + kIntK);
+  }
+  if (k < K) step(k);
+  // Each accumulator widened to 8 int64 lanes, then summed 8 at a time.
+  constexpr int kPairs = MT * NT, kGroups = (kPairs + 7) / 8;
+  __m512i wide[kGroups * 8];
+  for (int m = 0; m < MT; ++m)
+    for (int n = 0; n < NT; ++n)
+      wide[m * NT + n] = _mm512_add_epi64(_mm512_cvtepi32_epi64(_mm512_castsi512_si256(acc[m][n])),
+                                          _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(acc[m][n], 1)));
+  for (int i = kPairs; i < kGroups * 8; ++i) wide[i] = _mm512_setzero_si512();
+  alignas(64) int64_t dot[kGroups * 8];
+  for (int g = 0; g < kGroups; ++g) lane_sums8(wide + 8 * g, dot + 8 * g);
+  // float32(double(dot) * sx[m] * scale[n]) + bias[n], one row of NT outputs at a time.
+  constexpr __mmask8 kMask = static_cast<__mmask8>((1u << NT) - 1);
+  const __m512d sc = _mm512_cvtps_pd(_mm256_maskz_loadu_ps(kMask, scale));
+  const __m256 bs = bias ? _mm256_maskz_loadu_ps(kMask, bias) : _mm256_setzero_ps();
+  for (int m = 0; m < MT; ++m) {
+    const __m512d d = _mm512_cvtepi64_pd(_mm512_maskz_loadu_epi64(kMask, dot + m * NT));
+    __m256 v = _mm512_cvtpd_ps(_mm512_mul_pd(_mm512_mul_pd(d, _mm512_set1_pd(r.scale[m0 + m])), sc));
+    if (bias) v = _mm256_add_ps(v, bs);
+    _mm256_mask_storeu_ps(out + m * ldo, kMask, v);
+  }
+}
+
+// 4 rows x 6 channels: 24 accumulators + 6 weight vectors + 1 activation vector of the 32 registers.
+constexpr int kIntCols = 6;
+
+template <int NT>
+inline void int_row_tile(int64_t rows, const QuantizedRows& r, int64_t m0, const int8_t* w, int64_t K,
+                         const float* scale, const float* bias, float* out, int64_t N) {
+  switch (rows) {
+    case 4: int_micro_tile<4, NT>(r, m0, w, K, scale, bias, out, N); break;
+    case 3: int_micro_tile<3, NT>(r, m0, w, K, scale, bias, out, N); break;
+    case 2: int_micro_tile<2, NT>(r, m0, w, K, scale, bias, out, N); break;
+    default: int_micro_tile<1, NT>(r, m0, w, K, scale, bias, out, N); break;
+  }
+}
+
+void int8_linear_impl(const float* x, int64_t M, int64_t K, const int8_t* w, int64_t N, const float* scale,
+                      const float* bias, float* out) {
+  const QuantizedRows r = quantize_rows(x, M, K);
+  const int64_t tiles = (N + kIntCols - 1) / kIntCols;
+  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / (kIntCols * K));
+  // Beyond kRows rows, a block of tiles (kBlockBytes of int8 weights) stays in L2 while every group of
+  // kRows rows passes over it; the loop order changes, not any output element's operations.
+  const int64_t block_tiles = M <= kRows ? tiles : std::max<int64_t>(1, kBlockBytes / (kIntCols * K));
+  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t b0 = begin; b0 < end; b0 += block_tiles) {
+      const int64_t b1 = std::min(end, b0 + block_tiles);
+      for (int64_t m = 0; m < M; m += kRows) {
+        const int64_t rows = std::min<int64_t>(kRows, M - m);
+        for (int64_t t = b0; t < b1; ++t) {
+          const int64_t n = t * kIntCols;
+          const int8_t* wt = w + n * K;
+          float* o = out + m * N + n;
+          const float* b = bias ? bias + n : nullptr;
+          switch (std::min<int64_t>(kIntCols, N - n)) {
+            case 6: int_row_tile<6>(rows, r, m, wt, K, scale + n, b, o, N); break;
+            case 5: int_row_tile<5>(rows, r, m, wt, K, scale + n, b, o, N); break;
+            case 4: int_row_tile<4>(rows, r, m, wt, K, scale + n, b, o, N); break;
+            case 3: int_row_tile<3>(rows, r, m, wt, K, scale + n, b, o, N); break;
+            case 2: int_row_tile<2>(rows, r, m, wt, K, scale + n, b, o, N); break;
+            default: int_row_tile<1>(rows, r, m, wt, K, scale + n, b, o, N); break;
+          }
+        }
+      }
+    }
+  });
+}
+#endif  // LLMINFER_KERNEL_VNNI
+
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scale,
                          const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "skinny_linear: CPU tensors only");
@@ -253,17 +427,57 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight, const c1
   return out;
 }
 
+// int8_linear: skinny_linear for int8 weights with a scale. On the VNNI build, with K % 32 == 0 and
+// K <= 32768, it runs the integer path above (activations rounded to 14 bits per row); elsewhere it is
+// skinny_linear (float32 activations).
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+                       const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(weight.scalar_type() == at::kChar, "int8_linear: weight must be int8");
+#if LLMINFER_KERNEL_VNNI
+  const int64_t K = x.dim() == 2 ? x.size(1) : 0;
+  if (K > 0 && K % kIntK == 0 && K <= kIntMaxK) {
+    TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "int8_linear: CPU tensors only");
+    TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(),
+                "int8_linear: x must be a contiguous float32 [M, K] tensor");
+    TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.size(1) == K,
+                "int8_linear: weight must be a contiguous [N, K] tensor with x's K");
+    const int64_t M = x.size(0), N = weight.size(0);
+    TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == N,
+                "int8_linear: scale must be a contiguous float32 [N] tensor");
+    const float* bias_p = nullptr;
+    if (bias.has_value()) {
+      TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
+                  "int8_linear: bias must be a contiguous float32 [N] tensor");
+      bias_p = bias->data_ptr<float>();
+    }
+    at::Tensor out = at::empty({M, N}, x.options());
+    if (M == 0 || N == 0) return out;
+    int8_linear_impl(x.data_ptr<float>(), M, K, weight.data_ptr<int8_t>(), N, scale.data_ptr<float>(), bias_p,
+                     out.data_ptr<float>());
+    return out;
+  }
+#endif
+  return skinny_linear(x, weight, scale, bias);
+}
+
 }  // namespace
 
 // The vector ISA this library was built for: 512 (AVX-512) or 256 (AVX2).
 int64_t vector_bits() { return LLMINFER_KERNEL_AVX512 ? 512 : 256; }
+// The activation bits of int8_linear's integer path: 14 on the VNNI build, 0 where it has none.
+int64_t int8_activation_bits() { return LLMINFER_KERNEL_VNNI ? 14 : 0; }
 
 TORCH_LIBRARY(llminfer_cpu, m) {
   m.def("skinny_linear(Tensor x, Tensor weight, Tensor? scale=None, Tensor? bias=None) -> Tensor");
   m.def("vector_bits() -> int", &vector_bits);
+  m.def("int8_linear(Tensor x, Tensor weight, Tensor scale, Tensor? bias=None) -> Tensor");
+  m.def("int8_activation_bits() -> int", &int8_activation_bits);
 }
 
-TORCH_LIBRARY_IMPL(llminfer_cpu, CPU, m) { m.impl("skinny_linear", &skinny_linear); }
+TORCH_LIBRARY_IMPL(llminfer_cpu, CPU, m) {
+  m.impl("skinny_linear", &skinny_linear);
+  m.impl("int8_linear", &int8_linear);
+}
 
 // ------------------------------------------------------------------------------------------------
 // Paged decode attention: one query token per sequence, K/V read in place from the block pool.
