@@ -5,7 +5,8 @@ Products (``llminfer.backends.cpu_kernels.skinny_linear``), at 1, 4, 8, 32 and 6
 * ``layers_fp32``: the 56 fp32 linear layers of the bench model's 8 decoder layers (q/k/v/o 512x512,
   128x512 twice, 512x512; gate/up 1536x512; down 512x1536), ``F.linear`` against the kernel;
 * ``layers_int8``: the same layers in int8 weight-only, ``aten._weight_int8pack_mm`` (bf16 activations,
-  the path torch vectorizes) against the kernel (fp32 activations);
+  the path torch vectorizes) against the kernel's ``int8_linear`` (what int8-wo layers run: fp32
+  activations, or 14-bit integer ones on the AVX-512 VNNI build);
 * ``head_fp32``: the 151,646 x 512 LM head, oneDNN's prepacked matmul (what the engine uses for it) against
   the kernel; ``head_int8``: the int8 head, torch's kernel against ours.
 
@@ -63,7 +64,7 @@ class _Layer:
 
 def _product_cases(x, layers, layers8, head, packed, head8, head_scale) -> dict[str, tuple[Callable, Callable]]:
     """(torch, kernel) callables per case for the activations ``x`` (``{in_features: [rows, in_features]}``)."""
-    sk, int8pack = cpu_kernels.skinny_linear, torch.ops.aten._weight_int8pack_mm
+    sk, i8, int8pack = cpu_kernels.skinny_linear, cpu_kernels.int8_linear, torch.ops.aten._weight_int8pack_mm
     xb = {k: v.bfloat16() for k, v in x.items()}
     scales_bf16 = [[s.bfloat16() for _, s in layer] for layer in layers8]
     head_scale_bf16 = head_scale.bfloat16()
@@ -72,10 +73,10 @@ def _product_cases(x, layers, layers8, head, packed, head8, head_scale) -> dict[
                         lambda: [sk(x[w.shape[1]], w) for layer in layers for w in layer]),
         "layers_int8": (lambda: [int8pack(xb[w.shape[1]], w, sb) for layer, sbs in zip(layers8, scales_bf16)
                                  for (w, _), sb in zip(layer, sbs)],
-                        lambda: [sk(x[w.shape[1]], w, s) for layer in layers8 for w, s in layer]),
+                        lambda: [i8(x[w.shape[1]], w, s) for layer in layers8 for w, s in layer]),
         "head_fp32": (lambda: torch.ops.mkldnn._linear_pointwise(x[512], packed, None, "none", [], ""),
                       lambda: sk(x[512], head)),
-        "head_int8": (lambda: int8pack(xb[512], head8, head_scale_bf16), lambda: sk(x[512], head8, head_scale)),
+        "head_int8": (lambda: int8pack(xb[512], head8, head_scale_bf16), lambda: i8(x[512], head8, head_scale)),
     }
 
 
@@ -137,12 +138,14 @@ def main() -> dict[str, Any]:
         print(f"SKIP: llminfer's CPU kernel is unavailable here: {cpu_kernels.unavailable_reason()}")
         return {"skipped": cpu_kernels.unavailable_reason()}
     reps = 1 if args.quick else args.reps
-    isa = cpu_kernels.vector_isa()
-    print(f"kernel build: {isa}", flush=True)
+    isa, int8_bits = cpu_kernels.vector_isa(), cpu_kernels.int8_activation_bits()
+    int8_path = f"integer, {int8_bits}-bit activations (VNNI)" if int8_bits else "fp32 activations"
+    print(f"kernel build: {isa}; int8 products: {int8_path}", flush=True)
     load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
     steal = StealMeter()
     with torch.inference_mode():
         payload = {"benchmark": "cpu_kernels", "threads": torch.get_num_threads(), "kernel_isa": isa,
+                   "int8_path": int8_path,
                    "products": products([1, 32] if args.quick else [1, 4, 8, 32, 64], reps),
                    "attention": attention(reps), "reps": reps, "loadavg_before": load_before,
                    "loadavg_after": " ".join(f"{x:.2f}" for x in os.getloadavg()), "steal_pct": steal.pct(),

@@ -3,8 +3,9 @@ one run, with weight bytes and the accuracy against fp32.
 
 Model: the ~102M Qwen2-shaped benchmark model (random weights, tied embeddings: 78M parameters in the
 embedding, read every step as the LM head) loaded in float32; the quantized rows quantize every linear
-layer and the LM head (``quantize_lm_head``, the default). int8-wo runs on llminfer's CPU kernel with fp32
-activations where it builds (:mod:`llminfer.backends.cpu_kernels`); int4-wo on torch's, bf16 activations.
+layer and the LM head (``quantize_lm_head``, the default). int8-wo runs on llminfer's CPU kernel where it
+builds (:mod:`llminfer.backends.cpu_kernels`: fp32 activations, or 14-bit integer ones on AVX-512 VNNI);
+int4-wo on torch's, bf16 activations.
 
 Speed: one request at a time (batch 1), a 32-token prompt, greedy, EOS ignored; ms/token is the engine's
 time per output token after the first (``(total_latency_ms - ttft_ms) / (tokens - 1)``), the median over ``--reps`` rounds that
@@ -68,7 +69,7 @@ def accuracy(path, prompts: list[list[int]], group_size: int) -> dict[str, dict[
     for mode in MODES[1:]:
         model = copy.deepcopy(ref)
         quantize_model(model, mode, group_size=group_size)
-        enable_cpu_kernels(model)  # as the engine runs int8-wo: llminfer's CPU kernel, fp32 activations
+        enable_cpu_kernels(model)  # as the engine runs int8-wo: llminfer's CPU kernel (int8_linear)
         out[mode] = logit_agreement(ref_logits, model, prompts)
         del model
     return out

@@ -174,3 +174,30 @@ def test_missing_adapter_is_a_load_error(qwen2_dir, tmp_path):
 
     with make_engine(qwen2_dir) as engine, pytest.raises(ModelLoadError, match="adapter folder .* does not exist"):
         engine.load_adapter(str(tmp_path / "nope"), "x")
+
+
+def test_adapter_operations_run_on_the_model_thread(qwen2_dir, adapters, monkeypatch):
+    """load/set/unload change the model the steps run, so they run on the engine's model thread (the one
+    that loaded the model and runs every step), not on the caller's."""
+    import threading
+
+    from llminfer.adapters import AdapterManager
+
+    seen: dict[str, int] = {}
+    for op in ("load", "set", "unload"):
+        original = getattr(AdapterManager, op)
+
+        def recording(self, *args, _op=op, _original=original, **kwargs):
+            seen[_op] = threading.get_ident()
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(AdapterManager, op, recording)
+    with make_engine(qwen2_dir, max_batch_size=2) as engine:
+        assert engine.model_thread is not None
+        model_thread = engine.model_thread.call(threading.get_ident)
+        engine.load_adapter(str(adapters["a"]), adapter_name="a", activate=False)
+        engine.set_adapter("a")
+        engine.set_adapter(None)
+        engine.unload_adapter("a")
+    assert model_thread != threading.get_ident()
+    assert seen == dict.fromkeys(("load", "set", "unload"), model_thread)

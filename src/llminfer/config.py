@@ -231,8 +231,9 @@ class EngineConfig:
     #: instead (no copy). See :mod:`llminfer.backends.prepack`.
     cpu_prepack_lm_head: bool = attrs.field(default=True, validator=_bool)
     #: On CPU (eager and compiled backends, x86-64 with AVX2 + FMA), run the fp32 decode attention and the
-    #: linear products (fp32 layers and int8 weight-only layers, with fp32 activations, at any row count, so a
-    #: row's bits do not depend on its batch) on llminfer's own kernels, built with the C++ compiler on
+    #: linear products (fp32 layers and int8 weight-only layers, at any row count, so a row's bits do not
+    #: depend on its batch; int8 with fp32 activations, or on AVX-512 VNNI with 14-bit integer activations) on
+    #: llminfer's own kernels, built with the C++ compiler on
     #: first use (about 30 s, cached); where it cannot be built, torch's kernels. See
     #: :mod:`llminfer.backends.cpu_kernels`.
     cpu_kernels: bool = attrs.field(default=True, validator=_bool)

@@ -275,7 +275,7 @@ def enable_cpu_kernels(model: nn.Module, include_head: bool = False) -> int:
     with :func:`llminfer.backends.prepack.prepack_lm_head`, whose lazily packed weight does not trace under
     ``torch.compile``, so the compiled backend takes the kernel for it) becomes a :class:`SkinnyLinear`, and every
     :class:`~llminfer.backends.weight_only.Int8WeightOnlyLinear` (the head included) takes the kernel for
-    any row count, with float32 activations.
+    any row count (:func:`int8_linear`).
 
     Args:
         model: the loaded model (modules swapped in place).

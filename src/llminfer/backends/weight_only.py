@@ -158,9 +158,11 @@ class Int8WeightOnlyLinear(_WeightOnlyLinear):
         self.register_buffer("scales", scales.to(compute_dtype))
 
     #: Set by :func:`llminfer.backends.cpu_kernels.enable_cpu_kernels`: CPU inputs of any row count run on
-    #: llminfer's AVX2 kernel with float32 activations (``compute_dtype`` is not applied: more exact, and
-    #: faster than torch's kernel at every row count measured, 1 to 128; one kernel for prefill and decode
-    #: keeps a row's result independent of how the step was packed).
+    #: llminfer's kernel (:func:`~llminfer.backends.cpu_kernels.int8_linear`: float32 activations, or on the
+    #: AVX-512 VNNI build activations rounded to 14 bits per row and exact integer sums). ``compute_dtype`` is
+    #: not applied: both are more exact than bf16 activations and faster than torch's kernel at every row
+    #: count measured, 1 to 128; one kernel for prefill and decode keeps a row's result independent of how
+    #: the step was packed.
     use_cpu_kernel = False
     _kernel_scales: torch.Tensor | None = None  # ``scales`` in float32 for that kernel (enable_cpu_kernels)
 
