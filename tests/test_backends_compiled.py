@@ -154,3 +154,32 @@ def test_parallelism_needs_vllm(backend, field):
 def test_speculative_refused_on_compiled(qwen2_dir):
     with pytest.raises(ConfigError, match="eager backend"):
         make_engine(qwen2_dir, backend=Backend.COMPILED, assistant_model_name=str(qwen2_dir))
+
+
+def test_warmup_runs_on_the_model_thread_and_any_thread_raises_the_recompile_limit(aot_eager, qwen2_dir):
+    """torch's dynamo config is per thread: the recompile limit raised when the backend was built (on the
+    model thread) reads as the default (8) in every other thread, where a warm-up of more than 8 shapes
+    then gave up compiling. Every thread that compiles raises it itself, and ``engine.warmup()`` (what
+    ``serve`` runs) compiles on the model thread, where the steps run."""
+    import threading
+
+    import torch
+
+    with make_engine(qwen2_dir, max_batch_size=2, max_num_batched_tokens=16, backend=Backend.COMPILED) as engine:
+        seen: dict[str, int] = {}
+
+        def in_a_fresh_thread():
+            engine.backend.warmup(max_tokens=1)
+            seen["limit"] = torch._dynamo.config.recompile_limit
+
+        thread = threading.Thread(target=in_a_fresh_thread)
+        thread.start()
+        thread.join()
+        assert seen["limit"] >= 64 and engine.backend.compiled_ok
+        warm, threads = engine.backend.warmup, []
+        engine.backend.warmup = lambda *args: threads.append(threading.get_ident()) or warm(*args)
+        try:
+            assert engine.warmup() >= 0
+        finally:
+            del engine.backend.warmup
+        assert threads == [engine.model_thread.call(threading.get_ident)] and engine.backend.compiled_ok

@@ -136,3 +136,64 @@ def test_switched_off_by_environment(monkeypatch):
         assert eng.run("Hi", max_new_tokens=2, ignore_eos=True).token_ids
     monkeypatch.setenv(mt.ENV, "1")
     assert mt.model_thread_enabled()
+
+
+_EXIT_WITH_RUNNING_THREADS = """
+import sys, threading
+from llminfer import EngineConfig, InferenceEngine
+engine = InferenceEngine(EngineConfig(model_name=sys.argv[1], max_batch_size=4))
+engine.run("warm", max_new_tokens=2)
+started = threading.Barrier(3)
+def work(k):
+    started.wait()
+    try:
+        first = engine.run(f"job {k}", max_new_tokens=24, ignore_eos=True)
+        second = engine.run(f"again {k}", max_new_tokens=3, ignore_eos=True)
+        print("ok", k, len(first.token_ids), len(second.token_ids), flush=True)
+    except Exception as exc:
+        print("FAILED", k, repr(exc), flush=True)
+for k in range(2):
+    threading.Thread(target=work, args=(k,)).start()
+started.wait()
+"""  # the main thread returns at once: the interpreter joins the two workers before it shuts down
+
+
+def test_requests_of_threads_still_running_at_exit_complete():
+    """Python joins non-daemon threads at exit, after ``concurrent.futures`` has shut its pools down: the
+    model thread is not such a pool, so those threads' requests (and new ones) still run."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _EXIT_WITH_RUNNING_THREADS, str(builtin_model_path())],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert sorted(done.stdout.split("\n")[:2]) == ["ok 0 24 3", "ok 1 24 3"], done.stdout + done.stderr[-2000:]
+
+
+def test_close_from_another_thread_inside_running_leaves_no_model_thread():
+    """close() while ``async with engine.running()`` serves: the streams finish, and once ``running()``
+    exits no model thread of this engine is left (its steps after close() had started a fresh one)."""
+    before = set(threading.enumerate())
+
+    async def main(eng):
+        async with eng.running():
+            async def stream(k):
+                return [c async for c in eng.generate(f"p {k}", max_new_tokens=40, ignore_eos=True)]
+
+            async with anyio.create_task_group() as tg:
+                results = []
+                for k in range(3):
+                    tg.start_soon(lambda k=k: _append(results, stream(k)))
+                await anyio.sleep(0)  # let the requests in
+                await anyio.to_thread.run_sync(eng.close)
+            assert len(results) == 3 and all(r[-1].finish_reason == "length" for r in results)
+
+    eng = make_engine(builtin_model_path(), max_batch_size=4)
+    eng.load()
+    anyio.run(main, eng)
+    left = [t for t in set(threading.enumerate()) - before if t.is_alive() and t.name.startswith("llminfer-model")]
+    assert left == [] and eng.model_thread._thread is None
+
+
+async def _append(results, coro):
+    results.append(await coro)

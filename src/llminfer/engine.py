@@ -214,6 +214,10 @@ class InferenceEngine:
                 yield self
         finally:
             self._pipeline = self._loop_token = None
+            if self._closed and self.model_thread is not None:
+                # close() from another thread let this pipeline's requests finish; their steps may have
+                # started a fresh model thread after close() ended the old one
+                self.model_thread.close()
 
     def close(self) -> None:
         """Stop the pipeline (in-flight requests finish first, up to 30 s) and refuse everything after:
@@ -226,6 +230,21 @@ class InferenceEngine:
             self._stop_background()
             if self.model_thread is not None:
                 self.model_thread.close()  # ends the thread (and its OpenMP team); a later use starts one
+
+    def warmup(self) -> int:
+        """Compile the compiled backend's graph for every step shape now, on the model thread (where the
+        steps run), instead of at the first request of each shape. Call it before serving, while no step
+        runs. Other backends do nothing.
+
+        Returns:
+            Graphs compiled by this call (0 for other backends).
+
+        Raises:
+            Exception: compilation failed and ``compile_fallback_to_eager`` is off.
+        """
+        self.load()
+        warm = getattr(self.backend, "warmup", None)
+        return int(self._on_model_thread(warm)) if warm is not None else 0
 
     def stop(self) -> None:
         """Stop the background event loop that the sync methods started (in-flight requests finish first,

@@ -273,8 +273,9 @@ class CompiledBackend(HFBackend):
         self._target: Callable = torch.compile(fn, backend=self._counter, fullgraph=True, dynamic=False)
         from llminfer.backends.cuda_graphs import batch_buckets
 
-        _raise_recompile_limit((len(self.buckets) + len(batch_buckets(max(max_batch_size, 1))))
+        self._graphs_needed = ((len(self.buckets) + len(batch_buckets(max(max_batch_size, 1))))
                                * (1 if self.split_head else len(self.keep_buckets)))
+        _raise_recompile_limit(self._graphs_needed)
         self.compiled_ok = True
         self.fallback_error: str | None = None
         self.num_compiled_steps = 0
@@ -417,6 +418,7 @@ class CompiledBackend(HFBackend):
             Exception: compilation failed and ``fallback_to_eager`` is off (with it, the backend falls back
             to eager and this returns).
         """
+        _raise_recompile_limit(self._graphs_needed)  # dynamo's config is per thread: this one's too
         before = self.num_compiles
         dev = self.device
         meta, _ = build_metadata(self.cache, [], [], [], dev, self.attention_backend)
@@ -448,6 +450,7 @@ class CompiledBackend(HFBackend):
 
     @torch.inference_mode()  # inputs must be inference tensors in every call, or dynamo's guards differ
     def _compiled_forward(self, plan: SchedulerOutput, total: int, t_pad: int, n_keep: int, k_pad: int) -> torch.Tensor:
+        _raise_recompile_limit(self._graphs_needed)  # dynamo's config is per thread (cheap when raised)
         seqs = plan.sequences
         dev = self.device
         keep: list[int] = []
@@ -505,7 +508,9 @@ def _set_attn_implementation(model: torch.nn.Module, name: str) -> None:
 
 def _raise_recompile_limit(needed: int) -> None:
     """Make room in dynamo's per-code-object cache for every bucket, times a few adapter / grad-mode states
-    (never lowers the limit; a full cache would make dynamo run new shapes uncompiled)."""
+    (never lowers the limit; a full cache would make dynamo run new shapes uncompiled). torch 2.13's dynamo
+    config is per thread (a value set in one thread reads as the default in another), so every thread
+    that compiles or runs the graph calls this first."""
     import torch._dynamo.config as dcfg
 
     want = max(64, 4 * needed)

@@ -326,7 +326,7 @@ def serve(
         raise BackendUnavailableError(f"the server needs: pip install 'llminfer[serve]' ({exc})") from None
     key = _api_key(api_key, api_key_file)
     engine = load_engine(cfg, log_level, adapter, adapter_name)
-    if compile_warmup and hasattr(engine.backend, "warmup"):
+    if compile_warmup and hasattr(engine.backend, "warmup"):  # the compiled backend
         warm_up(engine)
     asgi_app = create_app(engine, api_key=key, max_queue_size=max_queue_size, max_prompt_chars=max_prompt_chars,
                           reject_unknown_fields=reject_unknown_fields, sse_keepalive_s=sse_keepalive_s or None)
@@ -345,7 +345,7 @@ def warm_up(engine) -> int:
 
     start = time.perf_counter()
     with status("compiling the model step for every batch shape (warm-up before serving) ..."):
-        count = engine.backend.warmup()
+        count = engine.warmup()
     typer.echo(f"compiled {count} graph(s) in {time.perf_counter() - start:.1f} s before serving", err=True)
     return count
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import os
+import queue
 import threading
 import weakref
 from collections.abc import Callable
@@ -46,41 +47,40 @@ class ModelThread:
 
     Safe to use from any thread and from async code on any anyio backend. A call made from the model
     thread itself runs inline (no deadlock when a model-thread task loads something that also asks for
-    the model thread).
+    the model thread). The thread is a daemon of llminfer's own, not a ``concurrent.futures`` pool: that
+    module's exit hook shuts every pool down before the interpreter joins the user's threads, which would
+    fail the requests those threads still run at exit.
     """
 
     def __init__(self, name: str = "llminfer-model") -> None:
         self.name = name
         self._lock = threading.Lock()
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._ident: int | None = None
+        self._thread: threading.Thread | None = None
+        self._queue: queue.SimpleQueue[_Call | None] | None = None
         # A forked child has none of the parent's threads: it starts its own model thread when it needs one.
         ref = weakref.ref(self)
         os.register_at_fork(after_in_child=lambda: (thread := ref()) is not None and thread._forget())
 
     def _forget(self) -> None:
         self._lock = threading.Lock()
-        self._pool = None
-        self._ident = None
-
-    def _remember_ident(self) -> None:
-        self._ident = threading.get_ident()
+        self._thread = None
+        self._queue = None
 
     def on_thread(self) -> bool:
         """True when called from the model thread."""
-        return self._ident is not None and threading.get_ident() == self._ident
+        thread = self._thread
+        return thread is not None and threading.get_ident() == thread.ident
 
     def submit(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
-        """Queue ``fn(*args)`` on the model thread (started if need be); returns its future.
-
-        Raises:
-            RuntimeError: the interpreter is shutting down (``concurrent.futures`` takes no new work then).
-        """
+        """Queue ``fn(*args)`` on the model thread (started if need be); returns its future."""
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
         with self._lock:
-            if self._pool is None:
-                self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=self.name,
-                                                                   initializer=self._remember_ident)
-            return self._pool.submit(fn, *args)
+            if self._thread is None:
+                self._queue = queue.SimpleQueue()
+                self._thread = threading.Thread(target=_serve, args=(self._queue,), name=self.name, daemon=True)
+                self._thread.start()
+            self._queue.put((future, fn, args))  # type: ignore[union-attr]
+        return future
 
     def call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(*args)`` on the model thread and wait for it (inline when already on it).
@@ -112,11 +112,30 @@ class ModelThread:
         return future.result()
 
     def close(self) -> None:
-        """Let the thread finish what was submitted, then end it (idempotent; a later call starts a new one)."""
+        """Let the thread finish what was submitted, then end it (idempotent; a later call starts a new one).
+        Called from the model thread itself, it returns at once and the thread ends after the current call."""
         with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is None:
+            thread, calls = self._thread, self._queue
+            self._thread = self._queue = None
+        if thread is None or calls is None:
             return
-        on_thread = self.on_thread()
-        self._ident = None
-        pool.shutdown(wait=not on_thread)  # a model-thread task closing it cannot join its own thread
+        calls.put(None)
+        if threading.get_ident() != thread.ident:  # a model-thread task closing it cannot join its own thread
+            thread.join()
+
+
+_Call = tuple[concurrent.futures.Future, Callable[..., Any], tuple[Any, ...]]
+
+
+def _serve(calls: queue.SimpleQueue[_Call | None]) -> None:
+    """The model thread's loop: run each queued call into its future until the ``None`` that ends it."""
+    while (item := calls.get()) is not None:
+        future, fn, args = item
+        if not future.set_running_or_notify_cancel():
+            continue
+        try:
+            result = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller, as concurrent.futures does
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
