@@ -201,3 +201,37 @@ def test_adapter_operations_run_on_the_model_thread(qwen2_dir, adapters, monkeyp
         engine.unload_adapter("a")
     assert model_thread != threading.get_ident()
     assert seen == dict.fromkeys(("load", "set", "unload"), model_thread)
+
+
+def test_switch_refused_between_admission_and_submission(qwen2_dir, adapters, prompt):
+    """A request whose adapter stamp was checked but which has not reached the pipeline yet is in flight:
+    an adapter change in that window is refused (it used to pass the idle check, and the request then ran
+    under the new adapter while keyed, in the prefix cache, under its old one)."""
+    import threading
+
+    kw = dict(max_new_tokens=NEW, min_new_tokens=NEW)
+    with make_engine(qwen2_dir) as engine:
+        base = list(engine.run(prompt, **kw).token_ids)
+        engine.load_adapter(str(adapters["a"]), "a", activate=False)
+        admitted, go = threading.Event(), threading.Event()
+        require_portal = engine._require_portal
+
+        def paused_portal():
+            admitted.set()
+            go.wait(30)
+            return require_portal()
+
+        engine._require_portal = paused_portal
+        result: dict[str, list[int]] = {}
+        runner = threading.Thread(target=lambda: result.update(ids=list(engine.run(prompt, **kw).token_ids)))
+        runner.start()
+        try:
+            assert admitted.wait(30)
+            assert not engine.is_idle()
+            with pytest.raises(EngineError, match="in flight"):
+                engine.set_adapter("a")
+        finally:
+            go.set()
+            runner.join(60)
+            del engine._require_portal
+        assert result["ids"] == base and engine.active_adapter is None

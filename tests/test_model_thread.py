@@ -197,3 +197,32 @@ def test_close_from_another_thread_inside_running_leaves_no_model_thread():
 
 async def _append(results, coro):
     results.append(await coro)
+
+
+def test_async_admission_waits_for_an_adapter_change_without_blocking_the_loop():
+    """While an adapter change holds the admission lock (a load can take seconds), a request arriving on
+    the server's loop waits for it in a worker thread: the loop keeps running, and the request runs after."""
+    eng = make_engine(builtin_model_path(), max_batch_size=2)
+    eng.load()
+
+    async def main():
+        async with eng.running():
+            out: list = []
+
+            async def stream():
+                return [c async for c in eng.generate("hi", max_new_tokens=3, ignore_eos=True)]
+
+            eng._admission.acquire()  # as load_adapter / set_adapter / unload_adapter hold it
+            with anyio.fail_after(60):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(_append, out, stream())
+                    for _ in range(3):
+                        await anyio.sleep(0.01)  # the loop runs other tasks meanwhile
+                    assert out == []
+                    eng._admission.release()
+            assert len(out) == 1 and out[0][-1].finish_reason == "length"
+
+    try:
+        anyio.run(main)
+    finally:
+        eng.close()

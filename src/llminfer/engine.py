@@ -95,6 +95,11 @@ class InferenceEngine:
         # start() and close() from many threads at once: one portal per engine, never two half-started
         # ones, and none started after close().
         self._lifecycle = threading.RLock()
+        # Admission against adapter changes: a request's adapter stamp is checked and it is counted in
+        # flight under this lock, and an adapter change checks that nothing is in flight and makes the
+        # change under it too, so no request admitted for one adapter runs under another.
+        self._admission = threading.Lock()
+        self._admitted = 0  # requests admitted and not finished (run_requests, stream, generate_request)
 
     def __getattr__(self, name: str) -> Any:
         # The loaded pieces (tokenizer, model, max_model_len, ...) are the runtime's.
@@ -283,10 +288,46 @@ class InferenceEngine:
         return self._pipeline is not None and self._pipeline.running
 
     def is_idle(self) -> bool:
-        """True when no request is in flight: no open handle and none in the core."""
+        """True when no request is in flight: none admitted and unfinished, no open handle, none in the core."""
+        if self._admitted:
+            return False
         if self._pipeline is None or self.core is None:
             return True
         return not getattr(self._pipeline.sink, "streams", None) and not any(self.core.scheduler_stats().values())
+
+    @contextlib.contextmanager
+    def _admitted_requests(self, requests: Sequence[GenerationRequest]) -> Iterator[None]:
+        """Check the requests' adapter stamps and count them in flight until the block ends (sync callers)."""
+        with self._admission:
+            for request in requests:
+                self._check_adapter(request)
+            self._admitted += len(requests)
+        try:
+            yield
+        finally:
+            with self._admission:
+                self._admitted -= len(requests)
+
+    async def _admit_async(self, request: GenerationRequest) -> None:
+        """:meth:`_admitted_requests`'s entry for one request on an event loop: the lock is taken in a worker
+        thread when an adapter change holds it (a load can take seconds), so the loop never blocks on it."""
+        if not self._admission.acquire(blocking=False):
+            acquired: list[bool] = []
+            try:
+                await anyio.to_thread.run_sync(lambda: acquired.append(self._admission.acquire()))
+            except BaseException:
+                if acquired:  # the worker got the lock, then the caller was cancelled
+                    self._admission.release()
+                raise
+        try:
+            self._check_adapter(request)
+            self._admitted += 1
+        finally:
+            self._admission.release()
+
+    def _release_admitted(self, count: int) -> None:
+        with self._admission:
+            self._admitted -= count
 
     def _require_portal(self) -> Any:
         return self._portal_or_start()
@@ -370,10 +411,9 @@ class InferenceEngine:
         Raises:
             The first error any request raised (the others still finish or are cancelled).
         """
-        for request in requests:
-            self._check_adapter(request)
-        portal = self._require_portal()
-        results = self._call(portal, collect_all, self._running_pipeline(), list(requests))
+        with self._admitted_requests(requests):
+            portal = self._require_portal()
+            results = self._call(portal, collect_all, self._running_pipeline(), list(requests))
         for r in results:
             if isinstance(r, BaseException):
                 raise r
@@ -388,18 +428,19 @@ class InferenceEngine:
         Raises:
             as :meth:`run`; EngineClosedError: the engine was closed (before or while reading)."""
         request = self.make_request(prompt, **kwargs)
-        portal = self._require_portal()
-        chunks = RequestHandle(self._running_pipeline(), request).chunks()
-        try:
-            while True:
-                try:
-                    yield self._call(portal, chunks.__anext__)
-                except StopAsyncIteration:
-                    return
-        finally:
-            # Cancels the request when the caller stops early; nothing to do once the loop has stopped.
-            with contextlib.suppress(EngineClosedError, RuntimeError):
-                self._call(portal, chunks.aclose)
+        with self._admitted_requests([request]):
+            portal = self._require_portal()
+            chunks = RequestHandle(self._running_pipeline(), request).chunks()
+            try:
+                while True:
+                    try:
+                        yield self._call(portal, chunks.__anext__)
+                    except StopAsyncIteration:
+                        return
+            finally:
+                # Cancels the request when the caller stops early; nothing to do once the loop has stopped.
+                with contextlib.suppress(EngineClosedError, RuntimeError):
+                    self._call(portal, chunks.aclose)
 
     def chat(self, messages: Sequence[dict[str, Any]], *, tools: Sequence[Any] | None = None,
              tool_choice: str | dict[str, Any] | None = "auto", parallel_tool_calls: bool = True,
@@ -463,10 +504,13 @@ class InferenceEngine:
 
     async def generate_request(self, request: GenerationRequest) -> AsyncIterator[StreamChunk]:
         """Like :meth:`generate` for a prepared :class:`GenerationRequest` (the HTTP layer uses it)."""
-        self._check_adapter(request)
-        async with contextlib.aclosing(RequestHandle(self._running_pipeline(), request).chunks()) as chunks:
-            async for chunk in chunks:
-                yield chunk
+        await self._admit_async(request)
+        try:
+            async with contextlib.aclosing(RequestHandle(self._running_pipeline(), request).chunks()) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        finally:
+            self._release_admitted(1)
 
     # ------------------------------------------------------------------ engine-wide control
     async def _control(self, action: str) -> None:
@@ -534,8 +578,9 @@ class InferenceEngine:
             ConfigError: a bad or already used name. ModelLoadError: it cannot be loaded.
             EngineError: requests are in flight.
         """
-        manager = self._adapters_for("load an adapter")
-        return self._on_model_thread(lambda: manager.load(path_or_id, adapter_name, activate=activate))
+        with self._admission:  # no request is admitted until the adapter is in (see _admitted_requests)
+            manager = self._adapters_for("load an adapter")
+            return self._on_model_thread(lambda: manager.load(path_or_id, adapter_name, activate=activate))
 
     def set_adapter(self, adapter_name: str | None) -> None:
         """Make ``adapter_name`` the active adapter (None: the base model) for every later request;
@@ -544,8 +589,9 @@ class InferenceEngine:
         Raises:
             ConfigError: no adapter of that name. EngineError: requests are in flight.
         """
-        manager = self._adapters_for("switch adapters")
-        self._on_model_thread(manager.set, adapter_name)
+        with self._admission:
+            manager = self._adapters_for("switch adapters")
+            self._on_model_thread(manager.set, adapter_name)
 
     def unload_adapter(self, adapter_name: str) -> None:
         """Remove an adapter's weights and reset the prefix cache (a later adapter of the same name must
@@ -554,9 +600,10 @@ class InferenceEngine:
         Raises:
             ConfigError: no adapter of that name. EngineError: requests are in flight.
         """
-        manager = self._adapters_for("unload an adapter")
-        self._on_model_thread(manager.unload, adapter_name)
-        self.reset_prefix_cache()
+        with self._admission:
+            manager = self._adapters_for("unload an adapter")
+            self._on_model_thread(manager.unload, adapter_name)
+            self.reset_prefix_cache()  # before any later request is admitted
 
     # ------------------------------------------------------------------ introspection
     def cache_stats(self) -> dict[str, float | int]:
