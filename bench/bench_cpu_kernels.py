@@ -20,10 +20,12 @@ alternate in one process, so only their ratios are meant to be compared across m
 The kernel is the build this CPU gets by default (printed first: AVX-512 where the CPU has AVX-512
 F/BW/DQ/VL, else AVX2); ``LLMINFER_CPU_KERNEL_ISA=avx2`` runs the AVX2 build instead (saved as
 ``cpu_kernels_avx2``), so on an AVX-512 CPU the two builds compare through their ratios to the same torch
-kernels.
+kernels. On a CPU with AVX-512 VNNI, ``LLMINFER_CPU_KERNEL_VNNI=0`` builds without it, so the int8
+cases compare the integer path against float32 activations the same way.
 
     python bench/bench_cpu_kernels.py [--quick] [--reps 3]
     LLMINFER_CPU_KERNEL_ISA=avx2 python bench/bench_cpu_kernels.py [--quick]
+    LLMINFER_CPU_KERNEL_VNNI=0 python bench/bench_cpu_kernels.py [--quick]   (saved as cpu_kernels_novnni)
 """
 
 from __future__ import annotations
@@ -155,6 +157,8 @@ def main() -> dict[str, Any]:
     # The build this CPU gets by default saves as cpu_kernels (what run_all reads); a forced AVX2 build on an
     # AVX-512 CPU as cpu_kernels_avx2.
     name = "cpu_kernels" if cpu_kernels.target_isa() == cpu_kernels.best_isa() else "cpu_kernels_avx2"
+    if isa == "AVX-512" and "avx512_vnni" in cpu_kernels.cpu_flags() and not int8_bits:
+        name = "cpu_kernels_novnni"  # LLMINFER_CPU_KERNEL_VNNI=0: int8 on float32 activations, for comparison
     print(f"-> {save(name, payload)}")
     return payload
 

@@ -358,6 +358,21 @@ def test_build_isa_follows_the_switch_and_the_cpu_flags(monkeypatch):
     assert cpu_kernels._cache_dir("avx512") != cpu_kernels._cache_dir("avx2")
 
 
+def test_vnni_joins_the_avx512_build_where_the_cpu_has_it(monkeypatch):
+    """``-mavx512vnni`` (int8 on integer dot products) only in the AVX-512 build, only where the CPU has
+    ``avx512_vnni``, and not with ``LLMINFER_CPU_KERNEL_VNNI=0``; each choice builds in its own folder."""
+    base = {"avx2", "fma"} | cpu_kernels.AVX512_CPU_FLAGS
+    monkeypatch.delenv(cpu_kernels.VNNI_ENV, raising=False)
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: base | {"avx512_vnni"})
+    with_vnni = cpu_kernels._cache_dir("avx512")
+    assert "-mavx512vnni" in cpu_kernels.build_cflags("avx512") and "-mavx512vnni" not in cpu_kernels.build_cflags("avx2")
+    monkeypatch.setenv(cpu_kernels.VNNI_ENV, "0")
+    assert "-mavx512vnni" not in cpu_kernels.build_cflags("avx512") and cpu_kernels._cache_dir("avx512") != with_vnni
+    monkeypatch.delenv(cpu_kernels.VNNI_ENV)
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: base)
+    assert "-mavx512vnni" not in cpu_kernels.build_cflags("avx512")
+
+
 def test_loaded_build_matches_the_switch():
     assert cpu_kernels.skinny_linear_available(), cpu_kernels.unavailable_reason()
     want = "AVX-512" if cpu_kernels.target_isa() == "avx512" else "AVX2"

@@ -57,9 +57,10 @@ CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off")
 #: Added to :data:`CFLAGS` for the AVX-512 build, which needs every one of :data:`AVX512_CPU_FLAGS`.
 AVX512_CFLAGS = ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl")
 AVX512_CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512dq", "avx512vl"})
-#: Added to the AVX-512 build where the CPU has ``avx512_vnni``: int8 products then run on integer dot
-#: products (:func:`int8_linear`).
+#: Added to the AVX-512 build where the CPU has ``avx512_vnni`` (unless ``$LLMINFER_CPU_KERNEL_VNNI`` is
+#: ``0``): int8 products then run on integer dot products (:func:`int8_linear`).
 VNNI_CFLAGS = ("-mavx512vnni",)
+VNNI_ENV = "LLMINFER_CPU_KERNEL_VNNI"
 DISABLE_ENV = "LLMINFER_CPU_KERNELS"
 ISA_ENV = "LLMINFER_CPU_KERNEL_ISA"
 
@@ -87,7 +88,14 @@ def build_cflags(isa: str) -> tuple[str, ...]:
     :data:`VNNI_CFLAGS` where the CPU has ``avx512_vnni``)."""
     if isa != "avx512":
         return CFLAGS
-    return CFLAGS + AVX512_CFLAGS + (VNNI_CFLAGS if "avx512_vnni" in cpu_flags() else ())
+    return CFLAGS + AVX512_CFLAGS + (VNNI_CFLAGS if vnni_wanted() else ())
+
+
+def vnni_wanted() -> bool:
+    """Whether the AVX-512 build takes VNNI: the CPU has ``avx512_vnni`` and ``$LLMINFER_CPU_KERNEL_VNNI``
+    is not ``0`` / ``false`` / ``off`` / ``no`` (which keeps int8 products on float32 activations)."""
+    off = os.environ.get(VNNI_ENV, "1").strip().lower() in ("0", "false", "off", "no")
+    return "avx512_vnni" in cpu_flags() and not off
 
 
 def _cache_dir(isa: str = "avx2") -> Path:
