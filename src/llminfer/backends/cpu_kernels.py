@@ -4,7 +4,9 @@
 ``x @ (weight * scale[:, None]).T + bias`` for a float32 ``x`` ``[M, K]`` and a float32 or int8 ``weight``
 ``[N, K]`` (``K % 8 == 0``), accumulating in float32 (source: ``csrc/cpu_kernels.cpp``). It is made for the
 decode step, where ``M`` (the step's rows) is small and the product is bound by the weight bytes read:
-each thread reads a tile of output channels once for four activation rows at a time. Measured on an AMD
+each thread reads a tile of output channels once for four activation rows at a time (for a single row,
+one channel after another, so the tile is one sequential stream). :func:`int8_linear` is the int8-wo
+layers' entry: the same product, or on an AVX-512 VNNI CPU one on integer dot products. Measured on an AMD
 EPYC with AVX2 only (2 threads, ``python bench/bench_cpu_kernels.py``): the 56 fp32 linear layers of the
 bench model 1.5x faster than ``F.linear`` at 1 row and 1.3-3.3x at 4-64 rows; the int8 layers and LM head
 1.2-2.1x faster than ``aten._weight_int8pack_mm`` (bf16 activations) from 1 to 64 rows. Every fp32 and
@@ -30,7 +32,10 @@ build back to back, as ratios to the same torch kernels: on an Intel Xeon (Sapph
 1.44 vs 1.56 for the int8 head) and at 32 rows the AVX-512 build is the faster one (fp32 layers 1.35 vs
 0.93, int8 layers 1.37 vs 0.92, fp32 head 0.92 vs 0.59, int8 head 1.43 vs 0.92); on an AMD EPYC (Zen 4,
 ``--reps 3``, two rounds of each build) the fp32 layers 2.08-2.15 vs 1.70-1.98 at 1 row and
-1.37-1.56 vs 1.14-1.24 at 32 rows. Where it cannot be built or loaded (no compiler, no AVX2/FMA, not x86-64),
+1.37-1.56 vs 1.14-1.24 at 32 rows (before the one-row sequential stream and the VNNI path; after them,
+``--quick`` on the same CPU: fp32 layers 2.58 at 1 row and 1.35 at 32, int8 layers against
+``_weight_int8pack_mm`` 1.68 and 1.43, the int8 head 1.37 and 1.44, the fp32 head against oneDNN 1.23 at
+1 row and 0.86 at 32). Where it cannot be built or loaded (no compiler, no AVX2/FMA, not x86-64),
 :func:`skinny_linear_available` is False with the reason in :func:`unavailable_reason`, one warning is
 logged, and the callers keep torch's kernels. ``LLMINFER_CPU_KERNELS=0`` turns it off.
 """
