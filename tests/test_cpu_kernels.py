@@ -22,6 +22,13 @@ pytestmark = pytest.mark.skipif(cpu_kernels._why_not_here() is not None,
                                 reason=f"llminfer's CPU kernel cannot run here: {cpu_kernels._why_not_here()}")
 
 
+@pytest.fixture(autouse=True)
+def _kernel_loaded():
+    """Every test may call the ops directly: load (and on first use build) the kernel first, whichever
+    tests run and in whatever order."""
+    cpu_kernels.skinny_linear_available()
+
+
 def test_kernel_builds_here():
     assert cpu_kernels.skinny_linear_available(), cpu_kernels.unavailable_reason()
 
@@ -148,6 +155,18 @@ def test_skinny_linear_rows_are_batch_invariant():
 def test_skinny_linear_rejects_bad_arguments(args, match):
     with pytest.raises(RuntimeError, match=match):
         cpu_kernels.skinny_linear(*args)
+
+
+@pytest.mark.parametrize("args, match", [
+    ((torch.randn(2, 64), torch.randn(3, 64), torch.rand(3)), "int8"),
+    ((torch.randn(2, 64), torch.ones(3, 64, dtype=torch.int8), torch.rand(4)), "scale"),
+    ((torch.randn(2, 64).double(), torch.ones(3, 64, dtype=torch.int8), torch.rand(3)), "float32"),
+    ((torch.randn(2, 64), torch.ones(3, 32, dtype=torch.int8), torch.rand(3)), "K"),
+    ((torch.randn(2, 64), torch.ones(3, 64, dtype=torch.int8), torch.rand(3), torch.rand(2)), "bias"),
+])
+def test_int8_linear_rejects_bad_arguments(args, match):
+    with pytest.raises(RuntimeError, match=match):
+        cpu_kernels.int8_linear(*args)
 
 
 def test_skinny_linear_module_falls_back_outside_its_domain():

@@ -433,27 +433,41 @@ void int8_linear_impl(const float* x, int64_t M, int64_t K, const int8_t* w, int
 }
 #endif  // LLMINFER_KERNEL_VNNI
 
-at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scale,
-                         const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "skinny_linear: CPU tensors only");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "skinny_linear: x must be a contiguous float32 [M, K] tensor");
-  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.size(1) == x.size(1),
-              "skinny_linear: weight must be a contiguous [N, K] tensor with x's K");
-  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  TORCH_CHECK(K % 8 == 0, "skinny_linear: K must be a multiple of 8, got ", K);
-  const float* scale_p = nullptr;
-  const float* bias_p = nullptr;
+// The checked shapes and pointers of a linear product's arguments (`op` names the op in the errors).
+struct LinearArgs {
+  int64_t M, K, N;
+  const float* scale;
+  const float* bias;
+};
+
+LinearArgs check_linear_args(const char* op, const at::Tensor& x, const at::Tensor& weight,
+                             const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), op, ": CPU tensors only");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), op,
+              ": x must be a contiguous float32 [M, K] tensor");
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.size(1) == x.size(1), op,
+              ": weight must be a contiguous [N, K] tensor with x's K");
+  LinearArgs a{x.size(0), x.size(1), weight.size(0), nullptr, nullptr};
+  TORCH_CHECK(a.K % 8 == 0, op, ": K must be a multiple of 8, got ", a.K);
   if (scale.has_value()) {
-    TORCH_CHECK(scale->scalar_type() == at::kFloat && scale->is_contiguous() && scale->numel() == N,
-                "skinny_linear: scale must be a contiguous float32 [N] tensor");
-    scale_p = scale->data_ptr<float>();
+    TORCH_CHECK(scale->scalar_type() == at::kFloat && scale->is_contiguous() && scale->numel() == a.N, op,
+                ": scale must be a contiguous float32 [N] tensor");
+    a.scale = scale->data_ptr<float>();
   }
   if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
-                "skinny_linear: bias must be a contiguous float32 [N] tensor");
-    bias_p = bias->data_ptr<float>();
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == a.N, op,
+                ": bias must be a contiguous float32 [N] tensor");
+    a.bias = bias->data_ptr<float>();
   }
+  return a;
+}
+
+at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scale,
+                         const c10::optional<at::Tensor>& bias) {
+  const LinearArgs a = check_linear_args("skinny_linear", x, weight, scale, bias);
+  const int64_t M = a.M, K = a.K, N = a.N;
+  const float* scale_p = a.scale;
+  const float* bias_p = a.bias;
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
   if (weight.scalar_type() == at::kFloat) {
@@ -476,23 +490,11 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
 #if LLMINFER_KERNEL_VNNI
   const int64_t K = x.dim() == 2 ? x.size(1) : 0;
   if (K > 0 && K % kIntK == 0 && K <= kIntMaxK) {
-    TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "int8_linear: CPU tensors only");
-    TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(),
-                "int8_linear: x must be a contiguous float32 [M, K] tensor");
-    TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.size(1) == K,
-                "int8_linear: weight must be a contiguous [N, K] tensor with x's K");
-    const int64_t M = x.size(0), N = weight.size(0);
-    TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == N,
-                "int8_linear: scale must be a contiguous float32 [N] tensor");
-    const float* bias_p = nullptr;
-    if (bias.has_value()) {
-      TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
-                  "int8_linear: bias must be a contiguous float32 [N] tensor");
-      bias_p = bias->data_ptr<float>();
-    }
-    at::Tensor out = at::empty({M, N}, x.options());
-    if (M == 0 || N == 0) return out;
-    int8_linear_impl(x.data_ptr<float>(), M, K, weight.data_ptr<int8_t>(), N, scale.data_ptr<float>(), bias_p,
+    TORCH_CHECK(scale.defined(), "int8_linear: scale is required");
+    const LinearArgs a = check_linear_args("int8_linear", x, weight, scale, bias);
+    at::Tensor out = at::empty({a.M, a.N}, x.options());
+    if (a.M == 0 || a.N == 0) return out;
+    int8_linear_impl(x.data_ptr<float>(), a.M, a.K, weight.data_ptr<int8_t>(), a.N, a.scale, a.bias,
                      out.data_ptr<float>());
     return out;
   }
