@@ -172,7 +172,8 @@ def test_requests_of_threads_still_running_at_exit_complete():
 
 def test_close_from_another_thread_inside_running_leaves_no_model_thread():
     """close() while ``async with engine.running()`` serves: the streams finish, and once ``running()``
-    exits no model thread of this engine is left (its steps after close() had started a fresh one)."""
+    exits the engine holds no share of the model thread (its steps after close() had taken one again),
+    so no model thread is left that was not there before."""
     before = set(threading.enumerate())
 
     async def main(eng):
@@ -192,7 +193,7 @@ def test_close_from_another_thread_inside_running_leaves_no_model_thread():
     eng.load()
     anyio.run(main, eng)
     left = [t for t in set(threading.enumerate()) - before if t.is_alive() and t.name.startswith("llminfer-model")]
-    assert left == [] and eng.model_thread._thread is None
+    assert left == [] and not eng.model_thread.held
 
 
 async def _append(results, coro):
@@ -226,3 +227,32 @@ def test_async_admission_waits_for_an_adapter_change_without_blocking_the_loop()
         anyio.run(main)
     finally:
         eng.close()
+
+
+def test_engines_of_a_process_share_one_model_thread():
+    """Two engines load and step on the same thread (one OpenMP team, however many engines are loaded);
+    the thread ends when the last engine holding a share closes, and a share taken again after close()
+    (an engine used afterwards) is given back by the next close()."""
+    def steps_on(eng):
+        seen = []
+        execute = eng.backend.execute
+        eng.backend.execute = lambda plan: seen.append(threading.get_ident()) or execute(plan)
+        try:
+            eng.run("hi", max_new_tokens=2, ignore_eos=True)
+        finally:
+            del eng.backend.execute
+        return set(seen)
+
+    first, second = make_engine(builtin_model_path(), max_batch_size=2), make_engine(builtin_model_path())
+    try:
+        shared = first.model_thread.call(threading.get_ident)
+        assert second.model_thread.call(threading.get_ident) == shared
+        assert steps_on(first) == steps_on(second) == {shared}
+    finally:
+        first.close()
+        assert not first.model_thread.held and second.model_thread.held
+        assert second.model_thread.call(threading.get_ident) == shared  # still running for the second
+        second.close()
+    assert first.model_thread.call(threading.get_ident) is not None and first.model_thread.held
+    first.model_thread.close()
+    assert not first.model_thread.held

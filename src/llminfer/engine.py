@@ -27,7 +27,7 @@ import attrs
 from llminfer import assembly
 from llminfer.chat import ChatResult
 from llminfer.config import Backend, EngineConfig
-from llminfer.core.model_thread import ModelThread, model_thread_enabled
+from llminfer.core.model_thread import ModelThreadLease, model_thread_enabled, shared_model_thread
 from llminfer.errors import EngineClosedError, EngineError, InvalidRequestError
 from llminfer.frontend.input import InputProcessor, build_request
 from llminfer.frontend.output import RequestHandle, collect_all
@@ -87,11 +87,12 @@ class InferenceEngine:
         self._portal_cm = self._portal = self._pipeline_cm = None  # the background loop (sync API)
         self._loop_token: Any = None  # the caller's event loop, inside ``running()``
         self._closed = False
-        # Loading and every step run on this one thread, so torch's OpenMP keeps one thread team (see
-        # llminfer.core.model_thread); None with LLMINFER_MODEL_THREAD=0, and for vLLM, whose engine is
-        # created where the caller is (it may install signal handlers, which only the main thread can).
+        # Loading and every step run on one thread, shared by every engine of the process, so torch's
+        # OpenMP keeps one thread team (see llminfer.core.model_thread); None with LLMINFER_MODEL_THREAD=0,
+        # and for vLLM, whose engine is created where the caller is (it may install signal handlers, which
+        # only the main thread can).
         use_thread = model_thread_enabled() and self.cfg.backend is not Backend.VLLM
-        self.model_thread: ModelThread | None = ModelThread() if use_thread else None
+        self.model_thread: ModelThreadLease | None = shared_model_thread() if use_thread else None
         # start() and close() from many threads at once: one portal per engine, never two half-started
         # ones, and none started after close().
         self._lifecycle = threading.RLock()
@@ -220,8 +221,8 @@ class InferenceEngine:
         finally:
             self._pipeline = self._loop_token = None
             if self._closed and self.model_thread is not None:
-                # close() from another thread let this pipeline's requests finish; their steps may have
-                # started a fresh model thread after close() ended the old one
+                # close() from another thread let this pipeline's requests finish; their steps took a
+                # share of the model thread again after close() gave it back
                 self.model_thread.close()
 
     def close(self) -> None:
@@ -234,7 +235,7 @@ class InferenceEngine:
         with self._lifecycle:
             self._stop_background()
             if self.model_thread is not None:
-                self.model_thread.close()  # ends the thread (and its OpenMP team); a later use starts one
+                self.model_thread.close()  # gives its share back; the last one ends the thread and its team
 
     def warmup(self) -> int:
         """Compile the compiled backend's graph for every step shape now, on the model thread (where the

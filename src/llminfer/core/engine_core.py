@@ -27,7 +27,7 @@ import anyio
 import structlog
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
-from llminfer.core.model_thread import ModelThread
+from llminfer.core.model_thread import ModelThread, ModelThreadLease
 from llminfer.core.scheduler import Scheduler
 from llminfer.errors import EngineError, LLMInferError, RequestAbortedError
 from llminfer.protocols import Backend
@@ -74,7 +74,7 @@ class EngineCore:
 
     def __init__(self, scheduler: Scheduler, backend: Backend, batch_timeout_ms: float = 0.0,
                  tracer: Tracer | None = None, stat_loggers: list[StatLogger] | None = None,
-                 model_thread: ModelThread | None = None) -> None:
+                 model_thread: ModelThread | ModelThreadLease | None = None) -> None:
         if not isinstance(backend, Backend):
             raise TypeError(f"{backend!r} is not a Backend (needs name, execute(plan), release(ids) and describe())")
         self.scheduler = scheduler
