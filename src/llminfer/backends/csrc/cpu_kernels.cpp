@@ -35,8 +35,8 @@
 #else
 #define LLMINFER_KERNEL_AVX512 0
 #endif
-// VNNI (vpdpbusd: 64 u8 x s8 products summed into 16 int32 lanes per instruction) in the AVX-512 build
-// where the CPU has it: int8 products then take the integer path (int8_linear below).
+// AVX-512 VNNI (vpdpwssd: 32 int16 x int16 products added pairwise into 16 int32 lanes per instruction) in
+// the AVX-512 build where the CPU has it: int8 products then take the integer path (int8_linear below).
 #if LLMINFER_KERNEL_AVX512 && defined(__AVX512VNNI__)
 #define LLMINFER_KERNEL_VNNI 1
 #else
