@@ -29,10 +29,19 @@ def require_peft() -> Any:
     Raises:
         BackendUnavailableError: PEFT is not installed (one line: how to install it).
     """
+    import logging
+
+    # PEFT imports bitsandbytes, which on AVX-512 BF16 CPUs logs a warning about an optional package
+    # ("Failed to load CPU gemm_4bit_forward from kernels-community") that no LoRA user can act on.
+    bnb_cpu = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    level = bnb_cpu.level
+    bnb_cpu.setLevel(logging.ERROR)
     try:
         import peft
     except ImportError:
         raise BackendUnavailableError(INSTALL_HINT) from None
+    finally:
+        bnb_cpu.setLevel(level)
     return peft
 
 
@@ -52,8 +61,12 @@ def load(model: torch.nn.Module, path_or_id: str, name: str, download_kwargs: di
     Raises:
         Exception: whatever transformers / PEFT raise for a missing or mismatched adapter.
     """
+    from llminfer.backends.loading import quiet_transformers
+
     require_peft()
-    with warnings.catch_warnings():
+    # quiet: transformers prints a progress bar and a "load report" listing the base weights as MISSING
+    # from the adapter's checkpoint (they are, and stay as loaded), which reads as if they were re-initialized
+    with warnings.catch_warnings(), quiet_transformers():
         # PEFT warns that a second adapter makes "multiple adapters in the model": that is the point.
         warnings.filterwarnings("ignore", message=".*peft_config.*", category=UserWarning)
         model.load_adapter(path_or_id, adapter_name=name, adapter_kwargs=download_kwargs)

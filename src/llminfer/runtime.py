@@ -294,8 +294,10 @@ def _cpu_kernel_line(rt: Runtime, cfg: EngineConfig) -> str:
         from llminfer.backends.cpu_kernels import int8_activation_bits, vector_isa
 
         int8 = ""
-        if cfg.quant.mode is QuantMode.INT8_WO and int8_activation_bits():
-            int8 = f"; int8 on VNNI integer dot products, {int8_activation_bits()}-bit activations"
+        if cfg.quant.mode is QuantMode.INT8_WO:
+            bits = int8_activation_bits()
+            int8 = (f"; int8 on VNNI integer dot products, {bits}-bit activations" if bits
+                    else "; int8 with float32 activations")
         return f"skinny_linear on {rt.cpu_kernel_layers} layers ({vector_isa()}, every row count{int8})"
     if rt.device.type != "cpu" or cfg.backend is Backend.VLLM:
         return "off (CPU eager and compiled backends only)"

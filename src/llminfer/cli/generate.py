@@ -255,7 +255,7 @@ def info(
         return
     width = max(len(k) for k in facts)
     for key, value in facts.items():
-        if key.endswith("_bytes") and isinstance(value, int):
+        if (key.endswith("_bytes") or "_bytes_" in key) and isinstance(value, int):
             value = f"{value:,} bytes ({value / 2**20:.1f} MiB)"
         elif key == "parameters":
             value = f"{value:,}"
