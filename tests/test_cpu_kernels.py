@@ -454,8 +454,8 @@ def test_other_build_where_the_cpu_has_avx512():
 
 
 def test_ops_trace_under_torch_compile():
-    """Both ops have fake (shape-only) implementations, so ``torch.compile(fullgraph=True)`` captures them
-    in one graph (without them dynamo cannot trace the op and fullgraph raises) and the graph computes
+    """The ops (both linear products and the attention) have fake (shape-only) implementations, so
+    ``torch.compile(fullgraph=True)`` captures them in one graph (without them dynamo cannot trace the op and fullgraph raises) and the graph computes
     what the eager call does."""
     assert cpu_kernels.skinny_linear_available(), cpu_kernels.unavailable_reason()
     torch.manual_seed(0)

@@ -155,8 +155,9 @@ _fakes_registered = False
 
 
 def _register_fake_impls() -> None:
-    """Shape-only implementations of the two ops, so ``torch.compile`` (the compiled backend) traces
-    through them and inductor calls them as extern kernels instead of breaking the graph. Once per process:
+    """Shape-only implementations of the ops (skinny_linear, int8_linear, paged_decode_attention), so
+    ``torch.compile`` (the compiled backend) traces through them and inductor calls them as extern kernels
+    instead of breaking the graph. Once per process:
     the C++ library outlives :func:`_reset_for_tests`."""
     global _fakes_registered
     if _fakes_registered:
