@@ -169,6 +169,17 @@ def test_cli_adapter(qwen2_dir, adapters, capsys):
     assert base != tuned and '"token_ids"' in tuned
 
 
+def test_adapter_load_is_quiet(qwen2_dir, adapters, capfd):
+    """No transformers progress bar or load report (it lists the base weights as MISSING from the adapter's
+    checkpoint, which reads as if they were re-initialized), and no bitsandbytes import warning."""
+    with make_engine(qwen2_dir) as engine:
+        capfd.readouterr()
+        engine.load_adapter(str(adapters["a"]), "quiet")
+        out, err = capfd.readouterr()
+    assert "LOAD REPORT" not in out + err and "MISSING" not in out + err and "Loading weights" not in err
+    assert "gemm_4bit_forward" not in out + err
+
+
 def test_missing_adapter_is_a_load_error(qwen2_dir, tmp_path):
     from llminfer import ModelLoadError
 

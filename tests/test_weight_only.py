@@ -181,6 +181,20 @@ def test_engine_matches_hf_on_the_quantized_model_with_prefix_cache(int8_engine,
     assert 0.5 <= facts["quantized_linear_bytes"] / facts["quantized_linear_bf16_bytes"] <= 0.55
     assert facts["weight_bytes"] < facts["weight_bytes_unquantized"]
     assert facts["parameters"] == sum(p.numel() for p in hf_fp32.parameters())
+    # the CPU kernel line names the int8 path this build runs
+    from llminfer.backends import cpu_kernels
+
+    if cpu_kernels.skinny_linear_available():
+        bits = cpu_kernels.int8_activation_bits()
+        want_path = f"int8 on VNNI integer dot products, {bits}-bit activations" if bits else "int8 with float32"
+        assert want_path in facts["cpu_kernel"], facts["cpu_kernel"]
+
+
+def test_cli_info_formats_every_byte_count(qwen2_dir, capsys):
+    main(["info", "--model", str(qwen2_dir), "--device", "cpu", "--quant", "int8-wo"])
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.strip()}
+    for key in ("weight_bytes", "weight_bytes_unquantized", "quantized_linear_bytes"):
+        assert " bytes (" in lines[key] and "MiB)" in lines[key], lines[key]
 
 
 def test_speculative_with_quantized_target_and_draft(qwen2_dir, int8_case):

@@ -306,8 +306,7 @@ class InferenceEngine:
         try:
             yield
         finally:
-            with self._admission:
-                self._admitted -= len(requests)
+            self._release_admitted(len(requests))
 
     async def _admit_async(self, request: GenerationRequest) -> None:
         """:meth:`_admitted_requests`'s entry for one request on an event loop: the lock is taken in a worker
