@@ -392,6 +392,17 @@ def test_vnni_joins_the_avx512_build_where_the_cpu_has_it(monkeypatch):
     assert "-mavx512vnni" not in cpu_kernels.build_cflags("avx512")
 
 
+def test_bf16_joins_the_avx512_build_where_the_cpu_has_it(monkeypatch):
+    """``-mavx512bf16`` (bf16 products on vdpbf16ps) only in the AVX-512 build and only where the CPU has
+    ``avx512_bf16``; each choice builds in its own folder."""
+    base = {"avx2", "fma"} | cpu_kernels.AVX512_CPU_FLAGS
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: base | {"avx512_bf16"})
+    with_bf16 = cpu_kernels._cache_dir("avx512")
+    assert "-mavx512bf16" in cpu_kernels.build_cflags("avx512") and "-mavx512bf16" not in cpu_kernels.build_cflags("avx2")
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: base)
+    assert "-mavx512bf16" not in cpu_kernels.build_cflags("avx512") and cpu_kernels._cache_dir("avx512") != with_bf16
+
+
 def test_loaded_build_matches_the_switch():
     assert cpu_kernels.skinny_linear_available(), cpu_kernels.unavailable_reason()
     want = "AVX-512" if cpu_kernels.target_isa() == "avx512" else "AVX2"
@@ -431,6 +442,13 @@ for d in (24, 64):  # decode attention, head_dim 24 ends in half a vector
             vals = torch.stack([vc[kv, blk, off] for blk, off in slots]).double()
             p = torch.softmax(keys @ q[bi, h].double() / math.sqrt(d), dim=0)
             torch.testing.assert_close(out[bi, h].double(), p @ vals, atol=1e-5, rtol=1e-5)
+if sys.argv[1] == "AVX2":  # no bf16 path: the op says so instead of computing anything
+    assert not torch.ops.llminfer_cpu.bf16_supported() and not cpu_kernels.bf16_kernel_available()
+    try:
+        cpu_kernels.bf16_linear(torch.zeros(1, 32).bfloat16(), torch.zeros(2, 32).bfloat16())
+        raise AssertionError("bf16_linear ran on the AVX2 build")
+    except RuntimeError as exc:
+        assert "no AVX-512 BF16 path" in str(exc), exc
 print("other build ok")
 """
 
@@ -500,3 +518,122 @@ def test_compiled_backend_uses_the_kernels(model_dirs, monkeypatch):
         assert engine.run("compiled kernels", max_new_tokens=6, ignore_eos=True).token_ids == want
         stats = engine.backend.stats()
         assert stats["compiled_steps"] > 0 and stats["eager_steps"] == 0
+
+
+# ------------------------------------------------------------------------------------------ bf16 (vdpbf16ps)
+def _bf16_path() -> bool:
+    assert cpu_kernels.skinny_linear_available(), cpu_kernels.unavailable_reason()
+    return cpu_kernels.bf16_kernel_available()
+
+
+needs_bf16 = pytest.mark.skipif("avx512_bf16" not in cpu_kernels.cpu_flags(), reason="this CPU has no AVX-512 BF16")
+
+
+@needs_bf16
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 17, 300])
+@pytest.mark.parametrize("n, k", [(1, 32), (7, 512), (130, 64), (67, 1536), (6, 96)])
+@pytest.mark.parametrize("bias", [None, "bf16", "fp32"])
+def test_bf16_linear_matches_float64(m, n, k, bias):
+    """Within float32 accumulation and one bf16 rounding of the float64 product of the same bf16 values."""
+    assert _bf16_path()
+    g = torch.Generator().manual_seed(m * 100 + n + k)
+    x, w = torch.randn(m, k, generator=g).bfloat16(), torch.randn(n, k, generator=g).bfloat16()
+    b = None if bias is None else torch.randn(n, generator=g).to(torch.bfloat16 if bias == "bf16" else torch.float32)
+    out = cpu_kernels.bf16_linear(x, w, b)
+    assert out.shape == (m, n) and out.dtype == torch.bfloat16
+    ref = _ref(x, w, None, b)
+    # half a bf16 step of the result (2**-9 relative) plus float32 accumulation over k
+    err = (out.double() - ref).abs()
+    assert (err <= 2.0**-8 * ref.abs() + 1e-5 * k).all(), err.max()
+
+
+@needs_bf16
+def test_bf16_linear_rows_are_batch_invariant():
+    """A row's bf16 result has the same bits alone and in any batch, at any place in a tile, on 1 or 2
+    threads, with and without bias (the one-row stream and the interleaved tile run the same instructions)."""
+    assert _bf16_path()
+    g = torch.Generator().manual_seed(1)
+    w, b = torch.randn(131, 512, generator=g).bfloat16(), torch.randn(131, generator=g).bfloat16()
+    row = torch.randn(1, 512, generator=g).bfloat16()
+    alone = [cpu_kernels.bf16_linear(row, w, bias) for bias in (None, b)]
+    threads = torch.get_num_threads()
+    try:
+        for num_threads, m, at in ((1, 7, 5), (threads, 2, 0), (threads, 4, 3), (threads, 5, 4), (threads, 33, 17),
+                                   (threads, 300, 150), (1, 300, 299)):
+            torch.set_num_threads(num_threads)
+            x = torch.randn(m, 512, generator=g).bfloat16()
+            x[at] = row[0]
+            for bias, ref in zip((None, b), alone):
+                assert torch.equal(cpu_kernels.bf16_linear(x, w, bias)[at], ref[0]), (m, at, bias is None)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_bf16
+@pytest.mark.parametrize("args, match", [
+    ((torch.randn(2, 48).bfloat16(), torch.randn(3, 48).bfloat16()), "multiple of 32"),
+    ((torch.randn(2, 64), torch.randn(3, 64).bfloat16()), "bfloat16"),
+    ((torch.randn(2, 64).bfloat16(), torch.randn(3, 64)), "bfloat16"),
+    ((torch.randn(2, 64).bfloat16(), torch.randn(3, 32).bfloat16()), "K"),
+    ((torch.randn(2, 64).bfloat16(), torch.randn(64, 3).bfloat16().t()), "contiguous"),
+    ((torch.randn(2, 64).bfloat16(), torch.randn(3, 64).bfloat16(), torch.rand(4)), "bias"),
+    ((torch.randn(2, 64).bfloat16(), torch.randn(3, 64).bfloat16(), torch.rand(3).half()), "bias"),
+])
+def test_bf16_linear_rejects_bad_arguments(args, match):
+    assert _bf16_path()
+    with pytest.raises(RuntimeError, match=match):
+        cpu_kernels.bf16_linear(*args)
+
+
+@needs_bf16
+def test_bf16_skinny_linear_takes_the_kernel_up_to_its_row_limit():
+    """A bf16 ``SkinnyLinear``: up to BF16_KERNEL_MAX_ROWS rows exactly :func:`bf16_linear`, beyond exactly
+    ``F.linear``; ``enable_cpu_kernels`` swaps bf16 layers (K % 32 == 0) only where the path runs and
+    ``LLMINFER_CPU_KERNEL_BF16`` is not 0."""
+    assert _bf16_path()
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 24).bfloat16()
+    model = nn.Sequential(lin, nn.Linear(48, 8).bfloat16())  # 48 % 32 != 0: stays
+    assert cpu_kernels.enable_cpu_kernels(model) == 1
+    mod = model[0]
+    assert isinstance(mod, cpu_kernels.SkinnyLinear) and type(model[1]) is nn.Linear and mod.weight is lin.weight
+    limit = cpu_kernels.BF16_KERNEL_MAX_ROWS
+    with torch.inference_mode():
+        small = torch.randn(1, limit, 64).bfloat16()
+        assert torch.equal(mod(small)[0], cpu_kernels.bf16_linear(small[0], lin.weight, lin.bias))
+        big = torch.randn(limit + 1, 64).bfloat16()
+        assert torch.equal(mod(big), F.linear(big, lin.weight, lin.bias))
+    import os
+    os.environ[cpu_kernels.BF16_ENV] = "0"
+    try:
+        assert not cpu_kernels.bf16_kernel_available()
+        assert cpu_kernels.enable_cpu_kernels(nn.Sequential(nn.Linear(64, 8).bfloat16())) == 0
+    finally:
+        del os.environ[cpu_kernels.BF16_ENV]
+
+
+@needs_bf16
+def test_bf16_engine_runs_its_layers_and_small_head_steps_on_the_kernel(model_dirs, monkeypatch):
+    """A bf16 engine (eager): every linear layer is a bf16 ``SkinnyLinear``, the oneDNN-packed head takes
+    the kernel for small steps, ``info`` says so; with ``cpu_kernels=False`` or ``LLMINFER_CPU_KERNEL_BF16=0``
+    none of that, and the greedy tokens of the first steps agree (bf16 rounding may part them later)."""
+    from llminfer.backends.prepack import PrepackedLinear
+
+    assert _bf16_path()
+    with make_engine(model_dirs["qwen2"], max_batch_size=2, dtype="bfloat16") as engine:
+        model = engine.runtime.model
+        swapped = [m for m in model.modules() if isinstance(m, cpu_kernels.SkinnyLinear)]
+        assert swapped and all(m.weight.dtype == torch.bfloat16 for m in swapped)
+        assert len(swapped) == engine.runtime.cpu_kernel_layers
+        head = model.get_output_embeddings()
+        assert isinstance(head, PrepackedLinear) and head.bf16_kernel_rows == cpu_kernels.BF16_KERNEL_MAX_ROWS
+        assert "bf16 on AVX-512 BF16 up to" in engine.info()["cpu_kernel"]
+        on = engine.run("bf16 kernel", max_new_tokens=3, ignore_eos=True).token_ids
+    for kw in ({"cpu_kernels": False}, {}):
+        if not kw:
+            monkeypatch.setenv(cpu_kernels.BF16_ENV, "0")
+        with make_engine(model_dirs["qwen2"], max_batch_size=2, dtype="bfloat16", **kw) as engine:
+            model = engine.runtime.model
+            assert not any(isinstance(m, cpu_kernels.SkinnyLinear) for m in model.modules())
+            assert getattr(model.get_output_embeddings(), "bf16_kernel_rows", 0) == 0
+            assert engine.run("bf16 kernel", max_new_tokens=3, ignore_eos=True).token_ids[:1] == on[:1]

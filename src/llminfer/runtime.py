@@ -135,9 +135,13 @@ def load_runtime(cfg: EngineConfig) -> Runtime:
                 and skinny_linear_available()):
             rt.attention_backend = "cpu"
     if cfg.cpu_prepack_lm_head and cfg.backend is Backend.EAGER:
-        from llminfer.backends.prepack import prepack_lm_head
+        from llminfer.backends.cpu_kernels import BF16_KERNEL_MAX_ROWS, bf16_kernel_available
+        from llminfer.backends.prepack import PrepackedLinear, prepack_lm_head
 
         prepack_lm_head(rt.model)
+        head = rt.model.get_output_embeddings()
+        if isinstance(head, PrepackedLinear) and rt.cpu_kernel_layers and bf16_kernel_available():
+            head.bf16_kernel_rows = BF16_KERNEL_MAX_ROWS
     rt.load_time_s = time.perf_counter() - t0
     rt.eos_token_ids = _eos_ids(rt.model, rt.tokenizer)
     layers, kv_heads, head_dim = kv_geometry(rt.model.config)
@@ -291,14 +295,18 @@ def describe_runtime(rt: Runtime, cfg: EngineConfig) -> dict[str, Any]:
 def _cpu_kernel_line(rt: Runtime, cfg: EngineConfig) -> str:
     """``llminfer info``'s line on llminfer's CPU linear kernel: how many layers use it, or why none."""
     if rt.cpu_kernel_layers:
-        from llminfer.backends.cpu_kernels import int8_activation_bits, vector_isa
+        from llminfer.backends.cpu_kernels import (BF16_KERNEL_MAX_ROWS, bf16_kernel_available,
+                                                   int8_activation_bits, vector_isa)
 
-        int8 = ""
+        detail = "every row count"
         if cfg.quant.mode is QuantMode.INT8_WO:
             bits = int8_activation_bits()
-            int8 = (f"; int8 on VNNI integer dot products, {bits}-bit activations" if bits
-                    else "; int8 with float32 activations")
-        return f"skinny_linear on {rt.cpu_kernel_layers} layers ({vector_isa()}, every row count{int8})"
+            detail += (f"; int8 on VNNI integer dot products, {bits}-bit activations" if bits
+                       else "; int8 with float32 activations")
+        if rt.dtype == torch.bfloat16:
+            detail = (f"bf16 on AVX-512 BF16 up to {BF16_KERNEL_MAX_ROWS} rows, torch's matmul beyond"
+                      if bf16_kernel_available() else "bf16 products on torch: no AVX-512 BF16 path here")
+        return f"skinny_linear on {rt.cpu_kernel_layers} layers ({vector_isa()}, {detail})"
     if rt.device.type != "cpu" or cfg.backend is Backend.VLLM:
         return "off (CPU eager and compiled backends only)"
     if not cfg.cpu_kernels:

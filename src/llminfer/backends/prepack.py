@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llminfer.backends.cpu_kernels import bf16_linear
+
 log = structlog.get_logger("llminfer.prepack")
 
 _PACKABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -73,8 +75,15 @@ class PrepackedLinear(nn.Linear):
         linear: the module to wrap; its weight must be ``[out_features, in_features]`` in fp32, bf16 or fp16.
 
     Input ``[..., in_features]`` of the weight's dtype on CPU gives ``[..., out_features]`` of that dtype.
-    Other inputs (another dtype or device, autograd on) fall back to ``F.linear``.
+    Other inputs (another dtype or device, autograd on) fall back to ``F.linear``. bf16 inputs of at most
+    :attr:`bf16_kernel_rows` rows take :func:`~llminfer.backends.cpu_kernels.bf16_linear` on the plain
+    weight (faster there: see :data:`~llminfer.backends.cpu_kernels.BF16_KERNEL_MAX_ROWS`).
     """
+
+    #: bf16 products of at most this many rows run on llminfer's kernel instead; 0 (the default) for none.
+    #: The runtime sets it where :func:`~llminfer.backends.cpu_kernels.bf16_kernel_available` and the
+    #: engine's ``cpu_kernels`` is on.
+    bf16_kernel_rows = 0
 
     def __init__(self, linear: nn.Linear) -> None:
         adopt_linear(self, linear)
@@ -94,7 +103,11 @@ class PrepackedLinear(nn.Linear):
                 or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
             return F.linear(x, self.weight, self.bias)
         flat = x.reshape(-1, self.in_features)
-        out = torch.ops.mkldnn._linear_pointwise(flat, self._packed_weight(), self.bias, "none", [], "")
+        if x.dtype == torch.bfloat16 and flat.shape[0] <= self.bf16_kernel_rows:
+            # a few rows read the plain weight faster on llminfer's kernel (see BF16_KERNEL_MAX_ROWS)
+            out = bf16_linear(flat.contiguous(), self.weight, self.bias)
+        else:
+            out = torch.ops.mkldnn._linear_pointwise(flat, self._packed_weight(), self.bias, "none", [], "")
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
