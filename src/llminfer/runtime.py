@@ -295,8 +295,12 @@ def describe_runtime(rt: Runtime, cfg: EngineConfig) -> dict[str, Any]:
 def _cpu_kernel_line(rt: Runtime, cfg: EngineConfig) -> str:
     """``llminfer info``'s line on llminfer's CPU linear kernel: how many layers use it, or why none."""
     if rt.cpu_kernel_layers:
-        from llminfer.backends.cpu_kernels import (BF16_KERNEL_MAX_ROWS, bf16_kernel_available,
-                                                   int8_activation_bits, vector_isa)
+        from llminfer.backends.cpu_kernels import (
+            BF16_KERNEL_MAX_ROWS,
+            bf16_kernel_available,
+            int8_activation_bits,
+            vector_isa,
+        )
 
         detail = "every row count"
         if cfg.quant.mode is QuantMode.INT8_WO:
