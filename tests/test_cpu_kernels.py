@@ -449,6 +449,13 @@ if sys.argv[1] == "AVX2":  # no bf16 path: the op says so instead of computing a
         raise AssertionError("bf16_linear ran on the AVX2 build")
     except RuntimeError as exc:
         assert "no AVX-512 BF16 path" in str(exc), exc
+if cpu_kernels.int8_activation_bits() is None:  # no VNNI: no int4 path either
+    try:
+        cpu_kernels.int4_linear(torch.zeros(1, 32), torch.zeros(2, 64, dtype=torch.uint8), torch.ones(2, 1),
+                                torch.zeros(2, 1), 32)
+        raise AssertionError("int4_linear ran without VNNI")
+    except RuntimeError as exc:
+        assert "no AVX-512 VNNI path" in str(exc), exc
 print("other build ok")
 """
 
@@ -637,3 +644,127 @@ def test_bf16_engine_runs_its_layers_and_small_head_steps_on_the_kernel(model_di
             assert not any(isinstance(m, cpu_kernels.SkinnyLinear) for m in model.modules())
             assert getattr(model.get_output_embeddings(), "bf16_kernel_rows", 0) == 0
             assert engine.run("bf16 kernel", max_new_tokens=3, ignore_eos=True).token_ids[:1] == on[:1]
+
+
+# ---------------------------------------------------------------------------------------- int4 (VNNI)
+def _int4_case(n, k, group, seed):
+    from llminfer.backends.weight_only import pack_int4_codes
+
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int32)
+    scale = torch.rand(n, k // group, generator=g) / 20
+    zero = torch.randn(n, k // group, generator=g) / 10
+    return q, pack_int4_codes(q), scale, zero
+
+
+def _int4_dense(q, scale, zero, group):
+    return q.double() * scale.double().repeat_interleave(group, 1) + zero.double().repeat_interleave(group, 1)
+
+
+needs_int_path = pytest.mark.skipif("avx512_vnni" not in cpu_kernels.cpu_flags()
+                                    or not cpu_kernels.AVX512_CPU_FLAGS <= cpu_kernels.cpu_flags(),
+                                    reason="this CPU has no AVX-512 VNNI (int4 stays on torch's kernel)")
+
+
+@needs_int_path
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 40])
+@pytest.mark.parametrize("n, k, group", [(1, 32, 32), (7, 512, 32), (13, 512, 64), (5, 1536, 128), (6, 512, 256),
+                                         (9, 96, 32), (4, 160, 32), (3, 192, 64)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_int4_linear_matches_the_scheme(m, n, k, group, bias):
+    """Against float64 on the same 14-bit rounded activations: only float32 summation error; against the
+    float activations: within the rounding's bound (as int8_linear). K that is not a multiple of 128 (a
+    short last run of codes) included."""
+    assert _integer_path()
+    q, codes, scale, zero = _int4_case(n, k, group, m * 7 + n + k + group)
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, k, generator=g) * 3
+    b = torch.randn(n, generator=g) if bias else None
+    out = cpu_kernels.int4_linear(x, codes, scale, zero, group, b)
+    assert out.shape == (m, n) and out.dtype == torch.float32
+    w = _int4_dense(q, scale, zero, group)
+    sx = x.abs().amax(1, keepdim=True) / 8191  # float32, as the kernel rounds (see _int8_integer_ref)
+    xq = torch.round(x / sx).clamp(-8191, 8191).double() * sx.double()
+    sx = sx.double()
+    exact = xq @ w.T + (b.double() if bias else 0)
+    magnitude = xq.abs() @ w.abs().T
+    assert ((out.double() - exact).abs() <= 1e-5 * magnitude + 1e-6).all()
+    bound = 0.5 * sx * w.abs().sum(1)[None, :]
+    want = x.double() @ w.T + (b.double() if bias else 0)
+    assert ((out.double() - want).abs() <= bound + 1e-5 * magnitude + 1e-6).all()
+
+
+@needs_int_path
+def test_int4_linear_rows_are_batch_invariant_and_nan_rows_stay_theirs():
+    assert _integer_path()
+    q, codes, scale, zero = _int4_case(131, 512, 32, 0)
+    g = torch.Generator().manual_seed(2)
+    b = torch.randn(131, generator=g)
+    row = torch.randn(1, 512, generator=g)
+    alone = cpu_kernels.int4_linear(row, codes, scale, zero, 32, b)
+    threads = torch.get_num_threads()
+    try:
+        for num_threads, m, at in ((1, 7, 5), (threads, 8, 7), (threads, 9, 8), (threads, 33, 17), (threads, 300, 150),
+                                   (1, 300, 299)):
+            torch.set_num_threads(num_threads)
+            x = torch.randn(m, 512, generator=g)
+            x[at] = row[0]
+            x[(at + 1) % m, 3] = float("nan")
+            out = cpu_kernels.int4_linear(x, codes, scale, zero, 32, b)
+            assert torch.equal(out[at], alone[0]), (num_threads, m, at)
+            assert torch.isnan(out[(at + 1) % m]).all()
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_int_path
+@pytest.mark.parametrize("args, match", [
+    ((torch.randn(2, 64), torch.zeros(3, 64, dtype=torch.uint8), torch.rand(3, 2), torch.rand(3, 2), 48), "group_size"),
+    ((torch.randn(2, 64), torch.zeros(3, 64, dtype=torch.uint8), torch.rand(3, 2), torch.rand(3, 2), 128), "divide K"),
+    ((torch.randn(2, 64), torch.zeros(3, 32, dtype=torch.uint8), torch.rand(3, 2), torch.rand(3, 2), 32), "codes"),
+    ((torch.randn(2, 64), torch.zeros(3, 64, dtype=torch.uint8), torch.rand(3, 1), torch.rand(3, 2), 32), "scale and zero"),
+    ((torch.randn(2, 64).double(), torch.zeros(3, 64, dtype=torch.uint8), torch.rand(3, 2), torch.rand(3, 2), 32), "float32"),
+    ((torch.randn(2, 64), torch.zeros(3, 64, dtype=torch.uint8), torch.rand(3, 2), torch.rand(3, 2), 32, torch.rand(2)),
+     "bias"),
+])
+def test_int4_linear_rejects_bad_arguments(args, match):
+    assert _integer_path()
+    with pytest.raises(RuntimeError, match=match):
+        cpu_kernels.int4_linear(*args)
+
+
+@pytest.mark.parametrize("n, k", [(5, 32), (3, 96), (17, 512), (2, 640)])
+def test_int4_codes_round_trip(n, k):
+    from llminfer.backends.weight_only import pack_int4_codes, unpack_int4_codes
+
+    q = torch.randint(0, 16, (n, k), dtype=torch.int32)
+    packed = pack_int4_codes(q)
+    assert packed.dtype == torch.uint8 and packed.shape == (n, -(-k // 128) * 64)
+    assert torch.equal(unpack_int4_codes(packed, k), q)
+
+
+@needs_int_path
+@pytest.mark.parametrize("group", [32, 64, 128, 256])
+def test_int4_layer_moves_to_the_kernel_with_the_same_codes(group):
+    """``enable_cpu_kernels`` re-lays an int4-wo layer's codes out for the kernel (read back exactly from
+    torch's packed layout, out_features not a multiple of 16 included) and the layer then computes the
+    product of its dequantized weight at any row count, closer than torch's bf16-activation kernel."""
+    from llminfer.backends.weight_only import Int4WeightOnlyLinear, dequantize_int4, quantize_int4_groupwise
+
+    torch.manual_seed(group)
+    lin = nn.Linear(512, 37)
+    layer = Int4WeightOnlyLinear(lin, group)
+    q, sz = quantize_int4_groupwise(lin.weight, group)
+    assert torch.equal(layer.codes(), q)
+    x = torch.randn(2, 20, 512)
+    with torch.inference_mode():
+        before = layer(x)
+        assert cpu_kernels.enable_cpu_kernels(nn.Sequential(layer)) == 1 and layer.use_cpu_kernel
+        assert torch.equal(layer.codes(), q) and layer.weight.shape == (37, 256)
+        after = layer(x)
+        want = F.linear(x.double(), dequantize_int4(q, sz.bfloat16().float(), group).double(), lin.bias.double())
+        assert torch.equal(layer.dequantized_weight().double(), dequantize_int4(q, sz.bfloat16().float(), group).double())
+    err_after, err_before = (after.double() - want).abs().max(), (before.double() - want).abs().max()
+    assert err_after < 2e-3 and err_after < err_before
+    layer.use_llminfer_kernel()  # idempotent
+    assert torch.equal(layer.codes(), q)

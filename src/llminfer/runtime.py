@@ -307,6 +307,10 @@ def _cpu_kernel_line(rt: Runtime, cfg: EngineConfig) -> str:
             bits = int8_activation_bits()
             detail += (f"; int8 on VNNI integer dot products, {bits}-bit activations" if bits
                        else "; int8 with float32 activations")
+        if cfg.quant.mode is QuantMode.INT4_WO:
+            bits = int8_activation_bits()
+            detail += (f"; int4 on VNNI integer dot products, {bits}-bit activations" if bits
+                       else "; int4 on torch's kernel (no AVX-512 VNNI here)")
         if rt.dtype == torch.bfloat16:
             detail = (f"bf16 on AVX-512 BF16 up to {BF16_KERNEL_MAX_ROWS} rows, torch's matmul beyond"
                       if bf16_kernel_available() else "bf16 products on torch: no AVX-512 BF16 path here")

@@ -167,7 +167,8 @@ _fakes_registered = False
 
 
 def _register_fake_impls() -> None:
-    """Shape-only implementations of the ops (skinny_linear, int8_linear, bf16_linear, paged_decode_attention), so
+    """Shape-only implementations of the ops (skinny_linear, int8_linear, int4_linear, bf16_linear,
+    paged_decode_attention), so
     ``torch.compile`` (the compiled backend) traces through them and inductor calls them as extern kernels
     instead of breaking the graph. Once per process:
     the C++ library outlives :func:`_reset_for_tests`."""
@@ -184,6 +185,11 @@ def _register_fake_impls() -> None:
     def _int8_linear_fake(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                           bias: torch.Tensor | None = None) -> torch.Tensor:
         return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+
+    @torch.library.register_fake("llminfer_cpu::int4_linear")
+    def _int4_linear_fake(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                          group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return x.new_empty(x.shape[0], codes.shape[0], dtype=torch.float32)
 
     @torch.library.register_fake("llminfer_cpu::bf16_linear")
     def _bf16_linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -280,6 +286,34 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     return torch.ops.llminfer_cpu.int8_linear(x, weight, scale, bias)
 
 
+def int4_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T + bias`` for group-wise int4 weights ``W[n, k] = q[n, k] * scale[n, g] + zero[n, g]``
+    (``g = k // group_size``), on AVX-512 VNNI integer dot products (:func:`int8_activation_bits` is 14).
+
+    Activations are rounded per row to 14 bits as in :func:`int8_linear`; each group's dot product with
+    the codes is exact (int32), then added in float32 times the group's scale, in one fixed order, with the
+    zero points' term from each group's sum of the rounded activations. A row's result does not depend on
+    the other rows or the threads. The scheme is llama.cpp's Q4_0 / Q4_1 block dot product with 14-bit
+    instead of 8-bit activations.
+
+    Args:
+        x: float32 ``[M, K]``, contiguous, on CPU.
+        codes: uint8 ``[N, K // 2]`` from :func:`llminfer.backends.weight_only.pack_int4_codes`.
+        scale, zero: float32 ``[N, K // group_size]``, contiguous (``zero`` is the layer's zero point less
+            ``8 * scale`` for :class:`~llminfer.backends.weight_only.Int4WeightOnlyLinear`'s codes).
+        group_size: a multiple of 32 up to 256 dividing ``K``; ``K <= 32768``.
+        bias: float32 ``[N]``, or None.
+
+    Returns:
+        float32 ``[M, N]``.
+
+    Raises:
+        RuntimeError: the kernel is not loaded or has no VNNI path, or the arguments break the rules above.
+    """
+    return torch.ops.llminfer_cpu.int4_linear(x, codes, scale, zero, group_size, bias)
+
+
 def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for bf16 ``x`` and ``weight`` on ``vdpbf16ps`` (AVX-512 BF16).
 
@@ -346,7 +380,9 @@ def enable_cpu_kernels(model: nn.Module, include_head: bool = False) -> int:
     with :func:`llminfer.backends.prepack.prepack_lm_head`, whose lazily packed weight does not trace under
     ``torch.compile``, so the compiled backend takes the kernel for it). Every
     :class:`~llminfer.backends.weight_only.Int8WeightOnlyLinear` (the head included) takes the kernel for
-    any row count (:func:`int8_linear`).
+    any row count (:func:`int8_linear`), and so does every
+    :class:`~llminfer.backends.weight_only.Int4WeightOnlyLinear` where the kernel has its VNNI path
+    (:func:`int4_linear`; its codes are re-laid out in place).
 
     Args:
         model: the loaded model (modules swapped in place).
@@ -355,7 +391,7 @@ def enable_cpu_kernels(model: nn.Module, include_head: bool = False) -> int:
     Returns:
         How many layers now use the kernel (0 where it is unavailable: see :func:`unavailable_reason`).
     """
-    from llminfer.backends.weight_only import Int8WeightOnlyLinear
+    from llminfer.backends.weight_only import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     plain = [(name, m) for name, m in model.named_modules()
@@ -363,7 +399,9 @@ def enable_cpu_kernels(model: nn.Module, include_head: bool = False) -> int:
     fp32 = [(n, m) for n, m in plain if m.weight.dtype == torch.float32 and m.in_features % 8 == 0]
     bf16 = [(n, m) for n, m in plain if m.weight.dtype == torch.bfloat16 and m.in_features % 32 == 0]
     int8 = [m for m in model.modules() if isinstance(m, Int8WeightOnlyLinear) and m.weight.device.type == "cpu"]
-    if not (fp32 or bf16 or int8) or not skinny_linear_available():
+    int4 = [m for m in model.modules() if isinstance(m, Int4WeightOnlyLinear) and m.weight.device.type == "cpu"
+            and m.in_features <= 32768]
+    if not (fp32 or bf16 or int8 or int4) or not skinny_linear_available():
         return 0
     swapped = fp32 + (bf16 if bf16_kernel_available() else [])
     for name, linear in swapped:
@@ -372,7 +410,11 @@ def enable_cpu_kernels(model: nn.Module, include_head: bool = False) -> int:
     for layer in int8:
         layer.use_cpu_kernel = True
         layer._kernel_scales = layer.scales.float().contiguous()  # now, not inside a torch.compile trace
-    return len(swapped) + len(int8)
+    if int8_activation_bits() is None:  # int4 needs the integer path; without it torch's kernel stays
+        int4 = []
+    for layer in int4:
+        layer.use_llminfer_kernel()
+    return len(swapped) + len(int8) + len(int4)
 
 
 def _reset_for_tests() -> None:

@@ -95,6 +95,35 @@ def dequantize_int4(q: torch.Tensor, scales_and_zeros: torch.Tensor, group_size:
     return ((q.reshape(n, k // group_size, group_size).float() - 8.0) * s + z).reshape(n, k)
 
 
+def pack_int4_codes(q: torch.Tensor) -> torch.Tensor:
+    """Codes in [0, 15] in the layout of :func:`llminfer.backends.cpu_kernels.int4_linear`.
+
+    Args:
+        q: integer ``[N, K]`` with ``K % 32 == 0``.
+
+    Returns:
+        uint8 ``[N, ceil(K / 128) * 64]``: each run of 128 columns from ``k0`` is 32 little-endian 16-bit words,
+        word ``i`` holding ``q[:, k0 + 32 * j + i]`` in its nibble ``j`` (a shorter last run has zero nibbles
+        where it has no columns).
+    """
+    n, k = q.shape
+    runs = -(-k // 128)
+    padded = torch.zeros(n, runs * 128, dtype=torch.int32)
+    padded[:, :k] = q
+    nib = padded.reshape(n, runs, 4, 32)  # [n, run, j, i]
+    words = nib[:, :, 0] | (nib[:, :, 1] << 4) | (nib[:, :, 2] << 8) | (nib[:, :, 3] << 12)  # [n, run, 32]
+    return torch.stack([words & 0xFF, words >> 8], dim=3).to(torch.uint8).reshape(n, runs * 64).contiguous()
+
+
+def unpack_int4_codes(packed: torch.Tensor, in_features: int) -> torch.Tensor:
+    """The inverse of :func:`pack_int4_codes`: int32 ``[N, in_features]``."""
+    n = packed.shape[0]
+    b = packed.to(torch.int32).reshape(n, -1, 32, 2)
+    words = b[..., 0] | (b[..., 1] << 8)  # [n, run, 32]
+    nib = torch.stack([(words >> (4 * j)) & 0x0F for j in range(4)], dim=2)  # [n, run, j, i]
+    return nib.reshape(n, -1)[:, :in_features].contiguous()
+
+
 # --------------------------------------------------------------------------------------------- modules
 class _WeightOnlyLinear(nn.Linear):
     """Shared parts: an ``nn.Linear`` (for PEFT) holding no float weight, input cast to the kernel's dtype."""
@@ -217,9 +246,59 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
         self.register_buffer("weight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
         self.register_buffer("scales_and_zeros", sz.to(compute_dtype))
 
+    #: Set by :meth:`use_llminfer_kernel`: ``weight`` then holds the codes in the layout of
+    #: :func:`llminfer.backends.cpu_kernels.int4_linear` and every product runs there.
+    use_cpu_kernel = False
+    _kernel_scales: torch.Tensor | None = None  # float32 [out_features, K / group_size]
+    _kernel_zeros: torch.Tensor | None = None   # float32 [out_features, K / group_size]: zero - 8 * scale
+
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.weight, self.group_size, self.scales_and_zeros)
         return out[:, : self.out_features] if out.shape[1] != self.out_features else out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.use_cpu_kernel:
+            return super().forward(x)
+        from llminfer.backends import cpu_kernels
+
+        rows = x.numel() // self.in_features
+        flat = x.reshape(rows, self.in_features).float().contiguous()
+        bias = None if self.bias is None else self.bias.float()
+        out = cpu_kernels.int4_linear(flat, self.weight, self._kernel_scales, self._kernel_zeros, self.group_size,
+                                      bias)
+        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def codes(self) -> torch.Tensor:
+        """The int32 ``[out_features, in_features]`` codes in [0, 15] (of either layout)."""
+        if self.use_cpu_kernel:
+            return unpack_int4_codes(self.weight, self.in_features)
+        # torch's packed layout is opaque: its own kernel with scale 1 and zero point 8 computes
+        # (q - 8) * 1 + 8 = q, and rows of the identity pick each column (exact: one term per output)
+        n_pad = self.weight.shape[0]
+        ones = torch.ones(self.in_features // self.group_size, n_pad, dtype=torch.bfloat16)
+        sz = torch.stack([ones, ones * 8], dim=2)
+        eye = torch.eye(self.in_features, dtype=torch.bfloat16)
+        cols = [torch.ops.aten._weight_int4pack_mm_for_cpu(eye[i:i + 256], self.weight, self.group_size, sz)
+                for i in range(0, self.in_features, 256)]
+        return torch.cat(cols).t()[: self.out_features].round().to(torch.int32)
+
+    def use_llminfer_kernel(self) -> None:
+        """Re-lay ``weight`` out for :func:`llminfer.backends.cpu_kernels.int4_linear` (the same bytes where
+        ``in_features % 128 == 0``: two codes a byte, without torch's row padding) and run every product there
+        from now on (the caller checks that the kernel has its VNNI path). Idempotent."""
+        if self.use_cpu_kernel:
+            return
+        q = self.codes()
+        sz = self.scales_and_zeros[:, : self.out_features].float()  # [K/G, N, 2]
+        scales, zeros = sz[..., 0].t().contiguous(), sz[..., 1].t().contiguous()
+        self._kernel_scales, self._kernel_zeros = scales, (zeros - 8.0 * scales).contiguous()
+        self.weight = pack_int4_codes(q)
+        self.use_cpu_kernel = True
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The float32 ``[out_features, in_features]`` weight the layer computes with."""
+        sz = self.scales_and_zeros[:, : self.out_features].float()
+        return dequantize_int4(self.codes(), sz, self.group_size)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, group_size={self.group_size}"
