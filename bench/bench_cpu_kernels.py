@@ -8,7 +8,11 @@ Products (``llminfer.backends.cpu_kernels.skinny_linear``), at 1, 4, 8, 32 and 6
   the path torch vectorizes) against the kernel's ``int8_linear`` (what int8-wo layers run: fp32
   activations, or 14-bit integer ones on the AVX-512 VNNI build);
 * ``head_fp32``: the 151,646 x 512 LM head, oneDNN's prepacked matmul (what the engine uses for it) against
-  the kernel; ``head_int8``: the int8 head, torch's kernel against ours.
+  the kernel; ``head_int8``: the int8 head, torch's kernel against ours;
+* ``layers_bf16`` / ``head_bf16`` (where the kernel has its AVX-512 BF16 path): ``F.linear`` in bf16 (and
+  oneDNN's prepacked bf16 matmul for the head) against ``bf16_linear`` (the engine takes it up to 4 rows);
+* ``layers_int4`` / ``head_int4`` (on the VNNI build): ``aten._weight_int4pack_mm_for_cpu`` (bf16
+  activations, groups of 32) against ``int4_linear``.
 
 Decode attention at batch 1 and 32 over 128- and 512-token contexts (8 query heads, 2 K/V heads, head
 dim 64, 16-token blocks): the torch path (``attention_backend="torch"``: gather the blocks, masked
@@ -82,6 +86,53 @@ def _product_cases(x, layers, layers8, head, packed, head8, head_scale) -> dict[
     }
 
 
+def _int4(n: int, k: int, g: torch.Generator, group: int = 32) -> tuple[tuple, tuple]:
+    """Random int4 codes for an ``[n, k]`` layer: (torch's packed weight, its scales and zeros) and (the
+    kernel's codes, scale, zero), the same values in both layouts."""
+    from llminfer.backends.weight_only import pack_int4_codes
+
+    n_pad = -(-n // 16) * 16  # torch's CPU packing needs N % 16 == 0
+    q = torch.randint(0, 16, (n_pad, k), generator=g, dtype=torch.int32)
+    scale, zero = torch.rand(n_pad, k // group, generator=g) / 50, torch.randn(n_pad, k // group, generator=g) / 50
+    sz = torch.stack([scale, zero], dim=2).transpose(0, 1).contiguous().bfloat16()
+    theirs = (torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), sz)
+    ours = (pack_int4_codes(q[:n]), scale[:n].contiguous(), (zero - 8 * scale)[:n].contiguous())
+    return theirs, ours
+
+
+def _extra_weights(layers, head, g) -> dict[str, Any]:
+    """The bf16 (where :func:`~llminfer.backends.cpu_kernels.bf16_kernel_available`) and int4 (on the VNNI
+    build) weights of :func:`_extra_cases`, made once."""
+    w: dict[str, Any] = {}
+    if cpu_kernels.bf16_kernel_available():
+        w["lb"] = [[t.bfloat16() for t in layer] for layer in layers]
+        w["hb"] = head.bfloat16()
+        w["hb_packed"] = torch.ops.mkldnn._reorder_linear_weight(w["hb"], None)
+    if cpu_kernels.int8_activation_bits():
+        w["l4"] = [[_int4(n, k, g) for n, k in LAYER_SHAPES] for _ in range(LAYERS)]
+        w["h4"] = _int4(VOCAB, HIDDEN, g)
+    return w
+
+
+def _extra_cases(x, w: dict[str, Any]) -> dict[str, tuple[Callable, Callable]]:
+    """bf16 and int4 cases: torch's kernels (oneDNN's prepacked bf16 matmul for the head,
+    ``_weight_int4pack_mm_for_cpu``) against llminfer's."""
+    cases: dict[str, tuple[Callable, Callable]] = {}
+    xb = {k: v.bfloat16() for k, v in x.items()}
+    if "lb" in w:
+        bf, lb = cpu_kernels.bf16_linear, w["lb"]
+        cases["layers_bf16"] = (lambda: [F.linear(xb[t.shape[1]], t) for layer in lb for t in layer],
+                                lambda: [bf(xb[t.shape[1]], t) for layer in lb for t in layer])
+        cases["head_bf16"] = (lambda: torch.ops.mkldnn._linear_pointwise(xb[512], w["hb_packed"], None, "none", [], ""),
+                              lambda: bf(xb[512], w["hb"]))
+    if "l4" in w:
+        mm4, i4, l4, h4 = torch.ops.aten._weight_int4pack_mm_for_cpu, cpu_kernels.int4_linear, w["l4"], w["h4"]
+        cases["layers_int4"] = (lambda: [mm4(xb[o[0].shape[1] * 2], t[0], 32, t[1]) for layer in l4 for t, o in layer],
+                                lambda: [i4(x[o[0].shape[1] * 2], *o, 32) for layer in l4 for _, o in layer])
+        cases["head_int4"] = (lambda: mm4(xb[512], h4[0][0], 32, h4[0][1]), lambda: i4(x[512], *h4[1], 32))
+    return cases
+
+
 def products(rows_list: list[int], reps: int) -> list[dict[str, Any]]:
     g = torch.Generator().manual_seed(0)
     layers = [[torch.randn(n, k, generator=g) / k**0.5 for n, k in LAYER_SHAPES] for _ in range(LAYERS)]
@@ -90,11 +141,13 @@ def products(rows_list: list[int], reps: int) -> list[dict[str, Any]]:
     head = torch.randn(VOCAB, HIDDEN, generator=g) / HIDDEN**0.5
     packed = torch.ops.mkldnn._reorder_linear_weight(head, None)
     head8, head_scale = torch.randint(-127, 128, (VOCAB, HIDDEN), generator=g, dtype=torch.int8), torch.rand(VOCAB)
+    extra = _extra_weights(layers, head, g)
     out = []
     for rows in rows_list:
         x = {k: torch.randn(rows, k, generator=g) for k in (512, 1536)}
         loops = 20 if rows <= 8 else 5
         cases = _product_cases(x, layers, layers8, head, packed, head8, head_scale)
+        cases.update(_extra_cases(x, extra))
         for name, (torch_fn, kernel_fn) in cases.items():
             n = loops if name.startswith("layers") else max(2, loops // 5)
             t_ms, k_ms = best_ms(torch_fn, n, reps), best_ms(kernel_fn, n, reps)

@@ -3,9 +3,11 @@ one run, with weight bytes and the accuracy against fp32.
 
 Model: the ~102M Qwen2-shaped benchmark model (random weights, tied embeddings: 78M parameters in the
 embedding, read every step as the LM head) loaded in float32; the quantized rows quantize every linear
-layer and the LM head (``quantize_lm_head``, the default). int8-wo runs on llminfer's CPU kernel where it
-builds (:mod:`llminfer.backends.cpu_kernels`: fp32 activations, or 14-bit integer ones on AVX-512 VNNI);
-int4-wo on torch's, bf16 activations.
+layer and the LM head (``quantize_lm_head``, the default; int4-wo's head in int8, ``QuantConfig.int4_lm_head``).
+int8-wo runs on llminfer's CPU kernel where it builds (:mod:`llminfer.backends.cpu_kernels`: fp32
+activations, or 14-bit integer ones on AVX-512 VNNI); int4-wo on llminfer's kernel where it has VNNI
+(14-bit activations), else on torch's (bf16 activations). The accuracy has one more row,
+``int4-wo-int4-head``: every layer and the head in int4.
 
 Speed: one request at a time (batch 1), a 32-token prompt, greedy, EOS ignored; ms/token is the engine's
 time per output token after the first (``(total_latency_ms - ttft_ms) / (tokens - 1)``), the median over ``--reps`` rounds that
@@ -66,11 +68,11 @@ def accuracy(path, prompts: list[list[int]], group_size: int) -> dict[str, dict[
     ref = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="sdpa").eval()
     ref_logits = sequence_logits(ref, prompts)
     out = {"bf16": logit_agreement(ref_logits, copy.deepcopy(ref).to(torch.bfloat16), prompts)}
-    for mode in MODES[1:]:
+    for name, mode, head in [(m, m, "int8") for m in MODES[1:]] + [("int4-wo-int4-head", "int4-wo", "int4")]:
         model = copy.deepcopy(ref)
-        quantize_model(model, mode, group_size=group_size)
-        enable_cpu_kernels(model)  # as the engine runs int8-wo: llminfer's CPU kernel (int8_linear)
-        out[mode] = logit_agreement(ref_logits, model, prompts)
+        quantize_model(model, mode, group_size=group_size, int4_lm_head=head)
+        enable_cpu_kernels(model)  # as the engine runs them: llminfer's CPU kernels where they build
+        out[name] = logit_agreement(ref_logits, model, prompts)
         del model
     return out
 
@@ -135,6 +137,8 @@ def main() -> dict:
                  f"greedy same for {payload['greedy_tokens_identical_to_fp32'][m]}/{new}") if a else ""
         print(f"[quant] {m:8s} {ms[m]:7.2f} ms/token  x{payload['speedup_vs_fp32'][m]:.2f}  "
               f"weights {facts[m]['weight_bytes'] / 1e6:6.1f} MB (read per step {read_bytes[m] / 1e6:6.1f} MB){extra}")
+    a = acc["int4-wo-int4-head"]
+    print(f"[quant] int4-wo with an int4 head: top-1 agree {a['top1_agreement']:.1%}  rel err {a['rel_err']:.3f}")
     print(f"[quant] load average before {load_before[0]:.2f}, after {payload['load_average_after'][0]:.2f}; "
           f"{payload['torch_threads']} torch threads, {payload['cpu_capability']}")
     print(f"-> {save('quant', payload)}")

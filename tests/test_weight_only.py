@@ -113,6 +113,21 @@ def test_quantize_model_tied_head_keeps_embedding_and_reports_skips(qwen2_dir):
     assert r4["skipped"] and all("% 128 == 0" in why for why in r4["skipped"].values())
 
 
+def test_int4_keeps_an_int8_head_unless_asked(hf_fp32):
+    """``int4-wo`` quantizes the LM head to int8 by default (llama.cpp's Q4_0 keeps its output matrix at
+    Q6_K), to int4 with ``int4_lm_head="int4"``; the other layers are int4 either way; a bad value is a
+    ConfigError naming the field."""
+    default, four = copy.deepcopy(hf_fp32), copy.deepcopy(hf_fp32)
+    quantize_model(default, "int4-wo")
+    quantize_model(four, "int4-wo", int4_lm_head="int4")
+    assert isinstance(default.lm_head, Int8WeightOnlyLinear) and isinstance(four.lm_head, Int4WeightOnlyLinear)
+    layers = [m for n, m in default.named_modules() if n.endswith("mlp.down_proj")]
+    assert layers and all(isinstance(m, Int4WeightOnlyLinear) for m in layers)
+    assert QuantConfig(mode="int4-wo").int4_lm_head == "int8"
+    with pytest.raises(ConfigError, match="int4_lm_head"):
+        QuantConfig(mode="int4-wo", int4_lm_head="int2")
+
+
 def test_teacher_forced_agreement_with_fp32(hf_fp32):
     """Random weights give near-flat logits (mean top-1/top-2 margin ~0.04 here), so top-1 flips wherever
     the margin is below the quantization error: int8 (per-channel, bf16 activations) measured 0.957 over
@@ -122,7 +137,7 @@ with native bf16 runs other kernels, with other rounding); the relative logit er
     seqs = random_prompts([64, 64, 64, 64], VOCAB, seed=1)
     q8, q4 = copy.deepcopy(ref), copy.deepcopy(ref)
     quantize_model(q8, "int8-wo")
-    quantize_model(q4, "int4-wo", group_size=32)
+    quantize_model(q4, "int4-wo", group_size=32, int4_lm_head="int4")  # every layer int4: the coarse bound
     ref_logits = sequence_logits(ref, seqs)
     a8, a4 = logit_agreement(ref_logits, q8, seqs), logit_agreement(ref_logits, q4, seqs)
     assert a8["positions"] == 256

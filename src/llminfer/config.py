@@ -150,6 +150,10 @@ class QuantConfig:
             the largest matrix read every decode step, e.g. 78M of the bench model's 102M parameters). With
             tied embeddings the input embedding keeps its float weight; the head gets a quantized copy.
             bitsandbytes modes never quantize it (as transformers does).
+        int4_lm_head: ``int4-wo``: the LM head's format, ``"int8"`` (default: per-channel int8, as llama.cpp's
+            Q4_0 files keep the output matrix at 6 bits, Q6_K; the head then costs 2x the bytes of int4 but
+            its batched steps run on the integer path at int8's speed, and it flips fewer top-1 tokens) or
+            ``"int4"`` (group-wise like the other layers).
     """
 
     mode: QuantMode = attrs.field(default=QuantMode.NONE, converter=_enum(QuantMode))
@@ -157,6 +161,7 @@ class QuantConfig:
     compute_dtype: str = attrs.field(default="bfloat16", validator=_one_of(DTYPES[1:]))
     int4_group_size: int = attrs.field(default=32, validator=[_int, _int4_group])
     quantize_lm_head: bool = attrs.field(default=True, validator=_bool)
+    int4_lm_head: str = attrs.field(default="int8", validator=_one_of(("int8", "int4")))
 
 
 @attrs.define(kw_only=True)

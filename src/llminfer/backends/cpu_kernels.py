@@ -1,5 +1,9 @@
 """llminfer's own CPU kernel for linear products, made for decode and used at every size (AVX-512 or AVX2 + FMA).
 
+Besides the fp32/int8 product below, the AVX-512 build has two more where the CPU has the instructions:
+:func:`bf16_linear` (AVX-512 BF16: bf16 models' products of up to :data:`BF16_KERNEL_MAX_ROWS` rows) and
+:func:`int4_linear` (AVX-512 VNNI: int4-wo's group-wise products at every row count).
+
 ``torch.ops.llminfer_cpu.skinny_linear(x, weight, scale=None, bias=None)`` computes
 ``x @ (weight * scale[:, None]).T + bias`` for a float32 ``x`` ``[M, K]`` and a float32 or int8 ``weight``
 ``[N, K]`` (``K % 8 == 0``), accumulating in float32 (source: ``csrc/cpu_kernels.cpp``). It is made for the

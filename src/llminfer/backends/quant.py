@@ -107,7 +107,8 @@ def apply_weight_only(model: torch.nn.Module, quant: QuantConfig) -> dict[str, A
     device = next(model.parameters()).device
     check_weight_only_supported(quant, device)
     report = quantize_model(model, quant.mode.value, group_size=quant.int4_group_size,
-                            compute_dtype=_DTYPES[quant.compute_dtype], quantize_lm_head=quant.quantize_lm_head)
+                            compute_dtype=_DTYPES[quant.compute_dtype], quantize_lm_head=quant.quantize_lm_head,
+                            int4_lm_head=quant.int4_lm_head)
     structlog.get_logger("llminfer.quant").info(
         "weight-only quantization", mode=quant.mode.value, quantized_layers=len(report["quantized"]),
         skipped={k: v for k, v in report["skipped"].items()} or None)

@@ -11,7 +11,9 @@ activations stay in floating point ("weight-only"), which keeps the accuracy clo
   ``W[n, k] ≈ (q[n, k] - 8) * scale[n, g] + zero[n, g]`` for ``g = k // group_size``, where
   ``zero = min + 8 * scale`` and ``scale = (max - min) / 15`` over the group (torch's tinygemm layout, as in
   torch's own ``test_linalg`` int4 tests); ``torch.ops.aten._convert_weight_to_int4pack_for_cpu`` packs the
-  codes and ``torch.ops.aten._weight_int4pack_mm_for_cpu`` multiplies.
+  codes and ``torch.ops.aten._weight_int4pack_mm_for_cpu`` multiplies. Where llminfer's CPU kernel has its
+  AVX-512 VNNI path, :func:`llminfer.backends.cpu_kernels.enable_cpu_kernels` re-lays the codes out for
+  :func:`llminfer.backends.cpu_kernels.int4_linear` instead (:meth:`Int4WeightOnlyLinear.use_llminfer_kernel`).
 
 Activation dtype: torch vectorizes both kernels on x86 (AVX2 and AVX-512) for **bfloat16** activations
 only; float32 and float16 activations take a scalar loop there that is several times slower than the fp32
@@ -222,8 +224,11 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
 
     Buffers: ``weight`` uint8 ``[N_pad, in_features // 2]`` (two codes a byte, the kernel's packed layout;
     ``N_pad`` = ``out_features`` rounded up to 16, padding rows zero); ``scales_and_zeros``
-    ``[in_features // group_size, N_pad, 2]`` in ``compute_dtype``. Input and output as
-    :class:`Int8WeightOnlyLinear`, with the weight of :func:`dequantize_int4`.
+    ``[in_features // group_size, N_pad, 2]`` in ``compute_dtype``. After :meth:`use_llminfer_kernel`,
+    ``weight`` is uint8 ``[out_features, ceil(in_features / 128) * 64]`` in :func:`pack_int4_codes`'s layout
+    and the products take llminfer's kernel (float32 activations rounded to 14 bits per row, not
+    ``compute_dtype``). Input and output as :class:`Int8WeightOnlyLinear`, with the weight of
+    :func:`dequantize_int4`.
 
     Raises:
         ValueError: ``group_size`` is not 32/64/128/256 or does not divide ``in_features``.
@@ -309,7 +314,7 @@ WEIGHT_ONLY_TYPES = (Int8WeightOnlyLinear, Int4WeightOnlyLinear)
 
 # ----------------------------------------------------------------------------------------- model pass
 def quantize_model(model: nn.Module, mode: str, *, group_size: int = 32, compute_dtype: torch.dtype = torch.bfloat16,
-                   quantize_lm_head: bool = True) -> dict[str, Any]:
+                   quantize_lm_head: bool = True, int4_lm_head: str = "int8") -> dict[str, Any]:
     """Replace ``model``'s ``nn.Linear`` layers by weight-only quantized ones, in place.
 
     Only modules whose type is exactly ``nn.Linear`` are replaced (GPT-2's ``Conv1D`` projections, for
@@ -323,6 +328,7 @@ def quantize_model(model: nn.Module, mode: str, *, group_size: int = 32, compute
         group_size: int4 group size (32, 64, 128 or 256).
         compute_dtype: the kernels' activation dtype (see the module docstring).
         quantize_lm_head: replace the LM head too.
+        int4_lm_head: with ``mode="int4-wo"``, the head's format: ``"int8"`` (per channel) or ``"int4"``.
 
     Returns:
         ``{"quantized": [names], "skipped": {name: reason}}``.
@@ -341,7 +347,7 @@ def quantize_model(model: nn.Module, mode: str, *, group_size: int = 32, compute
             continue
         try:
             new: nn.Module
-            if mode == "int8-wo":
+            if mode == "int8-wo" or (linear is head and int4_lm_head == "int8"):
                 new = Int8WeightOnlyLinear(linear, compute_dtype)
             else:
                 new = Int4WeightOnlyLinear(linear, group_size, compute_dtype)
