@@ -234,6 +234,36 @@ def test_paged_decode_attention_matches_torch_path(heads, kv_heads, block_size, 
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("head_dim", [16, 24, 64])
+def test_paged_decode_attention_reads_a_bf16_cache_in_place(head_dim):
+    """A bf16 step (bf16 query, K/V cache in bf16): the kernel widens K/V exactly and computes in float32,
+    so against a float64 reference on the same bf16 values its error is the output's one bf16 rounding;
+    the torch path (bf16 gather and bf16 attention) is only close to it."""
+    ctx = [1, 5, 16, 17, 77]
+    cache, tables, q, k, v = _paged_step(16, 8, 2, head_dim, ctx, seed=head_dim)
+    cache.k[0] = cache.k[0].bfloat16()
+    cache.v[0] = cache.v[0].bfloat16()
+    q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    starts, lengths = [n - 1 for n in ctx], [1] * len(ctx)
+    k0, v0 = cache.k[0].clone(), cache.v[0].clone()
+    meta, _ = build_metadata(cache, starts, lengths, tables, "cpu", attention_backend="torch")
+    torch_path, _ = paged_attention_forward(_Layer(), q, k, v, None, scaling=0.25, llminfer_attn=meta)
+    cache.k[0].copy_(k0)
+    cache.v[0].copy_(v0)
+    meta, _ = build_metadata(cache, starts, lengths, tables, "cpu", attention_backend="cpu")
+    out, _ = paged_attention_forward(_Layer(), q, k, v, None, scaling=0.25, llminfer_attn=meta)
+    assert out.dtype == torch.bfloat16
+    for i, n in enumerate(ctx):  # the reference over the cache as written by the step (new token included)
+        slots = [(tables[i][t // 16], t % 16) for t in range(n)]
+        for h in range(8):
+            keys = torch.stack([cache.k[0][h // 4, blk, off] for blk, off in slots]).double()
+            vals = torch.stack([cache.v[0][h // 4, blk, off] for blk, off in slots]).double()
+            p = torch.softmax(keys @ q[0, h, i].double() * 0.25, dim=0)
+            want = p @ vals
+            assert ((out[0, i, h].double() - want).abs() <= 2.0**-8 * want.abs() + 1e-5).all()
+    torch.testing.assert_close(out.float(), torch_path.float(), atol=5e-2, rtol=5e-2)
+
+
 def test_paged_decode_attention_next_to_prefill_chunks():
     """Decode rows on the kernel and prefill chunks on the torch path in one step."""
     bs, heads, kv_heads, d = 4, 8, 2, 16
@@ -433,6 +463,7 @@ for d in (24, 64):  # decode attention, head_dim 24 ends in half a vector
     kc, vc = torch.randn(HKV, NB, BS, d, generator=g), torch.randn(HKV, NB, BS, d, generator=g)
     tables = torch.tensor([[5, 0, 3], [1, 2, 4], [4, 0, 0]])
     lens = torch.tensor([11, 9, 1])
+    kc, vc = (kc, vc) if d == 64 else (kc.bfloat16(), vc.bfloat16())  # a bf16 cache, widened as it is read
     out = torch.ops.llminfer_cpu.paged_decode_attention(q, kc, vc, tables, lens, 1 / math.sqrt(d))
     for bi in range(B):
         slots = [(int(tables[bi, t // BS]), t % BS) for t in range(int(lens[bi]))]

@@ -131,8 +131,8 @@ def load_runtime(cfg: EngineConfig) -> Runtime:
         from llminfer.backends.cpu_kernels import enable_cpu_kernels, skinny_linear_available
 
         rt.cpu_kernel_layers = enable_cpu_kernels(rt.model, include_head=cfg.backend is Backend.COMPILED)
-        if (cfg.attention_backend == "auto" and rt.attention_backend == "torch" and rt.dtype == torch.float32
-                and skinny_linear_available()):
+        if (cfg.attention_backend == "auto" and rt.attention_backend == "torch"
+                and rt.dtype in (torch.float32, torch.bfloat16) and skinny_linear_available()):
             rt.attention_backend = "cpu"
     if cfg.cpu_prepack_lm_head and cfg.backend is Backend.EAGER:
         from llminfer.backends.cpu_kernels import BF16_KERNEL_MAX_ROWS, bf16_kernel_available

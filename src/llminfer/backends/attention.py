@@ -12,7 +12,7 @@ the attention function), writes the new K/V into the paged cache at ``slot_mappi
 
 When the step's metadata carries Triton arrays (``attention_backend="triton"``), the layer runs
 :func:`llminfer.backends.triton_attention.triton_attention` instead, which reads K/V in place. With
-``attention_backend="cpu"`` (fp32 on CPU where llminfer's kernel is built, see
+``attention_backend="cpu"`` (fp32 or bf16 on CPU where llminfer's kernel is built, see
 :mod:`llminfer.backends.cpu_kernels`) the decode sequences run ``torch.ops.llminfer_cpu.paged_decode_attention``,
 which also reads K/V in place from the block pool; prefill chunks take the torch path as above.
 
@@ -380,11 +380,13 @@ def paged_attention_forward(
     out = q.new_empty(num_tokens, num_heads, head_dim)
 
     group = meta.decode
-    if group is not None and group.ctx_lens is not None and q.dtype == torch.float32 and head_dim % 8 == 0:
+    if (group is not None and group.ctx_lens is not None and q.dtype in (torch.float32, torch.bfloat16)
+            and k_cache.dtype == q.dtype and head_dim % 8 == 0):
         qd = q.transpose(0, 1) if meta.all_decode else q.index_select(1, group.index).transpose(0, 1)  # [b, H, D]
+        # float32 math for bf16 too: the kernel widens the bf16 K/V as it reads them
         od = torch.ops.llminfer_cpu.paged_decode_attention(
-            qd, k_cache, v_cache, group.block_ids.view(len(group.index), -1), group.ctx_lens,
-            scaling if scaling is not None else head_dim**-0.5)
+            qd.float(), k_cache, v_cache, group.block_ids.view(len(group.index), -1), group.ctx_lens,
+            scaling if scaling is not None else head_dim**-0.5).to(q.dtype)
         if meta.all_decode:
             out = od
         else:
