@@ -665,7 +665,9 @@ def test_bf16_engine_runs_its_layers_and_small_head_steps_on_the_kernel(model_di
         assert len(swapped) == engine.runtime.cpu_kernel_layers
         head = model.get_output_embeddings()
         assert isinstance(head, PrepackedLinear) and head.bf16_kernel_rows == cpu_kernels.BF16_KERNEL_MAX_ROWS
-        assert "bf16 on AVX-512 BF16 up to" in engine.info()["cpu_kernel"]
+        line = engine.info()["cpu_kernel"]
+        assert line.startswith("bf16_linear on ") and "bf16 on AVX-512 BF16 up to" in line, line
+        assert engine.info()["attention_backend"] == "cpu"  # decode attention reads the bf16 cache in place
         on = engine.run("bf16 kernel", max_new_tokens=3, ignore_eos=True).token_ids
     for kw in ({"cpu_kernels": False}, {}):
         if not kw:

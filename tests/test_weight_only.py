@@ -205,6 +205,22 @@ def test_engine_matches_hf_on_the_quantized_model_with_prefix_cache(int8_engine,
         assert want_path in facts["cpu_kernel"], facts["cpu_kernel"]
 
 
+def test_int4_engine_runs_on_the_kernel_and_its_rows_do_not_depend_on_the_batch(qwen2_dir):
+    """int4-wo with llminfer's kernel (where the CPU has AVX-512 VNNI): ``info`` names int4_linear and the
+    int8 head, and greedy output of a request alone equals its output in a batch with others (the int4 and
+    int8 products are batch-invariant, like the rest of the fp32 step)."""
+    from llminfer.backends import cpu_kernels
+
+    with make_engine(qwen2_dir, max_batch_size=8, quant=QuantConfig(mode="int4-wo")) as engine:
+        line = engine.info()["cpu_kernel"]
+        if cpu_kernels.skinny_linear_available() and cpu_kernels.int8_activation_bits():
+            assert line.startswith("int4_linear on ") and "the LM head in int8 on int8_linear" in line, line
+        prompts = random_prompts([5, 9, 14, 3, 20, 7], VOCAB, seed=4)
+        alone = [list(engine.run(p, max_new_tokens=8, ignore_eos=True).token_ids) for p in prompts[:3]]
+        together = engine.run_requests([engine.make_request(p, max_new_tokens=8, ignore_eos=True) for p in prompts])
+        assert [list(r.token_ids) for r in together[:3]] == alone
+
+
 def test_cli_info_formats_every_byte_count(qwen2_dir, capsys):
     main(["info", "--model", str(qwen2_dir), "--device", "cpu", "--quant", "int8-wo"])
     lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.strip()}

@@ -302,19 +302,24 @@ def _cpu_kernel_line(rt: Runtime, cfg: EngineConfig) -> str:
             vector_isa,
         )
 
-        detail = "every row count"
+        # the op the model's layers run on, and how
+        op, detail = "skinny_linear", "every row count"
+        bits = int8_activation_bits()
         if cfg.quant.mode is QuantMode.INT8_WO:
-            bits = int8_activation_bits()
+            op = "int8_linear"
             detail += (f"; int8 on VNNI integer dot products, {bits}-bit activations" if bits
                        else "; int8 with float32 activations")
-        if cfg.quant.mode is QuantMode.INT4_WO:
-            bits = int8_activation_bits()
+        elif cfg.quant.mode is QuantMode.INT4_WO:
+            op = "int4_linear" if bits else "int8_linear"
             detail += (f"; int4 on VNNI integer dot products, {bits}-bit activations" if bits
                        else "; int4 on torch's kernel (no AVX-512 VNNI here)")
-        if rt.dtype == torch.bfloat16:
+            if cfg.quant.quantize_lm_head and cfg.quant.int4_lm_head == "int8":
+                detail += "; the LM head in int8 on int8_linear"
+        elif rt.dtype == torch.bfloat16:
+            op = "bf16_linear"
             detail = (f"bf16 on AVX-512 BF16 up to {BF16_KERNEL_MAX_ROWS} rows, torch's matmul beyond"
                       if bf16_kernel_available() else "bf16 products on torch: no AVX-512 BF16 path here")
-        return f"skinny_linear on {rt.cpu_kernel_layers} layers ({vector_isa()}, {detail})"
+        return f"{op} on {rt.cpu_kernel_layers} layers ({vector_isa()}, {detail})"
     if rt.device.type != "cpu" or cfg.backend is Backend.VLLM:
         return "off (CPU eager and compiled backends only)"
     if not cfg.cpu_kernels:
