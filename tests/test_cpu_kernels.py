@@ -796,8 +796,79 @@ def test_int4_layer_moves_to_the_kernel_with_the_same_codes(group):
         assert torch.equal(layer.codes(), q) and layer.weight.shape == (37, 256)
         after = layer(x)
         want = F.linear(x.double(), dequantize_int4(q, sz.bfloat16().float(), group).double(), lin.bias.double())
-        assert torch.equal(layer.dequantized_weight().double(), dequantize_int4(q, sz.bfloat16().float(), group).double())
+        torch.testing.assert_close(layer.dequantized_weight().double(),
+                                   dequantize_int4(q, sz.bfloat16().float(), group).double(), atol=1e-6, rtol=1e-6)
+        assert "scales_and_zeros" not in layer.state_dict()  # the kernel's scales replace torch's
     err_after, err_before = (after.double() - want).abs().max(), (before.double() - want).abs().max()
     assert err_after < 2e-3 and err_after < err_before
     layer.use_llminfer_kernel()  # idempotent
     assert torch.equal(layer.codes(), q)
+
+
+@needs_int_path
+def test_int4_kernel_layout_state_dict_round_trips_and_refuses_the_other_layout():
+    """The kernel layout's state (codes, float32 scales and zero points) is all in buffers: a state_dict
+    loads into another kernel-layout layer and gives its outputs; into a torch-layout layer it is refused
+    (other keys), never silently mixed; quantized_bytes counts what the kernel reads."""
+    from llminfer.backends.weight_only import Int4WeightOnlyLinear
+
+    torch.manual_seed(0)
+    a, b = Int4WeightOnlyLinear(nn.Linear(160, 20), 32), Int4WeightOnlyLinear(nn.Linear(160, 20), 32)
+    torch_layout = Int4WeightOnlyLinear(nn.Linear(160, 20), 32)
+    a.use_llminfer_kernel()
+    b.use_llminfer_kernel()
+    x = torch.randn(3, 160)
+    with torch.inference_mode():
+        want = b(x)
+        a.load_state_dict(b.state_dict())
+        assert torch.equal(a(x), want)
+        torch.testing.assert_close(a(x), F.linear(x, a.dequantized_weight(), a.bias), atol=2e-3, rtol=1e-3)
+    with pytest.raises(RuntimeError, match="kernel_scales|scales_and_zeros"):
+        torch_layout.load_state_dict(a.state_dict())
+    with pytest.raises(RuntimeError, match="kernel_scales|scales_and_zeros"):
+        a.load_state_dict(torch_layout.state_dict())
+    assert a.quantized_bytes() == sum(t.numel() * t.element_size() for t in (a.weight, a.kernel_scales, a.kernel_zeros))
+
+
+@pytest.mark.parametrize("call", [
+    lambda: cpu_kernels.skinny_linear(torch.randn(2, 0), torch.randn(3, 0)),
+    lambda: cpu_kernels.int8_linear(torch.randn(2, 0), torch.zeros(3, 0, dtype=torch.int8), torch.rand(3)),
+])
+def test_empty_k_is_an_error_not_a_crash(call):
+    """K = 0 once divided the work grain by zero (SIGFPE, the process gone): now a RuntimeError."""
+    with pytest.raises(RuntimeError, match="K must be a positive multiple"):
+        call()
+
+
+@needs_bf16
+def test_bf16_empty_k_is_an_error():
+    assert _bf16_path()
+    with pytest.raises(RuntimeError, match="K must be a positive multiple"):
+        cpu_kernels.bf16_linear(torch.randn(2, 0).bfloat16(), torch.randn(5, 0).bfloat16())
+
+
+@needs_int_path
+def test_int4_empty_k_and_a_2d_bias_are_errors():
+    assert _integer_path()
+    with pytest.raises(RuntimeError, match="divide K"):
+        cpu_kernels.int4_linear(torch.randn(2, 0), torch.zeros(4, 0, dtype=torch.uint8), torch.zeros(4, 0),
+                                torch.zeros(4, 0), 32)
+    with pytest.raises(RuntimeError, match="bias"):
+        cpu_kernels.int4_linear(torch.randn(2, 64), torch.zeros(4, 64, dtype=torch.uint8), torch.zeros(4, 2),
+                                torch.zeros(4, 2), 32, torch.zeros(4, 1))
+
+
+@needs_bf16
+def test_bf16_engine_with_a_head_the_kernel_cannot_take(tmp_path):
+    """hidden_size 48 (not a multiple of 32): the bf16 layers and LM head stay on torch (the packed head's
+    small steps included), and requests run."""
+    from llminfer.backends.prepack import PrepackedLinear
+    from llminfer.models import build_random_model
+
+    assert _bf16_path()
+    build_random_model(tmp_path / "m", hidden_size=48, intermediate_size=128, num_heads=4, num_kv_heads=2,
+                       num_layers=2)
+    with make_engine(tmp_path / "m", max_batch_size=2, dtype="bfloat16") as engine:
+        head = engine.runtime.model.get_output_embeddings()
+        assert isinstance(head, PrepackedLinear) and head.bf16_kernel_rows == 0
+        assert len(engine.run("Hello there", max_new_tokens=5, ignore_eos=True).token_ids) == 5

@@ -140,7 +140,8 @@ def load_runtime(cfg: EngineConfig) -> Runtime:
 
         prepack_lm_head(rt.model)
         head = rt.model.get_output_embeddings()
-        if isinstance(head, PrepackedLinear) and rt.cpu_kernel_layers and bf16_kernel_available():
+        if (isinstance(head, PrepackedLinear) and rt.cpu_kernel_layers and bf16_kernel_available()
+                and head.in_features % 32 == 0):  # bf16_linear's K rule
             head.bf16_kernel_rows = BF16_KERNEL_MAX_ROWS
     rt.load_time_s = time.perf_counter() - t0
     rt.eos_token_ids = _eos_ids(rt.model, rt.tokenizer)

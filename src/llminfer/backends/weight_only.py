@@ -225,9 +225,10 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
     Buffers: ``weight`` uint8 ``[N_pad, in_features // 2]`` (two codes a byte, the kernel's packed layout;
     ``N_pad`` = ``out_features`` rounded up to 16, padding rows zero); ``scales_and_zeros``
     ``[in_features // group_size, N_pad, 2]`` in ``compute_dtype``. After :meth:`use_llminfer_kernel`,
-    ``weight`` is uint8 ``[out_features, ceil(in_features / 128) * 64]`` in :func:`pack_int4_codes`'s layout
-    and the products take llminfer's kernel (float32 activations rounded to 14 bits per row, not
-    ``compute_dtype``). Input and output as :class:`Int8WeightOnlyLinear`, with the weight of
+    ``weight`` is uint8 ``[out_features, ceil(in_features / 128) * 64]`` in :func:`pack_int4_codes`'s layout,
+    ``scales_and_zeros`` gives way to float32 ``kernel_scales`` and ``kernel_zeros`` (zero point less 8 *
+    scale) ``[out_features, in_features // group_size]``, and the products take llminfer's kernel (float32
+    activations rounded to 14 bits per row, not ``compute_dtype``). Input and output as :class:`Int8WeightOnlyLinear`, with the weight of
     :func:`dequantize_int4`.
 
     Raises:
@@ -254,8 +255,6 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
     #: Set by :meth:`use_llminfer_kernel`: ``weight`` then holds the codes in the layout of
     #: :func:`llminfer.backends.cpu_kernels.int4_linear` and every product runs there.
     use_cpu_kernel = False
-    _kernel_scales: torch.Tensor | None = None  # float32 [out_features, K / group_size]
-    _kernel_zeros: torch.Tensor | None = None   # float32 [out_features, K / group_size]: zero - 8 * scale
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.weight, self.group_size, self.scales_and_zeros)
@@ -269,14 +268,13 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
         rows = x.numel() // self.in_features
         flat = x.reshape(rows, self.in_features).float().contiguous()
         bias = None if self.bias is None else self.bias.float()
-        out = cpu_kernels.int4_linear(flat, self.weight, self._kernel_scales, self._kernel_zeros, self.group_size,
-                                      bias)
+        out = cpu_kernels.int4_linear(flat, self.weight, self.kernel_scales, self.kernel_zeros, self.group_size, bias)
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def codes(self) -> torch.Tensor:
         """The int32 ``[out_features, in_features]`` codes in [0, 15] (of either layout)."""
         if self.use_cpu_kernel:
-            return unpack_int4_codes(self.weight, self.in_features)
+            return unpack_int4_codes(self.weight, self.in_features)[: self.out_features]
         # torch's packed layout is opaque: its own kernel with scale 1 and zero point 8 computes
         # (q - 8) * 1 + 8 = q, and rows of the identity pick each column (exact: one term per output)
         n_pad = self.weight.shape[0]
@@ -296,12 +294,21 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
         q = self.codes()
         sz = self.scales_and_zeros[:, : self.out_features].float()  # [K/G, N, 2]
         scales, zeros = sz[..., 0].t().contiguous(), sz[..., 1].t().contiguous()
-        self._kernel_scales, self._kernel_zeros = scales, (zeros - 8.0 * scales).contiguous()
+        # The kernel's state replaces torch's: buffers (so state_dict, load_state_dict and the byte counts
+        # see what the products read), under other names than torch's layout, so a state_dict of one layout
+        # does not load into the other.
+        del self.scales_and_zeros
         self.weight = pack_int4_codes(q)
+        self.register_buffer("kernel_scales", scales)                           # float32 [N, K / G]
+        self.register_buffer("kernel_zeros", (zeros - 8.0 * scales).contiguous())  # zero - 8 * scale
         self.use_cpu_kernel = True
 
     def dequantized_weight(self) -> torch.Tensor:
         """The float32 ``[out_features, in_features]`` weight the layer computes with."""
+        if self.use_cpu_kernel:
+            g = self.group_size
+            return (self.codes().double() * self.kernel_scales.double().repeat_interleave(g, 1)
+                    + self.kernel_zeros.double().repeat_interleave(g, 1)).float()
         sz = self.scales_and_zeros[:, : self.out_features].float()
         return dequantize_int4(self.codes(), sz, self.group_size)
 

@@ -717,14 +717,16 @@ LinearArgs check_linear_args(const char* op, const at::Tensor& x, const at::Tens
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.size(1) == x.size(1), op,
               ": weight must be a contiguous [N, K] tensor with x's K");
   LinearArgs a{x.size(0), x.size(1), weight.size(0), nullptr, nullptr};
-  TORCH_CHECK(a.K % 8 == 0, op, ": K must be a multiple of 8, got ", a.K);
+  TORCH_CHECK(a.K > 0 && a.K % 8 == 0, op, ": K must be a positive multiple of 8, got ", a.K);
   if (scale.has_value()) {
-    TORCH_CHECK(scale->scalar_type() == at::kFloat && scale->is_contiguous() && scale->numel() == a.N, op,
+    TORCH_CHECK(scale->device().is_cpu() && scale->scalar_type() == at::kFloat && scale->is_contiguous() &&
+                    scale->dim() == 1 && scale->numel() == a.N, op,
                 ": scale must be a contiguous float32 [N] tensor");
     a.scale = scale->data_ptr<float>();
   }
   if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == a.N, op,
+    TORCH_CHECK(bias->device().is_cpu() && bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                    bias->dim() == 1 && bias->numel() == a.N, op,
                 ": bias must be a contiguous float32 [N] tensor");
     a.bias = bias->data_ptr<float>();
   }
@@ -780,7 +782,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "int4_linear: x must be a contiguous float32 [M, K] tensor");
   const int64_t M = x.size(0), K = x.size(1), G = group_size;
-  TORCH_CHECK((G == 32 || G == 64 || G == 128 || G == 256) && K % G == 0 && K <= 32768,
+  TORCH_CHECK((G == 32 || G == 64 || G == 128 || G == 256) && K > 0 && K % G == 0 && K <= 32768,
               "int4_linear: group_size must be 32, 64, 128 or 256 and divide K (K <= 32768), got group_size ",
               G, " and K ", K);
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
@@ -788,13 +790,14 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
               "int4_linear: codes must be a contiguous uint8 [N, ceil(K / 128) * 64] tensor");
   const int64_t N = codes.size(0);
   for (const at::Tensor* t : {&scale, &zero})
-    TORCH_CHECK(t->dim() == 2 && t->scalar_type() == at::kFloat && t->is_contiguous() && t->size(0) == N &&
-                    t->size(1) == K / G,
-                "int4_linear: scale and zero must be contiguous float32 [N, K / group_size] tensors");
+    TORCH_CHECK(t->device().is_cpu() && t->dim() == 2 && t->scalar_type() == at::kFloat && t->is_contiguous() &&
+                    t->size(0) == N && t->size(1) == K / G,
+                "int4_linear: scale and zero must be contiguous float32 [N, K / group_size] CPU tensors");
   const float* bias_p = nullptr;
   if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
-                "int4_linear: bias must be a contiguous float32 [N] tensor");
+    TORCH_CHECK(bias->device().is_cpu() && bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                    bias->dim() == 1 && bias->numel() == N,
+                "int4_linear: bias must be a contiguous float32 [N] CPU tensor");
     bias_p = bias->data_ptr<float>();
   }
   at::Tensor out = at::empty({M, N}, x.options());
@@ -817,12 +820,12 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const c10:
                   weight.size(1) == x.size(1),
               "bf16_linear: weight must be a contiguous bfloat16 [N, K] tensor with x's K");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  TORCH_CHECK(K % 32 == 0, "bf16_linear: K must be a multiple of 32, got ", K);
+  TORCH_CHECK(K > 0 && K % 32 == 0, "bf16_linear: K must be a positive multiple of 32, got ", K);
   at::Tensor bias_f;
   if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->numel() == N &&
+    TORCH_CHECK(bias->device().is_cpu() && bias->dim() == 1 && bias->numel() == N &&
                     (bias->scalar_type() == at::kBFloat16 || bias->scalar_type() == at::kFloat),
-                "bf16_linear: bias must be a bfloat16 or float32 [N] tensor");
+                "bf16_linear: bias must be a bfloat16 or float32 [N] tensor on the CPU");
     bias_f = bias->to(at::kFloat).contiguous();
   }
   at::Tensor out = at::empty({M, N}, x.options());
@@ -958,7 +961,7 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
   const int64_t H_kv = k_cache.size(0), num_blocks = k_cache.size(1), block_size = k_cache.size(2);
   const int64_t W = block_tables.size(1);
   TORCH_CHECK(k_cache.size(3) == D && D % 8 == 0, "paged_decode_attention: head_dim must match and be a multiple of 8");
-  TORCH_CHECK(H % H_kv == 0, "paged_decode_attention: query heads must be a multiple of K/V heads");
+  TORCH_CHECK(H_kv > 0 && H % H_kv == 0, "paged_decode_attention: query heads must be a multiple of K/V heads");
   TORCH_CHECK(block_tables.size(0) == B && ctx_lens.size(0) == B, "paged_decode_attention: batch sizes differ");
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = ctx_lens.data_ptr<int64_t>();
