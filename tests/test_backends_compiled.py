@@ -96,6 +96,23 @@ def test_no_recompile_after_warmup(aot_eager, qwen2_dir, compile_lines):
         assert compile_lines() == []  # the warm-up compiled every shape: no request waits for a compile
 
 
+def test_prompt_logprobs_on_the_compiled_backend(aot_eager, qwen2_dir):
+    """A step with prompt-logprob rows runs eagerly on the compiled backend (its row count fits no bucket):
+    its attention takes the metadata it is given (it once failed with "called outside an llminfer step"),
+    and the prompt logprobs equal the eager backend's."""
+    kw = dict(max_new_tokens=3, ignore_eos=True, prompt_logprobs=1)
+    with make_engine(qwen2_dir, max_batch_size=2) as engine:
+        want = engine.run("The quick brown fox", **kw)
+    with make_engine(qwen2_dir, max_batch_size=2, backend=Backend.COMPILED, compile_fallback_to_eager=False) as engine:
+        got = engine.run("The quick brown fox", **kw)
+        assert engine.backend.num_eager_steps > 0 and engine.backend.compiled_ok
+    assert got.token_ids == want.token_ids and got.prompt_logprobs and len(got.prompt_logprobs) == len(want.prompt_logprobs)
+    for a, b in zip(got.prompt_logprobs, want.prompt_logprobs):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-4)
+
+
 def _boom_backend(gm, example_inputs):
     raise RuntimeError("forced compile failure")
 

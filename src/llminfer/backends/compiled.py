@@ -119,10 +119,14 @@ def _paged_attention_fake(query: torch.Tensor, key: torch.Tensor, value: torch.T
 def paged_attention_op_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                attention_mask: torch.Tensor | None, scaling: float | None = None,
                                dropout: float = 0.0, **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """The attention function registered as ``"llminfer_paged_op"``: calls the opaque op.
+    """The attention function registered as ``"llminfer_paged_op"``: calls the opaque op. A step that runs
+    eagerly on the compiled backend (prompt-logprob rows, a step larger than every bucket) passes its
+    metadata as a keyword instead of the step context; it goes straight to the eager attention.
 
     Shapes as :func:`llminfer.backends.attention.paged_attention_forward` (``[1, T, H, D]`` out).
     """
+    if kwargs.get(METADATA_KWARG) is not None:
+        return paged_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     return paged_attention_op(query, key, value, int(module.layer_idx),
                               None if scaling is None else float(scaling)), None
 
