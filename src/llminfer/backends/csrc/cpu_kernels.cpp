@@ -216,6 +216,31 @@ inline void tile(int64_t nt, int64_t rows, const float* x, int64_t K, const W* w
 // Weights (as fp32) of one block of tiles, held in L2 while every activation row passes over them.
 constexpr int64_t kBlockBytes = 256 * 1024;
 
+// Calls tile(m, rows, n, cols) over an [M, N] output in tiles of up to `group_rows` rows and `tile_cols`
+// output channels, in parallel over the channels (tasks of at least ~64 KB of weights; `row_bytes` is one
+// channel's weight bytes). Up to `group_rows` rows each tile's weights are read once, straight from memory;
+// beyond, a block of tiles (kBlockBytes of weights) stays in L2 while every group of rows passes over it.
+// The order changes which tile runs when, never the operations of an output element.
+template <typename F>
+inline void for_each_tile(int64_t M, int64_t N, int64_t group_rows, int64_t tile_cols, int64_t row_bytes, F&& tile) {
+  const int64_t tiles = (N + tile_cols - 1) / tile_cols;
+  const int64_t tile_bytes = tile_cols * row_bytes;
+  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / tile_bytes);
+  const int64_t block_tiles = M <= group_rows ? tiles : std::max<int64_t>(1, kBlockBytes / tile_bytes);
+  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t b0 = begin; b0 < end; b0 += block_tiles) {
+      const int64_t b1 = std::min(end, b0 + block_tiles);
+      for (int64_t m = 0; m < M; m += group_rows) {
+        const int64_t rows = std::min<int64_t>(group_rows, M - m);
+        for (int64_t t = b0; t < b1; ++t) {
+          const int64_t n = t * tile_cols;
+          tile(m, rows, n, std::min<int64_t>(tile_cols, N - n));
+        }
+      }
+    }
+  });
+}
+
 // The weights of channels [n0, n1) as fp32: the weights themselves, or (int8) a thread-local copy
 // converted exactly (every int8 is a float); the products are the same FMAs either way.
 inline const float* block_weights(const float* w, int64_t n0, int64_t, int64_t K) { return w + n0 * K; }
@@ -431,31 +456,17 @@ inline void int_row_tile(int64_t rows, const QuantizedRows& r, int64_t m0, const
 void int8_linear_impl(const float* x, int64_t M, int64_t K, const int8_t* w, int64_t N, const float* scale,
                       const float* bias, float* out) {
   const QuantizedRows r = quantize_rows(x, M, K);
-  const int64_t tiles = (N + kIntCols - 1) / kIntCols;
-  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / (kIntCols * K));
-  // Beyond kRows rows, a block of tiles (kBlockBytes of int8 weights) stays in L2 while every group of
-  // kRows rows passes over it; the loop order changes, not any output element's operations.
-  const int64_t block_tiles = M <= kRows ? tiles : std::max<int64_t>(1, kBlockBytes / (kIntCols * K));
-  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t b0 = begin; b0 < end; b0 += block_tiles) {
-      const int64_t b1 = std::min(end, b0 + block_tiles);
-      for (int64_t m = 0; m < M; m += kRows) {
-        const int64_t rows = std::min<int64_t>(kRows, M - m);
-        for (int64_t t = b0; t < b1; ++t) {
-          const int64_t n = t * kIntCols;
-          const int8_t* wt = w + n * K;
-          float* o = out + m * N + n;
-          const float* b = bias ? bias + n : nullptr;
-          switch (std::min<int64_t>(kIntCols, N - n)) {
-            case 6: int_row_tile<6>(rows, r, m, wt, K, scale + n, b, o, N); break;
-            case 5: int_row_tile<5>(rows, r, m, wt, K, scale + n, b, o, N); break;
-            case 4: int_row_tile<4>(rows, r, m, wt, K, scale + n, b, o, N); break;
-            case 3: int_row_tile<3>(rows, r, m, wt, K, scale + n, b, o, N); break;
-            case 2: int_row_tile<2>(rows, r, m, wt, K, scale + n, b, o, N); break;
-            default: int_row_tile<1>(rows, r, m, wt, K, scale + n, b, o, N); break;
-          }
-        }
-      }
+  for_each_tile(M, N, kRows, kIntCols, K, [&](int64_t m, int64_t rows, int64_t n, int64_t cols) {
+    const int8_t* wt = w + n * K;
+    float* o = out + m * N + n;
+    const float* b = bias ? bias + n : nullptr;
+    switch (cols) {
+      case 6: int_row_tile<6>(rows, r, m, wt, K, scale + n, b, o, N); break;
+      case 5: int_row_tile<5>(rows, r, m, wt, K, scale + n, b, o, N); break;
+      case 4: int_row_tile<4>(rows, r, m, wt, K, scale + n, b, o, N); break;
+      case 3: int_row_tile<3>(rows, r, m, wt, K, scale + n, b, o, N); break;
+      case 2: int_row_tile<2>(rows, r, m, wt, K, scale + n, b, o, N); break;
+      default: int_row_tile<1>(rows, r, m, wt, K, scale + n, b, o, N); break;
     }
   });
 }
@@ -565,33 +576,21 @@ void int4_linear_impl(const float* x, int64_t M, int64_t K, const uint8_t* codes
       xsum[m * groups + g] = static_cast<float>(t);
     }
   const int64_t row_bytes = int4_row_bytes(K);
-  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / row_bytes);
-  // Beyond kInt4Rows rows, a block of channels (kBlockBytes of codes) stays in L2 while every group of rows
-  // passes over it; the loop order changes, not any output element's operations.
-  const int64_t block = M <= kInt4Rows ? N : std::max<int64_t>(1, kBlockBytes / row_bytes);
-  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+  for_each_tile(M, N, kInt4Rows, 1, row_bytes, [&](int64_t m, int64_t rows, int64_t n, int64_t) {
     float sums[kInt4Rows];
-    for (int64_t b0 = begin; b0 < end; b0 += block) {
-      const int64_t b1 = std::min(end, b0 + block);
-      for (int64_t m = 0; m < M; m += kInt4Rows) {
-        const int64_t rows = std::min<int64_t>(kInt4Rows, M - m);
-        for (int64_t n = b0; n < b1; ++n) {
-          const uint8_t* cn = codes + n * row_bytes;
-          const float* sn = scale + n * groups;
-          const float* zn = zero + n * groups;
-          switch (G) {
-            case 32: int4_rows<32>(rows, r, m, cn, K, sn, zn, xsum.data(), sums); break;
-            case 64: int4_rows<64>(rows, r, m, cn, K, sn, zn, xsum.data(), sums); break;
-            case 128: int4_rows<128>(rows, r, m, cn, K, sn, zn, xsum.data(), sums); break;
-            default: int4_rows<256>(rows, r, m, cn, K, sn, zn, xsum.data(), sums); break;
-          }
-          for (int64_t i = 0; i < rows; ++i) {
-            float v = static_cast<float>(static_cast<double>(sums[i]) * r.scale[m + i]);
-            if (bias) v += bias[n];
-            out[(m + i) * N + n] = v;
-          }
-        }
-      }
+    const uint8_t* cn = codes + n * row_bytes;
+    const float* sn = scale + n * groups;
+    const float* zn = zero + n * groups;
+    switch (G) {
+      case 32: int4_rows<32>(rows, r, m, cn, K, sn, zn, xsum.data(), sums); break;
+      case 64: int4_rows<64>(rows, r, m, cn, K, sn, zn, xsum.data(), sums); break;
+      case 128: int4_rows<128>(rows, r, m, cn, K, sn, zn, xsum.data(), sums); break;
+      default: int4_rows<256>(rows, r, m, cn, K, sn, zn, xsum.data(), sums); break;
+    }
+    for (int64_t i = 0; i < rows; ++i) {
+      float v = static_cast<float>(static_cast<double>(sums[i]) * r.scale[m + i]);
+      if (bias) v += bias[n];
+      out[(m + i) * N + n] = v;
     }
   });
 }
@@ -677,27 +676,12 @@ inline void with_tile_shape(int64_t rows, int64_t nt, F&& f) {
 
 void bf16_linear_impl(const bf16_t* x, int64_t M, int64_t K, const bf16_t* w, int64_t N, const float* bias,
                       bf16_t* out) {
-  const int64_t tiles = (N + kCols - 1) / kCols;
-  const int64_t tile_bytes = kCols * K * static_cast<int64_t>(sizeof(bf16_t));
-  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / tile_bytes);
-  // Beyond kRows rows, a block of tiles (kBlockBytes of weights) stays in L2 while every group of kRows
-  // rows passes over it; the loop order changes, not any output element's operations.
-  const int64_t block_tiles = M <= kRows ? tiles : std::max<int64_t>(1, kBlockBytes / tile_bytes);
-  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t b0 = begin; b0 < end; b0 += block_tiles) {
-      const int64_t b1 = std::min(end, b0 + block_tiles);
-      for (int64_t m = 0; m < M; m += kRows) {
-        const int64_t rows = std::min<int64_t>(kRows, M - m);
-        for (int64_t t = b0; t < b1; ++t) {
-          const int64_t n = t * kCols;
-          with_tile_shape(rows, std::min<int64_t>(kCols, N - n), [&](auto mt, auto nt) {
-            bf16_micro_tile<decltype(mt)::value, decltype(nt)::value>(x + m * K, K, w + n * K, K,
-                                                                      bias ? bias + n : nullptr,
-                                                                      out + m * N + n, N);
-          });
-        }
-      }
-    }
+  const int64_t row_bytes = K * static_cast<int64_t>(sizeof(bf16_t));
+  for_each_tile(M, N, kRows, kCols, row_bytes, [&](int64_t m, int64_t rows, int64_t n, int64_t cols) {
+    with_tile_shape(rows, cols, [&](auto mt, auto nt) {
+      bf16_micro_tile<decltype(mt)::value, decltype(nt)::value>(x + m * K, K, w + n * K, K, bias ? bias + n : nullptr,
+                                                                out + m * N + n, N);
+    });
   });
 }
 #endif  // LLMINFER_KERNEL_BF16
