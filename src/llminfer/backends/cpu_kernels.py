@@ -303,10 +303,11 @@ def int4_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero:
 
     Args:
         x: float32 ``[M, K]``, contiguous, on CPU.
-        codes: uint8 ``[N, K // 2]`` from :func:`llminfer.backends.weight_only.pack_int4_codes`.
-        scale, zero: float32 ``[N, K // group_size]``, contiguous (``zero`` is the layer's zero point less
-            ``8 * scale`` for :class:`~llminfer.backends.weight_only.Int4WeightOnlyLinear`'s codes).
-        group_size: a multiple of 32 up to 256 dividing ``K``; ``K <= 32768``.
+        codes: uint8 ``[N, ceil(K / 128) * 64]`` from :func:`llminfer.backends.weight_only.pack_int4_codes`
+            (four codes to a 16-bit word).
+        scale, zero: float32 ``[N, K // group_size]``, contiguous, on CPU (``zero`` is the layer's zero point
+            less ``8 * scale`` for :class:`~llminfer.backends.weight_only.Int4WeightOnlyLinear`'s codes).
+        group_size: 32, 64, 128 or 256, dividing ``K``; ``0 < K <= 32768``.
         bias: float32 ``[N]``, or None.
 
     Returns:

@@ -228,8 +228,8 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
     ``weight`` is uint8 ``[out_features, ceil(in_features / 128) * 64]`` in :func:`pack_int4_codes`'s layout,
     ``scales_and_zeros`` gives way to float32 ``kernel_scales`` and ``kernel_zeros`` (zero point less 8 *
     scale) ``[out_features, in_features // group_size]``, and the products take llminfer's kernel (float32
-    activations rounded to 14 bits per row, not ``compute_dtype``). Input and output as :class:`Int8WeightOnlyLinear`, with the weight of
-    :func:`dequantize_int4`.
+    activations rounded to 14 bits per row, not ``compute_dtype``). Input and output as
+    :class:`Int8WeightOnlyLinear`, with the weight of :func:`dequantize_int4`.
 
     Raises:
         ValueError: ``group_size`` is not 32/64/128/256 or does not divide ``in_features``.
@@ -286,9 +286,10 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
         return torch.cat(cols).t()[: self.out_features].round().to(torch.int32)
 
     def use_llminfer_kernel(self) -> None:
-        """Re-lay ``weight`` out for :func:`llminfer.backends.cpu_kernels.int4_linear` (the same bytes where
-        ``in_features % 128 == 0``: two codes a byte, without torch's row padding) and run every product there
-        from now on (the caller checks that the kernel has its VNNI path). Idempotent."""
+        """Re-lay ``weight`` out for :func:`llminfer.backends.cpu_kernels.int4_linear` (:func:`pack_int4_codes`:
+        the same bytes where ``in_features % 128 == 0``, without torch's row padding), replace
+        ``scales_and_zeros`` by the kernel's float32 ``kernel_scales`` / ``kernel_zeros`` buffers, and run every
+        product there from now on (the caller checks that the kernel has its VNNI path). Idempotent."""
         if self.use_cpu_kernel:
             return
         q = self.codes()
