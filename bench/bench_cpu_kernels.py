@@ -205,6 +205,8 @@ def main() -> dict[str, Any]:
                    "attention": attention(reps), "reps": reps, "loadavg_before": load_before,
                    "loadavg_after": " ".join(f"{x:.2f}" for x in os.getloadavg()), "steal_pct": steal.pct(),
                    "environment": environment()}
+    print(f"load average before {load_before}, after {payload['loadavg_after']} (a loaded machine skews single "
+          "rows: prefer --reps 3 with --quick)")
     if payload["steal_pct"] is not None:
         print(f"CPU time stolen by the hypervisor during the run: {payload['steal_pct']:.1f} %")
     # The build this CPU gets by default saves as cpu_kernels (what run_all reads); a forced AVX2 build on an
