@@ -185,14 +185,14 @@ def attention(reps: int) -> list[dict[str, Any]]:
 
 def main() -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="1 and 32 rows only, one rep")
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="1 and 32 rows only, one rep unless --reps says more")
+    ap.add_argument("--reps", type=int, default=None, help="timed loops per case, best kept (default 3; 1 with --quick)")
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("LLMINFER_BENCH_THREADS", "2")))
     if not cpu_kernels.skinny_linear_available():
         print(f"SKIP: llminfer's CPU kernel is unavailable here: {cpu_kernels.unavailable_reason()}")
         return {"skipped": cpu_kernels.unavailable_reason()}
-    reps = 1 if args.quick else args.reps
+    reps = args.reps if args.reps is not None else (1 if args.quick else 3)
     isa, int8_bits = cpu_kernels.vector_isa(), cpu_kernels.int8_activation_bits()
     int8_path = f"integer, {int8_bits}-bit activations (VNNI)" if int8_bits else "fp32 activations"
     print(f"kernel build: {isa}; int8 products: {int8_path}", flush=True)
