@@ -564,7 +564,8 @@ def _bf16_path() -> bool:
     return cpu_kernels.bf16_kernel_available()
 
 
-needs_bf16 = pytest.mark.skipif("avx512_bf16" not in cpu_kernels.cpu_flags(), reason="this CPU has no AVX-512 BF16")
+needs_bf16 = pytest.mark.skipif("avx512_bf16" not in cpu_kernels.cpu_flags() or cpu_kernels.target_isa() != "avx512",
+                                reason="no AVX-512 BF16 path here (the CPU lacks it, or the AVX2 build is forced)")
 
 
 @needs_bf16
@@ -694,9 +695,8 @@ def _int4_dense(q, scale, zero, group):
     return q.double() * scale.double().repeat_interleave(group, 1) + zero.double().repeat_interleave(group, 1)
 
 
-needs_int_path = pytest.mark.skipif("avx512_vnni" not in cpu_kernels.cpu_flags()
-                                    or not cpu_kernels.AVX512_CPU_FLAGS <= cpu_kernels.cpu_flags(),
-                                    reason="this CPU has no AVX-512 VNNI (int4 stays on torch's kernel)")
+needs_int_path = pytest.mark.skipif(cpu_kernels.target_isa() != "avx512" or not cpu_kernels.vnni_wanted(),
+                                    reason="no AVX-512 VNNI path here (int4 stays on torch's kernel)")
 
 
 @needs_int_path
