@@ -595,6 +595,7 @@ def test_bf16_linear_rows_are_batch_invariant():
     w, b = torch.randn(131, 512, generator=g).bfloat16(), torch.randn(131, generator=g).bfloat16()
     row = torch.randn(1, 512, generator=g).bfloat16()
     alone = [cpu_kernels.bf16_linear(row, w, bias) for bias in (None, b)]
+    assert torch.equal(cpu_kernels.bf16_linear(row, w, b.float()), alone[1])  # a bf16 bias is widened exactly
     threads = torch.get_num_threads()
     try:
         for num_threads, m, at in ((1, 7, 5), (threads, 2, 0), (threads, 4, 3), (threads, 5, 4), (threads, 33, 17),

@@ -3,7 +3,8 @@
 // LLMINFER_KERNEL_AVX512 tells which.
 //
 // Linear products: out[M, N] = x[M, K] @ (w[N, K] * scale[N]).T + bias[N], fp32 activations and
-// accumulation, weights fp32 or int8 (symmetric per output channel).
+// accumulation, weights fp32 or int8 (symmetric per output channel); on AVX-512 builds also int4 group-wise
+// weights (int4_linear, VNNI) and bf16 activations and weights (bf16_linear, AVX-512 BF16), further down.
 //
 // Why: at decode M (the step's rows) is 1..64 while N and K are the model's, so the product is bound by
 // the weight bytes read, not by FLOPs. torch's fp32 kernels stream the weights at well under the memory
@@ -613,8 +614,9 @@ constexpr int64_t kBf16K = 32;  // bf16 values per vector: the path needs K % 32
 
 inline __m512bh load_bf16(const bf16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
 
-template <int MT, int NT>
-inline void bf16_micro_tile(const bf16_t* x, int64_t ldx, const bf16_t* w, int64_t K, const float* bias,
+// B: the bias element type (float or bf16; a bf16 bias is widened exactly, so both give the same bits).
+template <int MT, int NT, typename B>
+inline void bf16_micro_tile(const bf16_t* x, int64_t ldx, const bf16_t* w, int64_t K, const B* bias,
                             bf16_t* out, int64_t ldo) {
   __m512 acc[MT][NT];
   for (int m = 0; m < MT; ++m)
@@ -648,7 +650,7 @@ inline void bf16_micro_tile(const bf16_t* x, int64_t ldx, const bf16_t* w, int64
   for (int m = 0; m < MT; ++m)
     for (int n = 0; n < NT; ++n) {
       float v = lane_sum(acc[m][n]);
-      if (bias) v += bias[n];
+      if (bias) v += static_cast<float>(bias[n]);
       out[m * ldo + n] = bf16_t(v);  // c10::BFloat16 rounds to nearest even
     }
 }
@@ -674,7 +676,8 @@ inline void with_tile_shape(int64_t rows, int64_t nt, F&& f) {
   }
 }
 
-void bf16_linear_impl(const bf16_t* x, int64_t M, int64_t K, const bf16_t* w, int64_t N, const float* bias,
+template <typename B>
+void bf16_linear_impl(const bf16_t* x, int64_t M, int64_t K, const bf16_t* w, int64_t N, const B* bias,
                       bf16_t* out) {
   const int64_t row_bytes = K * static_cast<int64_t>(sizeof(bf16_t));
   for_each_tile(M, N, kRows, kCols, row_bytes, [&](int64_t m, int64_t rows, int64_t n, int64_t cols) {
@@ -805,18 +808,20 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const c10:
               "bf16_linear: weight must be a contiguous bfloat16 [N, K] tensor with x's K");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   TORCH_CHECK(K > 0 && K % 32 == 0, "bf16_linear: K must be a positive multiple of 32, got ", K);
-  at::Tensor bias_f;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->device().is_cpu() && bias->dim() == 1 && bias->numel() == N &&
+  if (bias.has_value())  // read as it is (no per-call conversion: bf16 layers call this every step)
+    TORCH_CHECK(bias->device().is_cpu() && bias->dim() == 1 && bias->numel() == N && bias->is_contiguous() &&
                     (bias->scalar_type() == at::kBFloat16 || bias->scalar_type() == at::kFloat),
-                "bf16_linear: bias must be a bfloat16 or float32 [N] tensor on the CPU");
-    bias_f = bias->to(at::kFloat).contiguous();
-  }
+                "bf16_linear: bias must be a contiguous bfloat16 or float32 [N] tensor on the CPU");
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
 #if LLMINFER_KERNEL_BF16
-  bf16_linear_impl(x.data_ptr<at::BFloat16>(), M, K, weight.data_ptr<at::BFloat16>(), N,
-                   bias_f.defined() ? bias_f.data_ptr<float>() : nullptr, out.data_ptr<at::BFloat16>());
+  const bf16_t* xp = x.data_ptr<at::BFloat16>();
+  const bf16_t* wp = weight.data_ptr<at::BFloat16>();
+  if (bias.has_value() && bias->scalar_type() == at::kBFloat16)
+    bf16_linear_impl(xp, M, K, wp, N, bias->data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>());
+  else
+    bf16_linear_impl(xp, M, K, wp, N, bias.has_value() ? bias->data_ptr<float>() : static_cast<const float*>(nullptr),
+                     out.data_ptr<at::BFloat16>());
 #endif
   return out;
 }
