@@ -145,11 +145,14 @@ def test_artifact_folders_never_replace_files(tmp_path):
 
 @pytest.mark.skipif(not reset_peak_rss(), reason="this system cannot reset the resident-memory peak")
 def test_compare_reports_each_backends_own_memory(fake_vllm, monkeypatch, tmp_path):
-    """The eager backend holds 96 MiB more than the (fake) vLLM one by construction; run first, it must not
-    lend that memory to the backend after it (a process-lifetime peak would)."""
+    """The eager backend holds 256 MiB more than the (fake) vLLM one by construction; run first, it must not
+    lend that memory to the backend after it (a process-lifetime peak would). The bounds leave room for
+    memory that the rest of a full test run's process gives back while the eager backend runs (once 36 MiB
+    against a 96 MiB ballast, which an earlier 0.9 x ballast bound failed on): each is still far from what
+    the two faults would show (the eager figure near 0, or the vLLM one near the ballast)."""
     import torch
 
-    ballast_mib = 96
+    ballast_mib = 256
     real_load = InferenceEngine.load
 
     def load(self):
@@ -164,8 +167,8 @@ def test_compare_reports_each_backends_own_memory(fake_vllm, monkeypatch, tmp_pa
     assert result.skipped == {}
     eager, vllm = (result.results[b].summary().to_dicts()[0] for b in ("eager", "vllm"))
     assert eager["memory_kind"] == vllm["memory_kind"] == "rss_peak_minus_preload"
-    assert eager["peak_memory_mb"] >= 0.9 * ballast_mib
-    assert vllm["peak_memory_mb"] < eager["peak_memory_mb"] - 0.6 * ballast_mib
+    assert eager["peak_memory_mb"] >= 0.6 * ballast_mib
+    assert vllm["peak_memory_mb"] < eager["peak_memory_mb"] - 0.5 * ballast_mib
     payload = json.loads(result.save_artifacts(tmp_path)["json"].read_text())
     validate(payload, "comparison")
     assert list(payload["memory_kinds"]) == ["rss_peak_minus_preload"]
