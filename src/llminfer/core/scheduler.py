@@ -62,6 +62,31 @@ class SchedulerLimits:
     max_prompt_logprob_rows: int = 512
 
 
+@attrs.define
+class StepBudget:
+    """What one step may still take: ``tokens`` of the ``max_num_batched_tokens`` budget (draft tokens
+    included) and ``logprob_rows`` of prompt-logprob rows; ``long_prefill`` caps one prefill chunk
+    (0 = no cap)."""
+
+    tokens: int
+    logprob_rows: int
+    long_prefill: int = 0
+
+    def clamp(self, req: Request, num_new: int) -> int:
+        """The most of ``num_new`` tokens ``req`` may compute in this step (<= 0: none)."""
+        if self.long_prefill:
+            num_new = min(num_new, self.long_prefill)
+        num_new = min(num_new, self.tokens)
+        if req.needs_prompt_logprobs:
+            num_new = min(num_new, self.logprob_rows)
+        return num_new
+
+    def take(self, req: Request, num_new: int, lookahead: int) -> None:
+        self.tokens -= num_new + lookahead
+        if req.needs_prompt_logprobs:
+            self.logprob_rows -= num_new
+
+
 class Scheduler:
     """Owns request state and the KV cache manager.
 
@@ -177,103 +202,109 @@ class Scheduler:
 
     # ------------------------------------------------------------------ one step
     def schedule(self) -> tuple[SchedulerOutput, list[SequenceUpdate]]:
-        """Plan the next step.
+        """Plan the next step: running requests first, then (unless one was preempted) waiting ones.
 
         Returns:
             The plan (possibly with no sequences) and updates for requests that failed while planning
-            (a lone request that outgrew the KV pool).
+            (a lone request that outgrew the KV pool, a grammar that failed to compile).
         """
-        budget = self.limits.max_num_batched_tokens
-        threshold = self.limits.long_prefill_token_threshold
-        logprob_rows = max(1, self.limits.max_prompt_logprob_rows)
+        budget = StepBudget(self.limits.max_num_batched_tokens, max(1, self.limits.max_prompt_logprob_rows),
+                            self.limits.long_prefill_token_threshold)
         plan: list[tuple[Request, int, int]] = []  # (request, new tokens, speculative lookahead)
         failures: list[SequenceUpdate] = []
-        preempted = False
         now = time.perf_counter_ns()
+        preempted = self._schedule_running(budget, plan, failures)
+        if not preempted:
+            self._schedule_waiting(budget, plan, failures, now)
+        return self._plan_output(plan), failures
 
+    def _schedule_running(self, budget: StepBudget, plan: list, failures: list[SequenceUpdate]) -> bool:
+        """Give each running request its next tokens (decode, or the next prefill chunk), preempting the
+        most recently admitted ones when blocks run out. Returns True if anything was preempted."""
+        preempted = False
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget.tokens > 0:
             req = self.running[i]
-            num_new = req.num_tokens - req.num_computed_tokens
-            if threshold:
-                num_new = min(num_new, threshold)
-            num_new = min(num_new, budget)
-            scoring = req.needs_prompt_logprobs
-            if scoring:
-                num_new = min(num_new, logprob_rows)
-                if num_new <= 0:
-                    i += 1
-                    continue  # this step's prompt-logprob rows are spent; it goes on next step
-            lookahead = self._lookahead(req, num_new, budget)
-            scheduled = True
+            num_new = budget.clamp(req, req.num_tokens - req.num_computed_tokens)
+            if num_new <= 0:
+                i += 1
+                continue  # this step's prompt-logprob rows are spent; it goes on next step
+            lookahead = self._lookahead(req, num_new, budget.tokens)
             while not self.kv.allocate_slots(req, req.num_computed_tokens + num_new + lookahead):
                 victim = self.running.pop()
                 if victim is req and not self.running:
                     failures.append(self._fail_capacity(req))
-                    scheduled = False
                     break
                 self._preempt(victim)
                 preempted = True
                 if victim is req:
-                    scheduled = False
                     break
-            if not scheduled:
-                continue  # req left ``running``; index i now points at the next one
-            plan.append((req, num_new, lookahead))
-            budget -= num_new + lookahead
-            if scoring:
-                logprob_rows -= num_new
-            i += 1
+            else:
+                plan.append((req, num_new, lookahead))
+                budget.take(req, num_new, lookahead)
+                i += 1
+            # otherwise req left ``running``; index i now points at the next one
+        return preempted
 
-        if not preempted:
-            for req in list(self.waiting):
-                if budget <= 0 or len(self.running) >= self.limits.max_batch_size:
-                    break
-                if req.grammar is not None and not req.sent_to_backend:
-                    if not req.grammar.ready():
-                        continue  # compiling in a worker thread; the requests behind it go ahead
-                    try:
-                        req.grammar.result()
-                    except InvalidRequestError as exc:  # invalid constraint, or the compile timed out
-                        self.waiting.remove(req)
-                        self._finish(req)
-                        failures.append(SequenceUpdate(req.request_id, (), "error", exc, stats=req.stats(now)))
-                        continue
-                scoring = req.needs_prompt_logprobs
-                if scoring:
-                    if logprob_rows <= 0:
-                        continue
-                    # Prompt logprobs come out of the prefill's logits: cached tokens would skip them.
-                    cached_blocks, num_cached = [], 0
-                else:
-                    cached_blocks, num_cached = self.kv.find_cached_prefix(req)
-                    if self._waits_for_inflight(req, len(cached_blocks)):
-                        continue
-                num_new = req.num_tokens - num_cached
-                if threshold:
-                    num_new = min(num_new, threshold)
-                num_new = min(num_new, budget, logprob_rows) if scoring else min(num_new, budget)
-                reserve = self.watermark_blocks if self.running else 0
-                if not self.kv.allocate_slots(req, num_cached + num_new, cached_blocks, reserve):
-                    break  # head-of-line waits for blocks; running requests will free some
-                self.waiting.remove(req)
-                if req.num_cached_tokens is None:
-                    req.num_cached_tokens = num_cached
-                    req.first_scheduled_ns = now
-                # Every admission is a prefix-cache query, a resumption after preemption too (its blocks
-                # usually survive in the cache), so the hit rate shows what preemption costs.
-                self.kv.record_query(req.num_tokens, num_cached)
-                self.iteration.prefix_cache_queries += req.num_tokens
-                self.iteration.prefix_cache_hits += num_cached
-                req.num_computed_tokens = num_cached
-                req.status = RequestStatus.RUNNING
-                self.running.append(req)
-                self._mark_inflight(req, len(cached_blocks))
-                plan.append((req, num_new, 0))
-                budget -= num_new
-                if scoring:
-                    logprob_rows -= num_new
+    def _schedule_waiting(self, budget: StepBudget, plan: list, failures: list[SequenceUpdate], now: int) -> None:
+        """Admit waiting requests in policy order while budget, batch slots and blocks last. Requests that
+        cannot go yet (grammar compiling, their prompt block in flight elsewhere, no prompt-logprob rows
+        left) are skipped and keep their place; the first one that finds no blocks stops admission."""
+        skipped: list[Request] = []
+        while self.waiting and budget.tokens > 0 and len(self.running) < self.limits.max_batch_size:
+            req = self.waiting.pop()
+            ready = self._admissible(req, budget, now)
+            if isinstance(ready, SequenceUpdate):
+                failures.append(ready)
+                continue
+            if ready is None:
+                skipped.append(req)
+                continue
+            cached_blocks, num_cached = ready
+            num_new = budget.clamp(req, req.num_tokens - num_cached)
+            reserve = self.watermark_blocks if self.running else 0
+            if not self.kv.allocate_slots(req, num_cached + num_new, cached_blocks, reserve):
+                skipped.append(req)
+                break  # head-of-line waits for blocks; running requests will free some
+            self._start_running(req, num_cached, len(cached_blocks), now)
+            plan.append((req, num_new, 0))
+            budget.take(req, num_new, 0)
+        self.waiting.prepend(skipped)
 
+    def _admissible(self, req: Request, budget: StepBudget, now: int) -> tuple[list, int] | SequenceUpdate | None:
+        """Whether a popped waiting request can start this step: its prefix-cache hit ``(blocks, tokens)``
+        if so, None to skip it this step, or the failure update of a grammar that did not compile."""
+        if req.grammar is not None and not req.sent_to_backend:
+            if not req.grammar.ready():
+                return None  # compiling in a worker thread; the requests behind it go ahead
+            try:
+                req.grammar.result()
+            except InvalidRequestError as exc:  # invalid constraint, or the compile timed out
+                self._finish(req)
+                return SequenceUpdate(req.request_id, (), "error", exc, stats=req.stats(now))
+        if req.needs_prompt_logprobs:
+            # Prompt logprobs come out of the prefill's logits: cached tokens would skip them.
+            return ([], 0) if budget.logprob_rows > 0 else None
+        cached_blocks, num_cached = self.kv.find_cached_prefix(req)
+        if self._waits_for_inflight(req, len(cached_blocks)):
+            return None
+        return cached_blocks, num_cached
+
+    def _start_running(self, req: Request, num_cached: int, num_cached_blocks: int, now: int) -> None:
+        if req.num_cached_tokens is None:
+            req.num_cached_tokens = num_cached
+            req.first_scheduled_ns = now
+        # Every admission is a prefix-cache query, a resumption after preemption too (its blocks usually
+        # survive in the cache), so the hit rate shows what preemption costs.
+        self.kv.record_query(req.num_tokens, num_cached)
+        self.iteration.prefix_cache_queries += req.num_tokens
+        self.iteration.prefix_cache_hits += num_cached
+        req.num_computed_tokens = num_cached
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        self._mark_inflight(req, num_cached_blocks)
+
+    def _plan_output(self, plan: list[tuple[Request, int, int]]) -> SchedulerOutput:
         sequences = []
         new_requests = []
         for req, num_new, lookahead in plan:
@@ -298,8 +329,7 @@ class Scheduler:
                 )
         finished = tuple(self._finished_since_last_step)
         self._finished_since_last_step.clear()
-        out = SchedulerOutput(next(self._step_ids), tuple(sequences), tuple(new_requests), finished)
-        return out, failures
+        return SchedulerOutput(next(self._step_ids), tuple(sequences), tuple(new_requests), finished)
 
     def update_from_output(self, plan: SchedulerOutput, result: StepOutput) -> list[SequenceUpdate]:
         """Apply the backend's result for ``plan``: advance computed tokens, append sampled tokens, finish
@@ -311,8 +341,6 @@ class Scheduler:
         """
         updates: list[SequenceUpdate] = []
         end_ns = result.end_ns or time.perf_counter_ns()
-        it = self.iteration
-        itl = it.inter_token_ns
         for seq in plan.sequences:
             req = self.requests.get(seq.request_id)
             if req is None or req.status is not RequestStatus.RUNNING:
@@ -338,41 +366,46 @@ class Scheduler:
             if not tokens:
                 self.kv.cache_full_blocks(req, req.num_computed_tokens)
                 continue  # a prefill chunk that does not reach the end of the known tokens
-            reason = None
-            kept = 0
-            for token in tokens:
-                req.token_ids.append(token)
-                kept += 1
-                reason = check_stop(req, token, self.eos_token_ids)
-                if reason is not None:
-                    break  # tokens after a finish (EOS inside an accepted draft run) are dropped
-            if not req.first_token_ns:
-                req.first_token_ns = end_ns
-                it.first_token(req.num_prompt_tokens, end_ns - req.arrival_ns)
-            else:  # IterationStats.next_token, inlined: this runs once per token
-                gap = end_ns - req.last_token_ns
-                itl[gap] = itl.get(gap, 0) + 1
-            req.last_token_ns = end_ns
-            it.num_generation_tokens += kept
-            req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
-            self.kv.cache_full_blocks(req, req.num_computed_tokens)
             spec = result.spec.get(req.request_id)
             if spec is not None:
                 req.spec_proposed += spec[0]
                 req.spec_accepted += spec[1]
-            if reason is not None:
-                self.running.remove(req)
-                self._finish(req)
-            lp = result.logprobs.get(req.request_id)
-            prompt_entries: tuple = ()
-            if req.params.prompt_logprobs is not None and not req.prompt_logprobs_sent:
-                req.prompt_logprobs_sent = True
-                prompt_entries = tuple(req.prompt_logprobs)
-            updates.append(SequenceUpdate(req.request_id, tuple(req.token_ids[-kept:]), reason,
-                                          logprobs=(lp,) if lp is not None else (),
-                                          stats=req.stats(end_ns) if reason is not None else None,
-                                          prompt_logprobs=prompt_entries, ends_with_stop_token=reason == "stop"))
+            updates.append(self._append_tokens(req, tokens, result.logprobs.get(req.request_id), end_ns))
         return updates
+
+    def _append_tokens(self, req: Request, tokens: tuple[int, ...], logprobs, end_ns: int) -> SequenceUpdate:
+        """Append a step's sampled tokens to ``req`` up to the first finish, record their timing, cache its
+        newly full blocks, and finish it if it stopped. Returns its update."""
+        reason = None
+        kept = 0
+        for token in tokens:
+            req.token_ids.append(token)
+            kept += 1
+            reason = check_stop(req, token, self.eos_token_ids)
+            if reason is not None:
+                break  # tokens after a finish (EOS inside an accepted draft run) are dropped
+        it = self.iteration
+        if not req.first_token_ns:
+            req.first_token_ns = end_ns
+            it.first_token(req.num_prompt_tokens, end_ns - req.arrival_ns)
+        else:  # IterationStats.next_token, inlined: this runs once per token
+            gap = end_ns - req.last_token_ns
+            it.inter_token_ns[gap] = it.inter_token_ns.get(gap, 0) + 1
+        req.last_token_ns = end_ns
+        it.num_generation_tokens += kept
+        req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
+        self.kv.cache_full_blocks(req, req.num_computed_tokens)
+        if reason is not None:
+            self.running.remove(req)
+            self._finish(req)
+        prompt_entries: tuple = ()
+        if req.params.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+            req.prompt_logprobs_sent = True
+            prompt_entries = tuple(req.prompt_logprobs)
+        return SequenceUpdate(req.request_id, tuple(req.token_ids[-kept:]), reason,
+                              logprobs=(logprobs,) if logprobs is not None else (),
+                              stats=req.stats(end_ns) if reason is not None else None,
+                              prompt_logprobs=prompt_entries, ends_with_stop_token=reason == "stop")
 
     def take_iteration_stats(self) -> IterationStats:
         """What the steps since the last call produced (see :mod:`llminfer.stats`); starts a fresh record."""
