@@ -108,15 +108,72 @@ def test_preempted_request_resumes_through_a_prefix_hit():
     assert kv.pool.num_free_blocks == kv.num_blocks
 
 
-def test_prefix_key_is_accepted_and_changes_nothing(qwen2_dir):
-    """``prefix_key`` (kept for callers that pass it) has no effect: prefixes are found by content."""
-    prompt = "You are a helpful assistant. Answer briefly: what is a KV cache?"
-    key = KVCacheManager.hash_prefix("You are a helpful assistant.")
-    with make_engine(qwen2_dir, block_size=4) as engine:
-        with_key = engine.run(prompt, max_new_tokens=NEW, prefix_key=key)
-        without = engine.run(prompt, max_new_tokens=NEW)
-    assert with_key.token_ids == without.token_ids
-    assert without.stats.cache_hit
+@pytest.mark.parametrize("pinned", [True, False])
+def test_prefix_key_pins_the_shared_prefix_through_eviction(qwen2_dir, pinned):
+    """A pinned system prompt survives a flood of other prompts that evicts every unpinned block; the
+    output is the same either way (greedy fp32)."""
+    system = random_prompts([24], 150_000, seed=41)[0]
+    questions = random_prompts([3, 5], 150_000, seed=42)
+    key = KVCacheManager.hash_prefix("the system prompt") if pinned else None
+    flood = random_prompts([40] * 6, 150_000, seed=43)
+    with make_engine(qwen2_dir, block_size=4, num_blocks=40) as engine:
+        engine.run(system + questions[0], max_new_tokens=NEW, prefix_key=key)
+        engine.run(system + questions[1], max_new_tokens=NEW, prefix_key=key)  # narrows the pin to `system`
+        for prompt in flood:  # each fills most of the pool: every free block is reused
+            engine.run(prompt, max_new_tokens=NEW)
+        again = engine.run(system + questions[1], max_new_tokens=NEW, prefix_key=key)
+        stats = engine.cache_stats()
+    assert again.stats.cache_hit is pinned
+    assert stats["blocks_pinned"] == (6 if pinned else 0)  # the 24-token system prompt: 6 blocks of 4
+    with make_engine(qwen2_dir, block_size=4, num_blocks=40, prefix_cache=False) as engine:
+        assert engine.run(system + questions[1], max_new_tokens=NEW).token_ids == again.token_ids
+
+
+def _cached_seq(kv, request_id, token_ids):
+    seq = _Seq(request_id, token_ids)
+    assert kv.allocate_slots(seq, len(token_ids))
+    kv.cache_full_blocks(seq, len(token_ids))
+    return seq
+
+
+def test_a_token_id_key_pins_exactly_its_blocks_and_a_text_key_narrows_to_the_shared_run():
+    kv = KVCacheManager(16, 2)
+    a = _cached_seq(kv, "a", [1, 2, 3, 4, 5, 6, 7, 8])
+    assert kv.pin_prefix(KVCacheManager.hash_prefix([1, 2, 3, 4], 2), a) == 2
+    assert kv.pin_prefix("text", a) == 4
+    b = _cached_seq(kv, "b", [1, 2, 3, 4, 5, 6, 9, 9])
+    assert kv.pin_prefix("text", b) == 3
+    kv.check_integrity()
+
+
+def test_pins_give_way_to_requests_oldest_first_and_to_a_reset():
+    kv = KVCacheManager(8, 2, max_pinned_fraction=1.0)
+    kv.pin_prefix("first", _cached_seq(kv, "a", [1, 2, 3, 4]))
+    kv.pin_prefix("second", _cached_seq(kv, "c", [5, 6, 7, 8]))
+    kv.free("a")
+    kv.free("c")
+    assert kv.pool.num_free_blocks == 4
+    assert kv.allocate_slots(_Seq("big", list(range(100, 112))), 12)  # 6 blocks: one pin must go
+    assert list(kv.pins) == ["second"]
+    kv.check_integrity()
+    kv.free("big")
+    kv.reset_cache()
+    assert not kv.pins and kv.pool.num_free_blocks == 8
+
+
+def test_pins_hold_at_most_their_share_of_the_pool():
+    kv = KVCacheManager(8, 2, max_pinned_fraction=0.5)
+    kv.pin_prefix("first", _cached_seq(kv, "a", [1, 2, 3, 4]))
+    kv.pin_prefix("second", _cached_seq(kv, "c", [5, 6, 7, 8, 9, 10]))  # 2 + 3 > 4: the oldest goes
+    assert list(kv.pins) == ["second"]
+
+
+class _Seq:
+    def __init__(self, request_id, token_ids):
+        self.request_id = request_id
+        self.token_ids = token_ids
+        self.block_hashes = []
+        self.extra_keys = ()
 
 
 def test_adapters_and_salts_never_share_blocks(qwen2_dir):

@@ -44,15 +44,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.generated: dict[str, list[int]] = {}
 
     @rule(prefix=st.sampled_from(SHARED_PREFIXES), tail=st.lists(st.integers(1, 9), min_size=0, max_size=12),
-          max_new=st.integers(1, 10), priority=st.integers(0, 3))
-    def add(self, prefix, tail, max_new, priority):
+          max_new=st.integers(1, 10), priority=st.integers(0, 3), prefix_key=st.sampled_from([None, "a", "b"]))
+    def add(self, prefix, tail, max_new, priority, prefix_key):
         prompt = prefix + tuple(tail)
         if not prompt:
             prompt = (1,)
         self.counter += 1
         rid = f"r{self.counter}"
         msg = TokenizedRequest(rid, prompt, SamplingParams(max_new_tokens=max_new), time.perf_counter_ns(),
-                               priority=priority)
+                               priority=priority, prefix_key=prefix_key)
         try:
             self.sched.add_request(msg)
         except Exception as exc:  # the only allowed rejection: it could never fit
@@ -115,7 +115,13 @@ class SchedulerMachine(RuleBasedStateMachine):
             self._step()
         assert not self.sched.has_unfinished(), "requests starved"
         assert not self.live
-        assert self.kv.pool.num_free_blocks == self.kv.num_blocks, "blocks leaked at quiescence"
+        pinned = {b.block_id for blocks in self.kv.pins.values() for b in blocks}
+        assert self.kv.pool.num_free_blocks + len(pinned) == self.kv.num_blocks, "blocks leaked at quiescence"
+        assert len(pinned) <= self.kv.max_pinned_blocks
+
+    @rule(key=st.sampled_from(["a", "b"]))
+    def unpin(self, key):
+        self.kv.unpin_prefix(key)
 
     @invariant()
     def invariants(self):

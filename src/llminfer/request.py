@@ -40,6 +40,7 @@ class Request:
         grammar: the structured-output constraint being compiled; the request waits until it is ready.
         arrival_ns: submitted to the engine; queued_ns: admitted by the scheduler; first_scheduled_ns,
             prefill_done_ns, first_token_ns, last_token_ns: as named (0: not yet).
+        prefix_key: pin the prompt's shared prefix under this key once computed (KVCacheManager.pin_prefix).
         sent_to_backend: the backend has been told about it (its sampling state must be dropped at finish).
     """
 
@@ -55,6 +56,7 @@ class Request:
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
     force_words_ids: tuple[tuple[tuple[int, ...], ...], ...] = ()
     grammar: GrammarHandle | None = None
+    prefix_key: str | None = None
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int | None = None

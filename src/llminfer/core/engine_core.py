@@ -264,7 +264,7 @@ class EngineCore:
 
     def _control(self, msg: Control) -> None:
         if msg.action == "reset_prefix_cache":
-            self.scheduler.kv.pool.reset_cache()
+            self.scheduler.kv.reset_cache()
             if msg.done is not None:
                 msg.done.set()
         elif msg.action == "drain":

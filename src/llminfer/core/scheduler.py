@@ -162,6 +162,7 @@ class Scheduler:
             bad_words_ids=msg.bad_words_ids,
             force_words_ids=msg.force_words_ids,
             grammar=msg.grammar,
+            prefix_key=msg.prefix_key,
         )
         self.requests[req.request_id] = req
         self.waiting.push(req)
@@ -395,6 +396,8 @@ class Scheduler:
         it.num_generation_tokens += kept
         req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
         self.kv.cache_full_blocks(req, req.num_computed_tokens)
+        if req.prefix_key is not None and kept == len(req.token_ids) - req.num_prompt_tokens:
+            self.kv.pin_prefix(req.prefix_key, req)  # its first tokens: the prompt's blocks are all cached now
         if reason is not None:
             self.running.remove(req)
             self._finish(req)

@@ -41,9 +41,10 @@ def build_request(prompt: str | Sequence[int], *, max_new_tokens: int | None = 6
     """Validate the arguments of one request and build its :class:`GenerationRequest` (a fresh id, the
     arrival time now). ``sampling`` takes the other :class:`SamplingParams` fields by name.
 
-    ``prefix_key`` (e.g. ``KVCacheManager.hash_prefix(system_prompt)``) is accepted for compatibility and
-    has no effect: automatic prefix caching finds shared prefixes by their content (chained block hashes),
-    with no key to give.
+    ``prefix_key`` (e.g. ``KVCacheManager.hash_prefix(system_prompt)``) pins the prompt's shared prefix in
+    the KV cache so that eviction under load does not lose it (see
+    :meth:`~llminfer.kv.manager.KVCacheManager.pin_prefix`). Prefixes are found by their content either
+    way; the key only keeps them.
 
     Raises:
         InvalidRequestError: an empty prompt (``param="prompt"``), a bad sampling value (``param`` names
@@ -71,7 +72,7 @@ def build_request(prompt: str | Sequence[int], *, max_new_tokens: int | None = 6
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                             seed=seed, stop_sequences=stop_sequences or (), ignore_eos=ignore_eos, **sampling)
     return GenerationRequest(uuid.uuid4().hex, p, params, time.perf_counter_ns(), priority=priority,
-                             cache_salt=cache_salt, adapter_name=adapter_name)
+                             cache_salt=cache_salt, adapter_name=adapter_name, prefix_key=prefix_key)
 
 
 SAMPLING_FIELDS = frozenset(a.name for a in SamplingParams.__attrs_attrs__)  # type: ignore[attr-defined]
@@ -243,4 +244,5 @@ class InputProcessor:
             bad_words_ids=bad,
             force_words_ids=force,
             grammar=grammar,
+            prefix_key=req.prefix_key,
         )

@@ -119,6 +119,10 @@ class BlockPool:
                 else:
                     self._free[block.block_id] = block
 
+    def cached_block(self, block_hash: BlockHash) -> KVBlock | None:
+        """The block the prefix cache holds under ``block_hash``, if any."""
+        return self._cached.get(block_hash)
+
     def lookup(
         self,
         block_hash: BlockHash,

@@ -8,6 +8,7 @@ The scheduler asks it three things: how much of a request's prompt is already ca
 from __future__ import annotations
 
 import hashlib
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -35,10 +36,16 @@ class KVCacheManager:
         num_blocks: blocks in the pool.
         block_size: tokens per block.
         enable_prefix_cache: reuse cached full blocks across requests.
+        max_pinned_fraction: at most this share of the pool is held by pinned prefixes (:meth:`pin_prefix`);
+            the oldest pins give way first.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_cache: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_cache: bool = True,
+                 max_pinned_fraction: float = 0.5) -> None:
         self.block_size = block_size
+        self.max_pinned_blocks = int(num_blocks * max_pinned_fraction)
+        # Pinned prefixes, oldest first: key -> the canonical cached blocks it holds one reference on.
+        self.pins: OrderedDict[str, list[KVBlock]] = OrderedDict()
         self.enable_prefix_cache = enable_prefix_cache
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_cache)
         self.block_tables: dict[str, list[KVBlock]] = {}
@@ -141,9 +148,20 @@ class KVCacheManager:
             num_total_tokens: tokens that will have KV after the step (computed + new).
             reserve_blocks: free blocks that must remain afterwards (the admission watermark).
 
+        Pinned prefixes give way, oldest first, before this fails: a pin keeps a prefix through eviction,
+        never at the cost of a request.
+
         Returns:
-            False (and nothing changed) when there are not enough free blocks.
+            False (and nothing changed but released pins) when there are not enough free blocks.
         """
+        while not self._try_allocate(seq, num_total_tokens, cached_blocks, reserve_blocks):
+            if not self.pins:
+                return False
+            self.unpin_prefix(next(iter(self.pins)))
+        return True
+
+    def _try_allocate(self, seq: CacheableSequence, num_total_tokens: int, cached_blocks: Sequence[KVBlock],
+                      reserve_blocks: int) -> bool:
         table = self.block_tables.get(seq.request_id)
         revived = 0
         if table is None:
@@ -196,6 +214,60 @@ class KVCacheManager:
         if table:
             self.pool.free(reversed(table))
 
+    def pin_prefix(self, key: str, seq: CacheableSequence) -> int:
+        """Hold the cached full blocks of ``seq``'s prompt prefix under ``key`` so that eviction cannot
+        take them (one reference each, as a request's block table holds), until :meth:`unpin_prefix`,
+        :meth:`reset_cache`, or a pool too full to admit or grow a request (the oldest pins give way first).
+
+        Which prefix: where ``key`` is the prefix cache's own key for a block of ``seq``
+        (``hash_prefix(token_ids, block_size)``), exactly the blocks up to that one. Otherwise (a text key,
+        ``hash_prefix(system_prompt)``) the leading blocks that every request pinned under ``key`` shares:
+        the first request's whole computed prompt, narrowed by each later one to the common run.
+
+        Returns:
+            How many blocks ``key`` now pins (0: prefix caching is off, or nothing is shared).
+        """
+        if not self.enable_prefix_cache:
+            return 0
+        blocks: list[KVBlock] = []
+        for i in range(self._num_registered.get(seq.request_id, 0)):
+            block = self.pool.cached_block(seq.block_hashes[i])
+            if block is None:
+                break
+            blocks.append(block)
+            if seq.block_hashes[i].hex() == key:
+                break
+        else:
+            old = self.pins.get(key)
+            if old is not None:
+                common = 0
+                while common < min(len(old), len(blocks)) and old[common] is blocks[common]:
+                    common += 1
+                blocks = blocks[:common]
+        self.unpin_prefix(key)
+        if blocks:
+            self.pool.touch(blocks)
+            self.pins[key] = blocks
+        while sum(map(len, self.pins.values())) > self.max_pinned_blocks and self.pins:
+            self.unpin_prefix(next(iter(self.pins)))
+        return len(self.pins.get(key, ()))
+
+    def unpin_prefix(self, key: str) -> bool:
+        """Release what :meth:`pin_prefix` holds under ``key`` (its blocks stay cached until evicted).
+        Returns False when nothing was pinned under it."""
+        blocks = self.pins.pop(key, None)
+        if blocks is None:
+            return False
+        self.pool.free(reversed(blocks))
+        return True
+
+    def reset_cache(self) -> int:
+        """Release every pin, then forget every cached-but-free block (a cold cache). Returns how many
+        blocks were forgotten."""
+        for key in list(self.pins):
+            self.unpin_prefix(key)
+        return self.pool.reset_cache()
+
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.block_tables.get(request_id, ())]
 
@@ -206,14 +278,14 @@ class KVCacheManager:
             )
 
     def check_integrity(self) -> None:
-        """Assert that every block's ref count equals the number of block tables holding it, and that
+        """Assert that every block's ref count equals the number of block tables and pins holding it, and that
         each block is free xor referenced (see :meth:`BlockPool.check_integrity`).
 
         Raises:
             AssertionError: naming the broken invariant.
         """
         refs: dict[int, int] = {}
-        for table in self.block_tables.values():
+        for table in [*self.block_tables.values(), *self.pins.values()]:
             for block in table:
                 refs[block.block_id] = refs.get(block.block_id, 0) + 1
         for block in self.pool.blocks:
@@ -234,5 +306,6 @@ class KVCacheManager:
             "blocks_free": self.pool.num_free_blocks,
             "blocks_cached": self.pool.num_cached_blocks,
             "evictions": self.pool.num_evictions,
+            "blocks_pinned": sum(map(len, self.pins.values())),
             "block_size": self.block_size,
         }

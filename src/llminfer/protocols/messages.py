@@ -31,6 +31,7 @@ class GenerationRequest:
     priority: int = 0
     cache_salt: str | None = None
     adapter_name: str | None = None
+    prefix_key: str | None = None  #: pin this prompt's shared prefix in the KV cache (KVCacheManager.pin_prefix)
 
 
 @attrs.frozen
@@ -47,6 +48,7 @@ class TokenizedRequest:
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
     force_words_ids: tuple[tuple[tuple[int, ...], ...], ...] = ()
     grammar: GrammarHandle | None = None  #: the structured-output constraint, compiling off the step
+    prefix_key: str | None = None  #: see :meth:`llminfer.kv.manager.KVCacheManager.pin_prefix`
 
 
 @attrs.frozen
