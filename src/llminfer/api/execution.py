@@ -29,7 +29,7 @@ from llminfer.api.errors import SERVER_ERROR, APIError, bad_request, from_engine
 from llminfer.api.keepalive import FramePump
 from llminfer.api.logprobs import TokenText
 from llminfer.api.middleware import EventStream, watch_disconnect
-from llminfer.api.request_info import RequestInfo, request_info
+from llminfer.api.request_info import JobOutcome, RequestInfo, request_info
 from llminfer.errors import InvalidRequestError, LLMInferError, RequestAbortedError
 from llminfer.protocols.messages import GenerationRequest
 from llminfer.results import StreamChunk
@@ -37,7 +37,7 @@ from llminfer.sampling.structured import PARAM as STRUCTURED_PARAM
 from llminfer.tools import ToolPlan
 
 if TYPE_CHECKING:
-    from llminfer.api.app import ServerState
+    from llminfer.api.state import ServerState, Ticket
 
 log = structlog.get_logger("llminfer.api")
 
@@ -157,31 +157,6 @@ async def generate_choices(engine: Any, requests: Sequence[GenerationRequest],
         receive.close()
         for scope in scopes:
             scope.cancel()
-
-
-class Ticket:
-    """A slot reservation for ``count`` engine requests; :meth:`release` (idempotent) gives it back."""
-
-    def __init__(self, release: Callable[[int], None], count: int) -> None:
-        self._release = release
-        self.count = count
-        self.released = False
-
-    def release(self) -> None:
-        if not self.released:
-            self.released = True
-            self._release(self.count)
-
-
-@attrs.define
-class JobOutcome:
-    """Per-call bookkeeping filled while the job runs (read by the request log line)."""
-
-    completion_tokens: int = 0
-    cached_tokens: dict[int, int] = attrs.field(factory=dict)
-    finish_reasons: dict[int, str] = attrs.field(factory=dict)
-    aborted: int = 0
-    failed: bool = False
 
 
 async def run_job(job: Job, engine: Any, task_group: TaskGroup | None, ticket: Ticket,

@@ -3,7 +3,7 @@ disconnect watcher, and :class:`EventStream` (the SSE response class).
 
 The per-request record these share with the handlers and exception handlers is
 :class:`~llminfer.api.request_info.RequestInfo`; :func:`server_state` reads the app's
-:class:`~llminfer.api.app.ServerState`.
+:class:`~llminfer.api.state.ServerState`.
 """
 
 from __future__ import annotations
@@ -25,15 +25,15 @@ from llminfer.api.errors import APIError
 from llminfer.api.request_info import request_info
 
 if TYPE_CHECKING:
-    from llminfer.api.app import ServerState
+    from llminfer.api.state import ServerState
 
 log = structlog.get_logger("llminfer.api")
 
-STATE_KEY = "llminfer"  #: where ``app.state`` holds the :class:`~llminfer.api.app.ServerState`
+STATE_KEY = "llminfer"  #: where ``app.state`` holds the :class:`~llminfer.api.state.ServerState`
 
 
 def server_state(connection: ASGIConnection) -> ServerState:
-    """The app's :class:`~llminfer.api.app.ServerState`."""
+    """The app's :class:`~llminfer.api.state.ServerState`."""
     return connection.app.state[STATE_KEY]  # type: ignore[no-any-return]
 
 

@@ -11,16 +11,24 @@ from __future__ import annotations
 import re
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
 
 import attrs
 from litestar.types import Scope
 
-if TYPE_CHECKING:
-    from llminfer.api.execution import JobOutcome
-
 _KEY = "llminfer.request"
 _REQUEST_ID_RE = re.compile(r"[\x21-\x7e]{1,128}")
+
+
+@attrs.define
+class JobOutcome:
+    """Per-call bookkeeping filled while the job runs (read by the request log line)."""
+
+    completion_tokens: int = 0
+    cached_tokens: dict[int, int] = attrs.field(factory=dict)
+    finish_reasons: dict[int, str] = attrs.field(factory=dict)
+    aborted: int = 0
+    failed: bool = False
+
 
 
 @attrs.define
@@ -31,7 +39,7 @@ class RequestInfo:
         request_id: the client's ``x-request-id`` when it is a sane token, else a new ``req-<hex>``.
         prompt_tokens: prompt tokens of the call (all prompts).
         choices: engine requests of the call (one per choice).
-        outcome: the call's :class:`~llminfer.api.execution.JobOutcome` once it runs.
+        outcome: the call's :class:`JobOutcome` once it runs.
         cleanup: closes a streamed response's iterators; run by the middleware when the response is over.
         status_override: the status to log instead of the one sent (499: the client went away).
         disconnected: the client left before the response was complete.
