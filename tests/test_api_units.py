@@ -8,7 +8,8 @@ import pytest
 from llminfer.api import protocol as s
 from llminfer.api.errors import APIError, from_engine_error
 from llminfer.api.logprobs import TokenText
-from llminfer.api.translate import PromptBuilder, check_context, max_new_tokens, sampling_kwargs
+from llminfer.api.sampling import sampling_kwargs
+from llminfer.api.translate import PromptBuilder, check_context, max_new_tokens
 from llminfer.errors import CapacityError, EngineError, InvalidRequestError, RequestAbortedError
 from llminfer.frontend.input import InputProcessor
 
@@ -119,12 +120,29 @@ def test_parse_body_names_the_field():
 
 def test_sampling_kwargs_defaults_and_extras():
     body = s.parse_body({"prompt": "x"}, s.CompletionRequest)
-    assert sampling_kwargs(body, 16, None) == {"max_new_tokens": 16, "temperature": 1.0, "top_p": 1.0}
+    assert sampling_kwargs(body, max_new_tokens=16) == {"max_new_tokens": 16, "temperature": 1.0, "top_p": 1.0}
     body = s.parse_body({"prompt": "x", "stop": "END", "top_k": -1, "seed": 3, "presence_penalty": 0.5,
                          "bad_words": ["a"], "ignore_eos": True}, s.CompletionRequest)
-    kw = sampling_kwargs(body, 4, 2)
+    kw = sampling_kwargs(body, max_new_tokens=4, logprobs=2)
     assert kw["stop_sequences"] == ["END"] and kw["top_k"] == 0 and kw["seed"] == 3
     assert kw["presence_penalty"] == 0.5 and kw["bad_words"] == ("a",) and kw["ignore_eos"] and kw["logprobs"] == 2
+    assert kw.keys() == {"max_new_tokens", "temperature", "top_p", "stop_sequences", "top_k", "seed",
+                         "presence_penalty", "bad_words", "ignore_eos", "logprobs"}
+    tiny = s.parse_body({"prompt": "x", "temperature": 1e-6, "min_tokens": 2, "logit_bias": {"5": 1}},
+                        s.CompletionRequest)
+    kw = sampling_kwargs(tiny, max_new_tokens=4)
+    assert kw["temperature"] == 0.0 and kw["min_new_tokens"] == 2 and kw["logit_bias"] == {5: 1.0}
+
+
+def test_one_builder_serves_every_route_and_follows_sampling_params_fields():
+    from llminfer.api.responses import ResponsesRequest
+
+    for body in (s.parse_body({"prompt": "x", "top_k": 3, "min_p": 0.1}, s.CompletionRequest),
+                 s.parse_body({"messages": [{"role": "user", "content": "x"}], "top_k": 3, "min_p": 0.1},
+                              s.ChatCompletionRequest),
+                 s.parse_body({"input": "x", "top_k": 3, "min_p": 0.1}, ResponsesRequest)):
+        kw = sampling_kwargs(body, max_new_tokens=8)
+        assert (kw["top_k"], kw["min_p"]) == (3, 0.1)
 
 
 def test_engine_errors_map_to_openai_errors():

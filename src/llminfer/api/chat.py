@@ -31,6 +31,7 @@ from llminfer.api.execution import (
 )
 from llminfer.api.logprobs import TokenText, chat_logprobs
 from llminfer.api.middleware import server_state
+from llminfer.api.sampling import sampling_kwargs
 from llminfer.api.translate import (
     check_chat,
     check_context,
@@ -38,7 +39,6 @@ from llminfer.api.translate import (
     check_vocab_ids,
     include_usage,
     max_new_tokens,
-    sampling_kwargs,
     structured_output,
     tool_plan,
     truncate_prompt,
@@ -74,7 +74,7 @@ async def chat_completions(request: Request, data: SkipValidation[s.ChatCompleti
     check_context(state.prompts.inputs, ids, max_new, param="messages")
     check_vocab_ids(state.prompts.inputs, data)
     job = new_job("chat", model, [ids], data.n or 1, state.engine.make_request,
-                  sampling_kwargs(data, max_new, logprobs, spec), logprobs=logprobs)
+                  sampling_kwargs(data, max_new_tokens=max_new, logprobs=logprobs, structured=spec), logprobs=logprobs)
     job.include_usage = include_usage(data)
     job.constraint_param = spec_param or None
     job.tools = plan if plan is not None and plan.mode != "none" else None

@@ -34,6 +34,7 @@ from llminfer.api.execution import (
 )
 from llminfer.api.logprobs import TokenText, completion_logprobs, join_logprobs, vllm_prompt_logprobs
 from llminfer.api.middleware import server_state
+from llminfer.api.sampling import sampling_kwargs
 from llminfer.api.translate import (
     check_completion,
     check_context,
@@ -42,7 +43,6 @@ from llminfer.api.translate import (
     check_vocab_ids,
     include_usage,
     max_new_tokens,
-    sampling_kwargs,
     structured_output,
     truncate_prompt,
     unknown_fields,
@@ -115,7 +115,7 @@ async def completions(request: Request, data: SkipValidation[s.CompletionRequest
     # Ranking best_of samples needs each token's logprob, even when the client asked for none.
     engine_logprobs = data.logprobs if data.logprobs is not None else (0 if samples > n else None)
     check_vocab_ids(state.prompts.inputs, data)
-    kwargs = sampling_kwargs(data, engine_max_new, engine_logprobs, spec)
+    kwargs = sampling_kwargs(data, max_new_tokens=engine_max_new, logprobs=engine_logprobs, structured=spec)
     if score_only:
         kwargs.pop("min_new_tokens", None)  # the one hidden token needs no minimum
     job = new_job("completion", model, prompt_ids, samples, state.engine.make_request, kwargs,

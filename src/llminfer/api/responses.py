@@ -33,6 +33,7 @@ from llminfer.api.errors import OPENAPI_ERRORS, bad_request
 from llminfer.api.execution import Item, Job, JobOutcome, collect, execute, new_job, usage_of
 from llminfer.api.logprobs import TokenText
 from llminfer.api.middleware import server_state
+from llminfer.api.sampling import sampling_kwargs
 from llminfer.api.translate import check_context, check_structured_output, unknown_fields
 from llminfer.errors import InvalidRequestError
 from llminfer.sampling.structured import StructuredOutput
@@ -261,27 +262,6 @@ def text_format(body: ResponsesRequest) -> StructuredOutput | None:
         raise bad_request(str(exc), "text.format.schema", exc.code) from None
 
 
-_MIN_TEMPERATURE = 1e-5  # below it the logits / temperature can overflow; such a temperature is greedy anyway
-
-
-def sampling(body: ResponsesRequest, spec: StructuredOutput | None) -> dict[str, Any]:
-    """Keyword arguments of ``engine.make_request`` (OpenAI defaults: temperature 1, top_p 1)."""
-    temperature = 1.0 if body.temperature is None else float(body.temperature)
-    kw: dict[str, Any] = {"max_new_tokens": body.max_output_tokens,
-                          "temperature": 0.0 if temperature < _MIN_TEMPERATURE else temperature,
-                          "top_p": 1.0 if body.top_p is None else float(body.top_p)}
-    if body.top_k is not None:
-        kw["top_k"] = max(body.top_k, 0)  # -1 (vLLM's "off") is 0 here
-    for name in ("min_p", "repetition_penalty", "seed"):
-        if getattr(body, name) is not None:
-            kw[name] = getattr(body, name)
-    if body.ignore_eos:
-        kw["ignore_eos"] = True
-    if spec is not None:
-        kw["structured_output"] = spec
-    return kw
-
-
 # ---------------------------------------------------------------------------- handler
 @post("/responses", status_code=200, responses=OPENAPI_ERRORS, summary="Create a model response",
       description="OpenAI Responses API, stateless (`store`, `previous_response_id`, `conversation`, `tools` "
@@ -307,7 +287,7 @@ async def create_response(request: Request, data: SkipValidation[ResponsesReques
     ids = await state.tokenize(state.prompts.chat, messages)  # off the event loop, like chat's
     check_context(state.prompts.inputs, ids, body.max_output_tokens,
                   param="input" if body.max_output_tokens is None else "max_output_tokens")
-    job = new_job("chat", model, [ids], 1, state.engine.make_request, sampling(body, spec))
+    job = new_job("chat", model, [ids], 1, state.engine.make_request, sampling_kwargs(body, max_new_tokens=body.max_output_tokens, structured=spec))
     job.id = "resp_" + uuid.uuid4().hex
     job.constraint_param = "text.format" if spec is not None else None
     await check_structured_output(state.engine, spec, "text.format")

@@ -1,7 +1,7 @@
 """From an OpenAI request body to engine request arguments.
 
 :class:`PromptBuilder` turns chat messages and completion prompts into token ids, :func:`check_context`
-checks they fit in the model's context, :func:`max_new_tokens` and :func:`sampling_kwargs` build the
+checks they fit in the model's context, :func:`max_new_tokens` (and :func:`llminfer.api.sampling.sampling_kwargs`) build the
 arguments of ``engine.make_request``, and the ``check_*`` functions refuse options this server does not
 support. Prompts are judged by the engine's own :class:`~llminfer.frontend.input.InputProcessor`
 (``engine.inputs``); its :class:`~llminfer.errors.InvalidRequestError` becomes an
@@ -373,8 +373,6 @@ def include_usage(body: Body) -> bool:
 
 
 # ---------------------------------------------------------------------------- sampling arguments
-_MIN_TEMPERATURE = 1e-5
-_PASS_THROUGH = ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "no_repeat_ngram_size")
 
 
 def max_new_tokens(body: Body, default: int | None) -> tuple[int | None, str]:
@@ -387,48 +385,3 @@ def max_new_tokens(body: Body, default: int | None) -> tuple[int | None, str]:
     if body.max_tokens is not UNSET:
         return body.max_tokens, "max_tokens"  # type: ignore[return-value]
     return default, "max_tokens"
-
-
-def sampling_kwargs(body: Body, max_new: int | None, logprobs: int | None,
-                    structured: StructuredOutput | None = None) -> dict[str, Any]:
-    """Keyword arguments of ``engine.make_request`` for an OpenAI request (OpenAI defaults: temperature 1,
-    top_p 1; a temperature below 1e-5 is greedy). Fields the client did not send are left out, so the
-    engine's defaults apply; the engine validates the values (see :func:`~llminfer.api.execution.new_job`)."""
-    temperature = 1.0 if body.temperature is None else float(body.temperature)
-    kw: dict[str, Any] = {
-        "max_new_tokens": max_new,
-        # Below 1e-5 the logits / temperature can overflow to inf; such a temperature means greedy anyway.
-        "temperature": 0.0 if temperature < _MIN_TEMPERATURE else temperature,
-        "top_p": 1.0 if body.top_p is None else float(body.top_p),
-    }
-    if body.top_k is not None:
-        kw["top_k"] = max(body.top_k, 0)  # -1 (vLLM's "off") is 0 here
-    if body.stop:
-        kw["stop_sequences"] = [body.stop] if isinstance(body.stop, str) else list(body.stop)
-    if body.seed is not None:
-        kw["seed"] = body.seed
-    if body.ignore_eos:
-        kw["ignore_eos"] = True
-    for name in _PASS_THROUGH:
-        value = getattr(body, name)
-        if value is not None:
-            kw[name] = value
-    if body.bad_words:
-        kw["bad_words"] = tuple(body.bad_words)
-    if body.force_words:
-        kw["force_words"] = tuple(body.force_words)
-    if body.logit_bias:
-        kw["logit_bias"] = {int(k): float(v) for k, v in body.logit_bias.items()}
-    if body.stop_token_ids:
-        kw["stop_token_ids"] = tuple(body.stop_token_ids)
-    if body.min_tokens:
-        kw["min_new_tokens"] = body.min_tokens
-    for name in ("include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens"):
-        value = getattr(body, name)
-        if value is not None:
-            kw[name] = value
-    if logprobs is not None:
-        kw["logprobs"] = logprobs
-    if structured is not None:
-        kw["structured_output"] = structured
-    return kw

@@ -8,7 +8,11 @@ from typing import Any
 import attrs
 
 from llminfer.errors import InvalidRequestError
+from llminfer.sampling.processors import ROW_PROCESSORS
 from llminfer.sampling.structured import StructuredOutput
+
+GREEDY_TEMPERATURE = 1e-5
+"""Temperatures below this are greedy (argmax): dividing logits by them could overflow to inf."""
 
 
 def _check(condition: bool, param: str, message: str) -> None:
@@ -70,7 +74,7 @@ class SamplingParams:
             ``logit -= presence * (count > 0) + frequency * count``.
         no_repeat_ngram_size: no n-gram of this size occurs twice in prompt + output (0 = off).
         bad_words: words or phrases never generated (every tokenization with and without a leading space).
-        force_words: phrases that must appear in the output (see ``sampling.sampler.ForcedWords``).
+        force_words: phrases that must appear in the output (see ``sampling.processors.ForcedWords``).
         logprobs: None = off; k >= 0 returns the chosen token's log-probability and the top-k alternatives.
         n: number of samples of the prompt (the engine fans out; their prompt KV blocks are shared).
         prompt_logprobs: None = off; k >= 0 returns, for every prompt token after the first, its
@@ -170,10 +174,9 @@ class SamplingParams:
 
     @property
     def needs_history(self) -> bool:
-        """Some per-row logits processor runs: one reading the tokens so far (penalties, no-repeat n-gram,
-        bad/forced words), or ``logit_bias``."""
-        return bool(self.repetition_penalty != 1.0 or self.presence_penalty or self.frequency_penalty
-                    or self.no_repeat_ngram_size or self.bad_words or self.force_words or self.logit_bias)
+        """Some per-row logits processor runs (:data:`~llminfer.sampling.processors.ROW_PROCESSORS`): one
+        reading the tokens so far (penalties, no-repeat n-gram, bad/forced words), or ``logit_bias``."""
+        return any(processor.applies(self) for processor in ROW_PROCESSORS)
 
     @property
     def speculation_allowed(self) -> bool:
@@ -185,8 +188,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """Temperature below 1e-5 is greedy (dividing logits by it would overflow)."""
-        return self.temperature < 1e-5
+        """Temperature below :data:`GREEDY_TEMPERATURE` is greedy (dividing logits by it would overflow)."""
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def max_stop_len(self) -> int:

@@ -2,16 +2,15 @@
 
 Order inside one step, for each row (the semantics of the named Hugging Face processor, written anew):
 
-1. per-row processors: ``logit_bias`` (OpenAI's, added first), then the history processors (they depend
-   on the request's own tokens): repetition penalty (``RepetitionPenaltyLogitsProcessor``, over prompt + output), presence and frequency
-   penalties (OpenAI definitions, over output tokens only), no-repeat n-gram (``NoRepeatNGramLogitsProcessor``,
-   over prompt + output), bad words (``NoBadWordsLogitsProcessor``), EOS / stop ids masked below
-   ``min_new_tokens``, and forced words (see :class:`ForcedWords`);
+1. EOS / stop ids masked below ``min_new_tokens`` (and while forced words are pending), in one batched
+   write; then the per-row processors of :data:`~llminfer.sampling.processors.ROW_PROCESSORS` in their
+   order (``logit_bias`` first, then the ones that read the request's own tokens);
 2. the structured-output mask, for the constrained rows in one batched call (a token the grammar does not
    allow next becomes -inf; EOS is allowed only where the grammar accepts). The grammar wins: if the bans
    of step 1 and the grammar together leave no token, the row's bans are dropped;
 3. log-probabilities are read here when asked for (``logprobs``);
-4. warpers, vectorised over the sampling rows: temperature, top-k, top-p, min-p;
+4. the warpers of :data:`~llminfer.sampling.processors.WARPERS`, vectorised over the sampling rows
+   (temperature, top-k, top-p, min-p);
 5. greedy rows take the argmax; sampling rows draw from the softmax with their own ``torch.Generator``
    when seeded, so a seeded request gives the same tokens whatever else shares its batch. A constrained
    request's grammar then advances by its token.
@@ -19,7 +18,6 @@ Order inside one step, for each row (the semantics of the named Hugging Face pro
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,9 +25,19 @@ import torch
 
 from llminfer.results import TokenLogprob
 from llminfer.sampling.params import SamplingParams
+from llminfer.sampling.processors import (
+    ROW_PROCESSORS,
+    WARPERS,
+    ForcedWords,
+    RequestHistory,
+    RowProcessor,
+    apply_top_k,
+    apply_top_p,
+)
 from llminfer.sampling.structured import GrammarMatcher, allocate_bitmask, apply_bitmask
 
 NEG_INF = float("-inf")
+__all__ = ["ForcedWords", "SamplingState", "apply_top_k", "apply_top_p", "argmax_rows", "draw", "sample", "warp"]
 
 
 def argmax_rows(x: torch.Tensor) -> list[int]:
@@ -44,67 +52,21 @@ def argmax_rows(x: torch.Tensor) -> list[int]:
     return x.argmax(dim=-1).tolist()
 
 
-class ForcedWords:
-    """Forced phrases: each must appear in the output.
-
-    Mechanism: a phrase that has not appeared yet is *forced* (every other logit masked) once the tokens
-    left in the budget are just enough for all unsatisfied phrases, or at once when the budget is open
-    (``max_new_tokens=None``); a phrase being forced is continued to its end; EOS and stop ids are masked
-    while any phrase is unsatisfied. Guarantee: every phrase (as one of its tokenizations) is in the output
-    when ``max_new_tokens`` >= the sum of the phrases' token lengths, unless a stop string ends the text
-    first. A phrase that appears naturally counts as satisfied.
-    """
-
-    def __init__(self, phrases: Sequence[Sequence[tuple[int, ...]]], max_new_tokens: int | None) -> None:
-        self.phrases = [tuple(variants) for variants in phrases if variants]
-        self.max_new_tokens = max_new_tokens
-        self.satisfied = [False] * len(self.phrases)
-        self.active: tuple[int, ...] | None = None
-        self.position = 0
-
-    def update(self, output: list[int]) -> None:
-        for i, variants in enumerate(self.phrases):
-            if not self.satisfied[i]:
-                for v in variants:
-                    n = len(v)
-                    if n <= len(output) and tuple(output[-n:]) == v:
-                        self.satisfied[i] = True
-        if self.active is not None:
-            self.position += 1
-            if self.position >= len(self.active):
-                self.active = None
-
-    @property
-    def pending(self) -> bool:
-        return not all(self.satisfied)
-
-    def forced_token(self, num_generated: int) -> int | None:
-        if self.active is None:
-            todo = [self.phrases[i][0] for i, ok in enumerate(self.satisfied) if not ok]
-            if not todo:
-                return None
-            need = sum(len(v) for v in todo)
-            left = None if self.max_new_tokens is None else self.max_new_tokens - num_generated
-            if left is not None and left > need:
-                return None
-            self.active, self.position = todo[0], 0
-        return self.active[self.position]
-
-
-class SamplingState:
-    """Per-request sampler state kept by the backend between steps.
+class SamplingState(RequestHistory):
+    """Per-request sampler state kept by the backend between steps: the request's tokens so far and its
+    row processors (:data:`~llminfer.sampling.processors.ROW_PROCESSORS` that apply, one instance each).
 
     Args:
         params: the request's sampling parameters.
-        device: where the request's generator lives.
+        device: where the request's generator and processor tensors live.
         prompt_token_ids: the prompt (history for repetition penalty and n-grams).
         bad_words_ids / force_words_ids: token sequences from the tokenize stage.
         eos_token_ids: suppressed below ``min_new_tokens`` and while forced words are pending.
         grammar: the compiled structured-output grammar (``xgrammar.CompiledGrammar``), or None.
     """
 
-    __slots__ = ("params", "generator", "token_ids", "num_prompt", "output_counts", "ngrams", "bad_single",
-                 "bad_multi", "forced", "eos_token_ids", "history_tensor", "grammar", "bias")
+    __slots__ = ("params", "generator", "token_ids", "num_prompt", "eos_token_ids", "grammar", "processors",
+                 "forced")
 
     def __init__(self, params: SamplingParams, device: torch.device | str, prompt_token_ids: Sequence[int] = (),
                  bad_words_ids: Sequence[tuple[int, ...]] = (),
@@ -118,46 +80,24 @@ class SamplingState:
             self.generator.manual_seed(params.seed)
         self.token_ids = list(prompt_token_ids)
         self.num_prompt = len(self.token_ids)
-        self.output_counts: Counter[int] = Counter()
         self.eos_token_ids = tuple(eos_token_ids)
-        self.ngrams: dict[tuple[int, ...], set[int]] | None = None
-        n = params.no_repeat_ngram_size
-        if n:
-            self.ngrams = {}
-            for start in range(len(self.token_ids) - n + 1):
-                gram = self.token_ids[start : start + n]
-                self.ngrams.setdefault(tuple(gram[:-1]), set()).add(gram[-1])
-        self.bad_single = [w[0] for w in bad_words_ids if len(w) == 1]
-        self.bad_multi = [w for w in bad_words_ids if len(w) > 1]
-        self.forced = ForcedWords(force_words_ids, params.max_new_tokens) if force_words_ids else None
-        self.history_tensor: torch.Tensor | None = None
-        self.bias: tuple[torch.Tensor, torch.Tensor] | None = None
-        if params.logit_bias:
-            ids, values = zip(*params.logit_bias)
-            self.bias = (torch.tensor(ids, dtype=torch.long, device=device),
-                         torch.tensor(values, dtype=torch.float32, device=device))
-
-    @property
-    def num_generated(self) -> int:
-        return len(self.token_ids) - self.num_prompt
+        context = {"device": device, "bad_words_ids": bad_words_ids, "force_words_ids": force_words_ids}
+        self.processors: list[RowProcessor] = [
+            p for cls in ROW_PROCESSORS if (p := cls.for_request(params, self, context)) is not None]
+        forced = [p for p in self.processors if isinstance(p, ForcedWords)]
+        self.forced: ForcedWords | None = forced[0] if forced else None
 
     def append(self, token: int) -> None:
         """Record the token chosen for this request."""
         self.token_ids.append(token)
-        self.output_counts[token] += 1
-        self.history_tensor = None
-        n = self.params.no_repeat_ngram_size
-        if self.ngrams is not None and len(self.token_ids) >= n:
-            gram = self.token_ids[-n:]
-            self.ngrams.setdefault(tuple(gram[:-1]), set()).add(gram[-1])
-        if self.forced is not None:
-            self.forced.update(self.token_ids[self.num_prompt :])
+        for processor in self.processors:
+            processor.update(self, token)
         if self.grammar is not None and not self.grammar.terminated:
             self.grammar.accept(token)  # the token came from the grammar's own mask
 
     @property
     def can_ban_everything(self) -> bool:
-        return self.ngrams is not None or bool(self.bad_single or self.bad_multi)
+        return any(p.can_ban_everything for p in self.processors)
 
     def banned_stop_ids(self) -> list[int]:
         """EOS and stop ids to mask now: below ``min_new_tokens``, or while forced words are pending."""
@@ -167,95 +107,9 @@ class SamplingState:
         return []
 
     def process(self, row: torch.Tensor) -> None:
-        """Apply this request's per-row processors (``logit_bias``, then the history-dependent ones) to its
-        ``[V]`` float32 logits, in place."""
-        p = self.params
-        if self.bias is not None:
-            ids, values = self.bias
-            row[ids] += values.to(row.dtype)
-        if p.repetition_penalty != 1.0 and self.token_ids:
-            if self.history_tensor is None:
-                self.history_tensor = torch.tensor(self.token_ids, dtype=torch.long, device=row.device)
-            idx = self.history_tensor
-            score = row[idx]
-            row[idx] = torch.where(score < 0, score * p.repetition_penalty, score / p.repetition_penalty)
-        if (p.presence_penalty or p.frequency_penalty) and self.output_counts:
-            ids = torch.tensor(list(self.output_counts.keys()), dtype=torch.long, device=row.device)
-            counts = torch.tensor(list(self.output_counts.values()), dtype=row.dtype, device=row.device)
-            row[ids] -= p.frequency_penalty * counts + p.presence_penalty
-        if self.ngrams is not None:
-            n = p.no_repeat_ngram_size
-            if len(self.token_ids) + 1 >= n:
-                banned = self.ngrams.get(tuple(self.token_ids[len(self.token_ids) - n + 1 :]) if n > 1 else ())
-                if banned:
-                    row[list(banned)] = NEG_INF
-        if self.bad_single:
-            row[self.bad_single] = NEG_INF
-        for word in self.bad_multi:
-            prefix = word[:-1]
-            if len(self.token_ids) >= len(prefix) and tuple(self.token_ids[-len(prefix) :]) == prefix:
-                row[word[-1]] = NEG_INF
-        if self.forced is not None:
-            token = self.forced.forced_token(self.num_generated)
-            if token is not None:
-                keep = row[token].clone()
-                row.fill_(NEG_INF)
-                row[token] = keep if torch.isfinite(keep) else 0.0
-
-
-def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
-    """Keep each row's ``top_k`` largest logits (``top_k`` ``[S]`` int64, 0 = off); others become -inf.
-    Ties at the k-th value are kept, as in Hugging Face's ``TopKLogitsWarper``."""
-    vocab = logits.shape[-1]
-    k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
-    kth = torch.topk(logits, int(k.max()), dim=-1).values.gather(-1, (k - 1)[:, None])
-    return logits.masked_fill(logits < kth, NEG_INF)
-
-
-_TOP_P_CANDIDATES = 1024
-
-
-def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Nucleus filtering (Holtzman et al. 2019): drop the tokens whose ascending cumulative probability
-    is <= ``1 - top_p``, always keeping the most likely one (Hugging Face ``TopPLogitsWarper``).
-
-    For a large vocabulary, when the mass outside the 1,024 most likely tokens is already <= ``1 - top_p``
-    (those tokens are dropped anyway), only the candidates are sorted: a full sort of a 150k vocabulary
-    costs tens of ms per step on CPU.
-
-    Args:
-        logits: ``[S, V]`` float32.
-        top_p: ``[S]`` in (0, 1], float64 (as the request gave it): ``1 - top_p`` is taken in float64 and
-            then rounded to the logits' dtype, as Hugging Face compares with the Python float ``1 - top_p``
-            (a ``top_p`` just below 1 rounds to 1.0 in float32, which would drop nothing).
-    """
-    vocab = logits.shape[-1]
-    drop = (1 - top_p.double()).to(device=logits.device, dtype=logits.dtype)  # [S]: the mass that may be dropped
-    if vocab > 4 * _TOP_P_CANDIDATES:
-        probs = logits.softmax(dim=-1)
-        top_probs, top_idx = probs.topk(_TOP_P_CANDIDATES, dim=-1)  # descending
-        outside = (1.0 - top_probs.sum(dim=-1)).clamp_min(0.0)
-        if bool((outside <= drop).all()):
-            cum = outside[:, None] + top_probs.flip(-1).cumsum(dim=-1)  # ascending, like HF
-            remove = cum <= drop[:, None]
-            remove[:, -1] = False
-            keep = ~remove.flip(-1)
-            kept = torch.where(keep, logits.gather(1, top_idx), torch.full_like(top_probs, NEG_INF))
-            return torch.full_like(logits, NEG_INF).scatter_(1, top_idx, kept)
-    sorted_logits, sorted_idx = torch.sort(logits, descending=False, dim=-1)
-    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-    remove = cum <= drop[:, None]
-    remove[:, -1] = False
-    mask = remove.scatter(1, sorted_idx, remove)
-    return logits.masked_fill(mask, NEG_INF)
-
-
-def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Drop tokens whose probability is below ``min_p`` times the row's top probability
-    (Nguyen et al. 2024; Hugging Face ``MinPLogitsWarper``)."""
-    probs = logits.softmax(dim=-1)
-    threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
-    return logits.masked_fill(probs < threshold, NEG_INF)
+        """Apply this request's row processors, in order, to its ``[V]`` float32 logits, in place."""
+        for processor in self.processors:
+            processor(row, self)
 
 
 _DRAW_BLOCK = 1024
@@ -328,18 +182,12 @@ def draw(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> l
 
 
 def warp(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """Temperature, top-k, top-p, min-p over ``[S, V]`` float32 logits (one row per params entry)."""
-    temperatures = [p.temperature for p in params]
-    x = logits if all(t == 1.0 for t in temperatures) else logits / torch.tensor(
-        temperatures, device=logits.device)[:, None]
-    if any(p.top_k > 0 for p in params):
-        x = apply_top_k(x, torch.tensor([p.top_k for p in params], device=x.device))
-    if any(p.top_p < 1.0 for p in params):
-        x = apply_top_p(x, torch.tensor([p.top_p for p in params], dtype=torch.float64))  # on the CPU: not all
-        # devices have float64
-    if any(p.min_p > 0.0 for p in params):
-        x = apply_min_p(x, torch.tensor([p.min_p for p in params], device=x.device, dtype=x.dtype))
-    return x
+    """The :data:`~llminfer.sampling.processors.WARPERS` that any row uses, in order, over ``[S, V]`` float32
+    logits (one row per params entry; a warper leaves the rows that do not use it unchanged)."""
+    for warper in WARPERS:
+        if any(warper.applies(p) for p in params):
+            logits = warper(logits, params)
+    return logits
 
 
 def sample(
