@@ -15,6 +15,7 @@ from transformers.generation.logits_process import (
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
+    TypicalLogitsWarper,
 )
 
 from helpers import make_engine
@@ -84,6 +85,16 @@ def test_warpers_match_hf(logits, temperature, top_k, top_p, min_p):
     if min_p > 0:
         theirs = MinPLogitsWarper(min_p)(ids, theirs)
     _same(ours[0], theirs[0])
+
+
+@settings(max_examples=200, deadline=None)
+@given(logits=logits_st, typical_p=st.floats(0.05, 0.99), other=logits_st)
+def test_typical_p_matches_hf_and_leaves_other_rows_alone(logits, typical_p, other):
+    x = torch.tensor([logits, other])
+    ours = warp(x.clone(), [SamplingParams(temperature=1.0, typical_p=typical_p), SamplingParams(temperature=1.0)])
+    theirs = TypicalLogitsWarper(typical_p)(torch.zeros(1, 1, dtype=torch.long), x[:1].clone())
+    _same(ours[0], theirs[0])
+    _same(ours[1], x[1])
 
 
 @pytest.mark.parametrize("top_p", [1 - 2 ** -30, 0.9999999999999999, 1 - 1e-7])

@@ -63,6 +63,8 @@ class SamplingParams:
         top_p: nucleus sampling, keep the smallest set of tokens whose probability sums to ``top_p``.
         top_k: keep the ``top_k`` most likely tokens (0 = off).
         min_p: drop tokens whose probability is below ``min_p`` times the top token's.
+        typical_p: locally typical sampling, keep the tokens whose surprisal is closest to the entropy
+            until their probability reaches ``typical_p`` (1 = off).
         stop_sequences: strings that end generation; the text stops before the earliest match.
         stop_token_ids: extra token ids that end generation (the token is not part of the text).
         ignore_eos: keep generating past the model's EOS token.
@@ -100,6 +102,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
+    typical_p: float = 1.0
     stop_sequences: tuple[str, ...] = attrs.field(default=(), converter=_as_tuple)
     stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_as_tuple)
     ignore_eos: bool = False
@@ -135,6 +138,8 @@ class SamplingParams:
         _check(_is_int(self.top_k) and self.top_k >= 0, "top_k", f"top_k must be an integer >= 0, got {self.top_k!r}")
         _check(_is_num(self.min_p) and 0.0 <= self.min_p <= 1.0,
                "min_p", f"min_p must be in [0, 1], got {self.min_p!r}")
+        _check(_is_num(self.typical_p) and 0.0 < self.typical_p <= 1.0,
+               "typical_p", f"typical_p must be in (0, 1], got {self.typical_p!r}")
         _check(all(isinstance(s, str) and s for s in self.stop_sequences),
                "stop_sequences", "stop_sequences must be non-empty strings")
         _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),

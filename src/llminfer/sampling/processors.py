@@ -326,8 +326,31 @@ class MinP(Warper):
         return logits.masked_fill(probs < threshold, NEG_INF)
 
 
+class TypicalP(Warper):
+    """Locally typical sampling (Meister et al. 2022; Hugging Face ``TypicalLogitsWarper``): keep the
+    tokens whose surprisal ``-log p`` is closest to the row's entropy, in that order, until their
+    probability reaches ``typical_p`` (at least one token). Rows with ``typical_p`` 1 are unchanged."""
+
+    @staticmethod
+    def applies(params: Any) -> bool:
+        return params.typical_p < 1.0
+
+    def __call__(self, logits: torch.Tensor, params: Sequence[Any]) -> torch.Tensor:
+        mass = torch.tensor([p.typical_p for p in params], device=logits.device, dtype=logits.dtype)
+        log_probs = logits.log_softmax(dim=-1)
+        probs = log_probs.exp()
+        entropy = -(probs * log_probs).nan_to_num().sum(dim=-1, keepdim=True)
+        shifted = (-log_probs - entropy).abs()  # distance of each token's surprisal from the entropy
+        sorted_shifted, order = shifted.sort(dim=-1)
+        cum = probs.gather(-1, order).cumsum(dim=-1)
+        # The first token (in that order) at which the mass is reached; ties with it are kept too.
+        last = (cum < mass[:, None]).sum(dim=-1, keepdim=True).clamp(max=logits.shape[-1] - 1)
+        keep = shifted <= sorted_shifted.gather(-1, last)
+        return torch.where(keep | (mass[:, None] >= 1.0), logits, NEG_INF)
+
+
 #: The warpers, in the order they run on the sampling rows.
-WARPERS: tuple[Warper, ...] = (Temperature(), TopK(), TopP(), MinP())
+WARPERS: tuple[Warper, ...] = (Temperature(), TopK(), TopP(), TypicalP(), MinP())
 
 
 def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
