@@ -20,9 +20,10 @@ from llminfer import EngineConfig, InferenceEngine
 from llminfer.api import create_app, serve_in_thread
 from llminfer.api import protocol as s
 from llminfer.api.logprobs import TokenText, completion_logprobs, top_map
-from llminfer.core.scheduler import Scheduler, SchedulerLimits, _collect_prompt_logprobs
+from llminfer.core.scheduler import Scheduler, SchedulerLimits
 from llminfer.kv.manager import KVCacheManager
 from llminfer.protocols.messages import StepOutput, TokenizedRequest
+from llminfer.request import Request
 from llminfer.results import TokenLogprob
 from llminfer.sampling.params import SamplingParams
 
@@ -91,14 +92,12 @@ def test_prompt_logprobs_with_speculative_decoding(qwen2_dir):
 def test_prompt_logprobs_kept_once_per_position():
     """A request recomputed after a preemption gets its prompt rows again: each position is kept once."""
 
-    class Req:
-        prompt_logprobs: list = []
-
-    req = Req()
+    req = Request(request_id="r", token_ids=[1] * 7, num_prompt_tokens=7, params=SamplingParams(prompt_logprobs=1),
+                  arrival_ns=0, max_tokens_total=8)
     entries = tuple(TokenLogprob(i, -float(i)) for i in range(1, 7))
-    _collect_prompt_logprobs(req, 1, entries[:3])  # positions 1..3
-    _collect_prompt_logprobs(req, 1, entries[:5])  # recomputed from the start: 4 and 5 are new
-    _collect_prompt_logprobs(req, 6, entries[5:])
+    req.collect_prompt_logprobs(1, entries[:3])  # positions 1..3
+    req.collect_prompt_logprobs(1, entries[:5])  # recomputed from the start: 4 and 5 are new
+    req.collect_prompt_logprobs(6, entries[5:])
     assert [e.token_id for e in req.prompt_logprobs] == [1, 2, 3, 4, 5, 6]
 
 

@@ -56,7 +56,7 @@ def assert_serving(engine, baseline):
     assert engine.cache_stats()["blocks_used"] == 0
     assert engine.scheduler_stats() == {"running": 0, "waiting": 0}
     sched = _stage(engine, "core").scheduler
-    assert not sched.requests and not sched._inflight
+    assert not sched.requests and not sched.inflight
     assert not _stage(engine, "detokenize").states
     sink = _stage(engine, "sink")
     assert not sink.streams and not sink._seen_first

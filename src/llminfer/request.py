@@ -77,6 +77,13 @@ class Request:
         """It asked for prompt logprobs and some are still to compute (so it takes no prefix-cache hit)."""
         return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
+    def collect_prompt_logprobs(self, first_position: int, entries: tuple) -> None:
+        """Keep the prompt-logprob entries of positions not collected yet (a request recomputed after a
+        preemption gets the same rows again; ``prompt_logprobs[i]`` is position ``i + 1``)."""
+        for i, entry in enumerate(entries):
+            if first_position + i == len(self.prompt_logprobs) + 1:
+                self.prompt_logprobs.append(entry)
+
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
@@ -104,3 +111,16 @@ class Request:
             spec_proposed_tokens=self.spec_proposed,
             spec_accepted_tokens=self.spec_accepted,
         )
+
+
+def check_stop(req: Request, token: int, eos_token_ids: frozenset[int]) -> str | None:
+    """Why ``req`` finishes after appending ``token``: ``"stop"`` (EOS or a stop token id), ``"length"``
+    (``max_new_tokens`` or the context reached), or None. The sampler masks EOS and stop ids below
+    ``min_new_tokens``, so a match here is a real finish. Stop *strings* are the front end's: they finish
+    a request through :meth:`llminfer.core.scheduler.Scheduler.finish_request`."""
+    params = req.params
+    if token in params.stop_token_ids or (not params.ignore_eos and token in eos_token_ids):
+        return "stop"
+    if req.num_tokens >= req.max_tokens_total:
+        return "length"
+    return None

@@ -29,8 +29,8 @@ from __future__ import annotations
 import itertools
 import time
 
-import attrs
-
+from llminfer.core.budget import SchedulerLimits, StepBudget
+from llminfer.core.inflight import InflightPrompts
 from llminfer.core.queues import PriorityWaitingQueue, WaitingQueue
 from llminfer.errors import CapacityError, EngineError, InvalidRequestError, LLMInferError
 from llminfer.kv.manager import KVCacheManager
@@ -42,49 +42,8 @@ from llminfer.protocols.messages import (
     StepOutput,
     TokenizedRequest,
 )
-from llminfer.request import Request, RequestStatus
+from llminfer.request import Request, RequestStatus, check_stop
 from llminfer.stats import IterationStats
-
-
-@attrs.frozen
-class SchedulerLimits:
-    """Static limits the scheduler works under."""
-
-    max_batch_size: int
-    max_num_batched_tokens: int
-    max_model_len: int
-    long_prefill_token_threshold: int = 0
-    watermark: float = 0.01
-    policy: str = "fcfs"
-    num_lookahead_tokens: int = 0  #: speculative decoding: draft tokens verified per decode step (0 = off)
-    #: prompt tokens per step whose logprobs are computed (each is a ``[V]`` float32 logits row: 512 rows of
-    #: a 152k vocabulary are 311 MB); longer prompts asking for them are prefilled in chunks
-    max_prompt_logprob_rows: int = 512
-
-
-@attrs.define
-class StepBudget:
-    """What one step may still take: ``tokens`` of the ``max_num_batched_tokens`` budget (draft tokens
-    included) and ``logprob_rows`` of prompt-logprob rows; ``long_prefill`` caps one prefill chunk
-    (0 = no cap)."""
-
-    tokens: int
-    logprob_rows: int
-    long_prefill: int = 0
-
-    def clamp(self, req: Request, num_new: int) -> int:
-        """The most of ``num_new`` tokens ``req`` may compute in this step (<= 0: none)."""
-        if self.long_prefill:
-            num_new = min(num_new, self.long_prefill)
-        num_new = min(num_new, self.tokens)
-        if req.needs_prompt_logprobs:
-            num_new = min(num_new, self.logprob_rows)
-        return num_new
-
-    def take(self, req: Request, num_new: int, lookahead: int) -> None:
-        self.tokens -= num_new + lookahead
-        if req.needs_prompt_logprobs:
-            self.logprob_rows -= num_new
 
 
 class Scheduler:
@@ -108,11 +67,7 @@ class Scheduler:
         self.watermark_blocks = int(limits.watermark * kv.num_blocks)
         self.num_preemptions = 0
         self.iteration = IterationStats()  # what the steps since the last take_iteration_stats() produced
-        # Prompt blocks being computed right now, by hash → owning request. A waiting request whose next
-        # uncached block is in flight waits for it (then reuses it through the prefix cache) instead of
-        # computing the same KV twice: this is how n > 1 samples and concurrent identical system prompts
-        # share their prompt's blocks.
-        self._inflight: dict[bytes, str] = {}
+        self.inflight = InflightPrompts(kv.block_size, enabled=kv.enable_prefix_cache)
 
     # ------------------------------------------------------------------ requests in / out
     def add_request(self, msg: TokenizedRequest) -> Request:
@@ -287,7 +242,7 @@ class Scheduler:
             # Prompt logprobs come out of the prefill's logits: cached tokens would skip them.
             return ([], 0) if budget.logprob_rows > 0 else None
         cached_blocks, num_cached = self.kv.find_cached_prefix(req)
-        if self._waits_for_inflight(req, len(cached_blocks)):
+        if self.inflight.must_wait(req, len(cached_blocks)):
             return None
         return cached_blocks, num_cached
 
@@ -303,7 +258,7 @@ class Scheduler:
         req.num_computed_tokens = num_cached
         req.status = RequestStatus.RUNNING
         self.running.append(req)
-        self._mark_inflight(req, num_cached_blocks)
+        self.inflight.mark(req, num_cached_blocks)
 
     def _plan_output(self, plan: list[tuple[Request, int, int]]) -> SchedulerOutput:
         sequences = []
@@ -360,10 +315,10 @@ class Scheduler:
             if req.num_computed_tokens >= req.num_prompt_tokens:
                 if not req.prefill_done_ns:
                     req.prefill_done_ns = end_ns
-                self._clear_inflight(req)
+                self.inflight.clear(req)
             prompt_lp = result.prompt_logprobs.get(req.request_id)
             if prompt_lp is not None:
-                _collect_prompt_logprobs(req, *prompt_lp)
+                req.collect_prompt_logprobs(*prompt_lp)
             if not tokens:
                 self.kv.cache_full_blocks(req, req.num_computed_tokens)
                 continue  # a prefill chunk that does not reach the end of the known tokens
@@ -426,29 +381,8 @@ class Scheduler:
         return max(0, min(k, req.max_tokens_total - req.num_tokens - 1, budget - num_new))
 
     # ------------------------------------------------------------------ internals
-    def _mark_inflight(self, req: Request, num_cached_blocks: int) -> None:
-        if not self.kv.enable_prefix_cache:
-            return
-        for block_hash in req.block_hashes[num_cached_blocks : req.num_prompt_tokens // self.kv.block_size]:
-            self._inflight.setdefault(block_hash, req.request_id)
-
-    def _clear_inflight(self, req: Request) -> None:
-        if self._inflight:
-            for block_hash in req.block_hashes[: req.num_prompt_tokens // self.kv.block_size]:
-                if self._inflight.get(block_hash) == req.request_id:
-                    del self._inflight[block_hash]
-
-    def _waits_for_inflight(self, req: Request, num_cached_blocks: int) -> bool:
-        """True when the next block ``req`` would compute is being computed by another request."""
-        if not self._inflight or num_cached_blocks >= len(req.block_hashes):
-            return False
-        if num_cached_blocks >= (req.num_tokens - 1) // self.kv.block_size:
-            return False  # the hit is already as long as it may be
-        owner = self._inflight.get(req.block_hashes[num_cached_blocks])
-        return owner is not None and owner != req.request_id
-
     def _preempt(self, req: Request) -> None:
-        self._clear_inflight(req)
+        self.inflight.clear(req)
         self.kv.free(req.request_id)
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
@@ -466,7 +400,7 @@ class Scheduler:
         return SequenceUpdate(req.request_id, (), "error", err, stats=req.stats(time.perf_counter_ns()))
 
     def _finish(self, req: Request) -> None:
-        self._clear_inflight(req)
+        self.inflight.clear(req)
         req.status = RequestStatus.FINISHED
         self.kv.free(req.request_id)
         self.requests.pop(req.request_id, None)
@@ -484,19 +418,11 @@ class Scheduler:
         assert not waiting & running, "a request is both waiting and running"
         assert waiting | running == set(self.requests), "request registry out of sync with queues"
         assert len(self.running) <= self.limits.max_batch_size, "running exceeds max_batch_size"
-        for owner in self._inflight.values():
+        for owner in self.inflight.owners():
             assert owner in running, f"in-flight prompt blocks owned by non-running request {owner}"
         for rid in self.kv.block_tables:
             assert rid in self.requests, f"block table of finished request {rid}"
         self.kv.check_integrity()
-
-
-def _collect_prompt_logprobs(req: Request, first_position: int, entries: tuple) -> None:
-    """Keep the entries of positions not collected yet (a request recomputed after a preemption gets the
-    same rows again; ``req.prompt_logprobs[i]`` is position ``i + 1``)."""
-    for i, entry in enumerate(entries):
-        if first_position + i == len(req.prompt_logprobs) + 1:
-            req.prompt_logprobs.append(entry)
 
 
 def _as_engine_error(exc: BaseException) -> Exception:
@@ -506,15 +432,4 @@ def _as_engine_error(exc: BaseException) -> Exception:
         return exc
     return EngineError(f"the backend failed on this request: {type(exc).__name__}: {exc}")
 
-
-def check_stop(req: Request, token: int, eos_token_ids: frozenset[int]) -> str | None:
-    """Why ``req`` finishes after appending ``token``: ``"stop"`` (EOS or a stop token id), ``"length"``
-    (``max_new_tokens`` or the context reached), or None. The sampler masks EOS and stop ids below
-    ``min_new_tokens``, so a match here is a real finish. Stop *strings* are the front end's: they finish
-    a request through :meth:`Scheduler.finish_request`."""
-    params = req.params
-    if token in params.stop_token_ids or (not params.ignore_eos and token in eos_token_ids):
-        return "stop"
-    if req.num_tokens >= req.max_tokens_total:
-        return "length"
-    return None
+__all__ = ["Scheduler", "SchedulerLimits", "check_stop"]
