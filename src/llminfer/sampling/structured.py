@@ -126,7 +126,11 @@ class StructuredOutput:
     """One output constraint: exactly one of the fields (the names of vLLM's ``StructuredOutputsParams``).
 
     Attributes:
-        json_schema: a JSON Schema (dict, JSON text, or a pydantic model class); kept as canonical JSON text.
+        json_schema: a JSON Schema (dict, JSON text, or a pydantic model class); kept as canonical JSON text
+            of its normalized form (:func:`llminfer.sampling.schema.normalize_schema`: rewritten into what
+            xgrammar enforces exactly, or refused).
+        strict: with ``json_schema``: close every object the schema leaves open (OpenAI's ``strict: true``);
+            otherwise objects without ``additionalProperties`` are open, as JSON Schema means them.
         json_object: any JSON object (OpenAI ``response_format: {"type": "json_object"}``).
         regex: a regular expression the whole output must match.
         grammar: a context-free grammar in xgrammar's EBNF (GBNF-style: ``root ::= "yes" | "no"``).
@@ -134,10 +138,12 @@ class StructuredOutput:
 
     Raises:
         InvalidRequestError: none or more than one constraint, or a value of the wrong type
-            (``param="structured_output"``).
+            (``param="structured_output"``); a :class:`~llminfer.sampling.schema.SchemaError` naming the
+            keyword for a schema that cannot be enforced.
     """
 
     json_schema: str | None = attrs.field(default=None, converter=_schema_text)
+    strict: bool = False
     json_object: bool = False
     regex: str | None = None
     grammar: str | None = None
@@ -158,6 +164,13 @@ class StructuredOutput:
                 raise InvalidRequestError(f"{name} must be a non-empty string", param=PARAM)
         if self.choice is not None and (not self.choice or not all(self.choice)):
             raise InvalidRequestError("choice must be a non-empty list of non-empty strings", param=PARAM)
+        if not isinstance(self.strict, bool):
+            raise InvalidRequestError("strict must be true or false", param=PARAM)
+        if self.json_schema is not None:
+            from llminfer.sampling.schema import normalize_schema
+
+            normalized = normalize_schema(json.loads(self.json_schema), strict=self.strict)
+            object.__setattr__(self, "json_schema", json.dumps(normalized, separators=COMPACT))
 
     @property
     def kind(self) -> str:
@@ -384,7 +397,9 @@ def _compile_schema(compiler: Any, schema: str) -> Any:
     """Compile a JSON Schema so that every output is valid JSON (see ``_LOOSE_STRING_CHAR``)."""
     import xgrammar
 
-    kw = dict(any_whitespace=False, separators=COMPACT, strict_mode=True)
+    # Not xgrammar's strict mode, which closes every object and array: the normalized schema says where
+    # objects are closed (llminfer.sampling.schema).
+    kw = dict(any_whitespace=False, separators=COMPACT, strict_mode=False)
     ebnf = str(xgrammar.Grammar.from_json_schema(schema, **kw))
     if _LOOSE_STRING_CHAR in ebnf:
         try:
