@@ -236,6 +236,9 @@ class InferenceEngine:
             self._stop_background()
             if self.model_thread is not None:
                 self.model_thread.close()  # gives its share back; the last one ends the thread and its team
+            compiler = getattr(self.runtime, "grammar_compiler", None)
+            if compiler is not None:
+                compiler.stop_workers()  # the compile server process; a rebuilt pipeline starts another
 
     def warmup(self) -> int:
         """Compile the compiled backend's graph for every step shape now, on the model thread (where the

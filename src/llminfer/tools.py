@@ -27,6 +27,7 @@ from typing import Any
 import attrs
 
 from llminfer.errors import InvalidRequestError
+from llminfer.sampling.schema import KEYWORDS, SchemaError, normalize_schema, split_defs
 from llminfer.sampling.structured import StructuredOutput
 
 TOOL_CALL_OPEN = "<tool_call>"
@@ -42,11 +43,14 @@ class Tool:
         name: the function name.
         description: what it does (shown to the model).
         parameters: a JSON Schema of its arguments (an object schema; default: no arguments).
+        strict: OpenAI's ``function.strict``: a forced call's arguments close every object the schema
+            leaves open (None or False: open, as JSON Schema means them).
     """
 
     name: str
     description: str | None = None
     parameters: dict[str, Any] = attrs.field(factory=lambda: dict(_EMPTY_PARAMETERS))
+    strict: bool | None = None
 
     def to_openai(self) -> dict[str, Any]:
         """``{"type": "function", "function": {...}}``, the form chat templates take."""
@@ -134,7 +138,10 @@ def parse_tools(tools: Sequence[Any] | None, *, param: str = "tools") -> tuple[T
         if not isinstance(parameters, dict):
             raise InvalidRequestError("'parameters' must be a JSON Schema object",
                                       param=f"{where}.function.parameters")
-        out.append(Tool(name, description, parameters))
+        strict = function.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise InvalidRequestError("'strict' must be a boolean", param=f"{where}.function.strict")
+        out.append(Tool(name, description, parameters, strict))
     names = [t.name for t in out]
     for i, name in enumerate(names):
         if name in names[:i]:
@@ -142,16 +149,60 @@ def parse_tools(tools: Sequence[Any] | None, *, param: str = "tools") -> tuple[T
     return tuple(out)
 
 
-def required_schema(tools: Sequence[Tool], parallel_tool_calls: bool = True) -> dict[str, Any]:
+def arguments_schema(tool: Tool, *, param: str = "tools[0].function.parameters", prefix: str = "") -> dict[str, Any]:
+    """The normalized JSON Schema of ``tool``'s arguments (:func:`~llminfer.sampling.schema.normalize_schema`).
+
+    Arguments are always a JSON object: empty or missing ``parameters`` (``{}``, or only annotations such
+    as a title) mean an object with no properties (closed: the tool takes none); a schema without a
+    ``type`` is read as an object; one whose ``type`` excludes ``"object"`` is refused.
+
+    Args:
+        tool: the tool.
+        param: the request field named in errors.
+        prefix: prepended to the names in ``$defs`` (several tools in one schema).
+
+    Raises:
+        SchemaError: a schema that cannot be enforced, or not an object (``param``, keyword named).
+    """
+    params = tool.parameters
+    if not any(k in KEYWORDS and KEYWORDS[k][0] != "annotation" for k in params):
+        return dict(_EMPTY_PARAMETERS, additionalProperties=False)
+    types = params.get("type")
+    if types is None:
+        params = {"type": "object", **params}
+    elif types != "object":
+        if not isinstance(types, list) or "object" not in types:
+            raise SchemaError(f"a tool's arguments are a JSON object, but its parameters have type {types!r}",
+                              keyword="type", param=param)
+        params = {**params, "type": "object"}
+    return normalize_schema(params, strict=bool(tool.strict), prefix=prefix, param=param)
+
+
+def required_schema(tools: Sequence[Tool], parallel_tool_calls: bool = True, *,
+                    tools_param: str = "tools") -> dict[str, Any]:
     """The JSON Schema ``tool_choice="required"`` constrains the output to: a non-empty array (of one
-    item when not ``parallel_tool_calls``) of ``{"name": <const>, "arguments": <parameters>}``."""
-    items = [{"type": "object",
-              "properties": {"name": {"const": t.name}, "arguments": t.parameters},
-              "required": ["name", "arguments"]} for t in tools]
+    item when not ``parallel_tool_calls``) of ``{"name": <const>, "arguments": <parameters>}``.
+
+    Each tool's ``$defs`` (and every other ``$ref`` target) are hoisted to the root under a name prefixed
+    by the tool's index, so references keep resolving once the schemas are nested under a new root.
+
+    Raises:
+        SchemaError: a tool's parameters cannot be enforced (``param`` names ``tools[i].function.parameters``).
+    """
+    defs: dict[str, Any] = {}
+    items = []
+    for i, t in enumerate(tools):
+        args, own = split_defs(arguments_schema(t, param=f"{tools_param}[{i}].function.parameters",
+                                                prefix=f"t{i}_"))
+        defs.update(own)
+        items.append({"type": "object", "properties": {"name": {"const": t.name}, "arguments": args},
+                      "required": ["name", "arguments"], "additionalProperties": False})
     schema: dict[str, Any] = {"type": "array", "minItems": 1,
                               "items": items[0] if len(items) == 1 else {"anyOf": items}}
     if not parallel_tool_calls:
         schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
     return schema
 
 
@@ -165,21 +216,28 @@ class ToolPlan:
         mode: ``"none"``, ``"auto"``, ``"required"`` or ``"named"``.
         function: the forced tool (``mode == "named"``).
         parallel_tool_calls: more than one call allowed.
+        tools_param: the request field the tools came in (named in errors).
     """
 
     tools: tuple[Tool, ...]
     mode: str
     function: Tool | None = None
     parallel_tool_calls: bool = True
+    tools_param: str = "tools"
 
     @property
     def structured_output(self) -> StructuredOutput | None:
-        """The constraint this plan puts on the output (``required`` and named modes)."""
+        """The constraint this plan puts on the output (``required`` and named modes).
+
+        Raises:
+            SchemaError: a tool's parameters cannot be enforced (``param`` names the tool's parameters).
+        """
         if self.mode == "required":
-            return StructuredOutput(json_schema=required_schema(self.tools, self.parallel_tool_calls))
+            return StructuredOutput(json_schema=required_schema(self.tools, self.parallel_tool_calls,
+                                                                tools_param=self.tools_param))
         if self.mode == "named":
             assert self.function is not None
-            return StructuredOutput(json_schema=self.function.parameters)
+            return StructuredOutput(json_schema=arguments_schema(self.function, param=self.constraint_param))
         return None
 
     @property
@@ -187,8 +245,8 @@ class ToolPlan:
         """The request field to blame when the constraint does not compile (a bad ``parameters`` schema)."""
         if self.mode == "named":
             assert self.function is not None
-            return f"tools[{[t.name for t in self.tools].index(self.function.name)}].function.parameters"
-        return "tools"
+            return f"{self.tools_param}[{[t.name for t in self.tools].index(self.function.name)}].function.parameters"
+        return self.tools_param
 
     def parser(self) -> ToolCallParser:
         """A fresh parser for one output (one per choice)."""
@@ -220,7 +278,7 @@ def plan_tools(tools: Sequence[Any] | None, tool_choice: Any = None, parallel_to
         if tool_choice not in ("none", "auto", "required"):
             raise InvalidRequestError(f"tool_choice must be 'none', 'auto', 'required' or a named function, got "
                                       f"{tool_choice!r}", param=choice_param)
-        return ToolPlan(parsed, tool_choice, None, parallel)
+        return _checked(ToolPlan(parsed, tool_choice, None, parallel, tools_param))
     if isinstance(tool_choice, dict) and tool_choice.get("type", "function") == "function":
         function = tool_choice.get("function")
         name = function.get("name") if isinstance(function, dict) else None
@@ -229,11 +287,18 @@ def plan_tools(tools: Sequence[Any] | None, tool_choice: Any = None, parallel_to
                                       param=choice_param)
         for tool in parsed:
             if tool.name == name:
-                return ToolPlan(parsed, "named", tool, parallel)
+                return _checked(ToolPlan(parsed, "named", tool, parallel, tools_param))
         raise InvalidRequestError(f"tool_choice names {name!r}, which is not one of the tools "
                                   f"{[t.name for t in parsed]}", param=choice_param)
     raise InvalidRequestError("tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", "
                               "\"function\": {\"name\": ...}}", param=choice_param)
+
+
+def _checked(plan: ToolPlan) -> ToolPlan:
+    """``plan``, once the constraint it implies is known to be enforceable (a bad ``parameters`` schema is
+    refused here, naming ``tools[i].function.parameters`` and the keyword)."""
+    _ = plan.structured_output
+    return plan
 
 
 # ---------------------------------------------------------------------------- parsing

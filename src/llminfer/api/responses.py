@@ -71,8 +71,8 @@ class InputMessage(Struct, kw_only=True):
 
 
 class TextFormat(Struct, kw_only=True):
-    """``text.format``: plain text, any JSON object, or JSON matching ``schema`` (always held to the whole
-    schema, so ``strict`` changes nothing)."""
+    """``text.format``: plain text, any JSON object, or JSON matching ``schema`` (held to the whole schema,
+    or refused; ``strict`` closes the objects the schema leaves open)."""
 
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
@@ -257,7 +257,7 @@ def text_format(body: ResponsesRequest) -> StructuredOutput | None:
         raise bad_request("text.format of type 'json_schema' needs a 'schema' object", "text.format.schema",
                           "missing_required_parameter")
     try:
-        return StructuredOutput(json_schema=fmt.schema)
+        return StructuredOutput(json_schema=fmt.schema, strict=bool(fmt.strict))
     except InvalidRequestError as exc:
         raise bad_request(str(exc), "text.format.schema", exc.code) from None
 

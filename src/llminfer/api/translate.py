@@ -252,8 +252,12 @@ def _response_format(value: dict[str, Any]) -> StructuredOutput | None:
         schema = spec.get("schema", spec.get("json_schema"))  # some clients nest it under the older name
         if not isinstance(schema, dict):
             raise InvalidRequestError("response_format.json_schema needs a 'schema' object")
-        # ``strict`` needs no handling: the output is always held to the whole schema.
-        return StructuredOutput(json_schema=schema)
+        strict = spec.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise InvalidRequestError("response_format.json_schema.strict must be a boolean")
+        # strict closes the objects the schema leaves open (OpenAI's strict mode); the output is held to the
+        # whole schema either way (llminfer.sampling.schema refuses what it cannot enforce).
+        return StructuredOutput(json_schema=schema, strict=bool(strict))
     raise InvalidRequestError(f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
 
 

@@ -112,6 +112,43 @@ def _schema_text(value: Any) -> str | None:
         raise InvalidRequestError(f"json_schema is not JSON: {exc}", param=PARAM) from None
 
 
+MAX_SCHEMA_CHARS = 1_000_000
+"""Longest JSON Schema accepted, as compact JSON text (characters). Real tool lists stay far below it (an
+MCP server's 50 tools are ~100 kB)."""
+
+MAX_ENUM_VALUES = 10_000
+"""Most ``enum`` values (all enums of a schema together) accepted. xgrammar's compile time grows with
+them: a 20,000-value enum takes ~9 s on this project's 2-core CI box, a 150,000-value one minutes."""
+
+
+def _check_size(text: str) -> None:
+    """Refuse a schema whose size alone makes it too slow to compile (before it takes a compile slot)."""
+    if len(text) > MAX_SCHEMA_CHARS:
+        raise InvalidRequestError(f"json_schema is {len(text):,} characters of JSON; at most {MAX_SCHEMA_CHARS:,} "
+                                  "are accepted (compiling it would take too long)", param=PARAM,
+                                  code="schema_too_large")
+    if text.count('"enum":') and _enum_values(json.loads(text)) > MAX_ENUM_VALUES:
+        raise InvalidRequestError(f"json_schema has more than {MAX_ENUM_VALUES:,} enum values in all; compiling "
+                                  "it would take too long (use a pattern, or fewer values)", param=PARAM,
+                                  code="schema_too_large")
+
+
+def _enum_values(value: Any) -> int:
+    count = 0
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            for key, child in item.items():
+                if key == "enum" and isinstance(child, list):
+                    count += len(child)
+                elif key not in ("const", "default", "examples"):
+                    stack.append(child)
+        elif isinstance(item, list):
+            stack.extend(item)
+    return count
+
+
 def _choices(value: Any) -> tuple[str, ...] | None:
     if value is None:
         return None
@@ -126,7 +163,11 @@ class StructuredOutput:
     """One output constraint: exactly one of the fields (the names of vLLM's ``StructuredOutputsParams``).
 
     Attributes:
-        json_schema: a JSON Schema (dict, JSON text, or a pydantic model class); kept as canonical JSON text.
+        json_schema: a JSON Schema (dict, JSON text, or a pydantic model class); kept as canonical JSON text
+            of its normalized form (:func:`llminfer.sampling.schema.normalize_schema`: rewritten into what
+            xgrammar enforces exactly, or refused).
+        strict: with ``json_schema``: close every object the schema leaves open (OpenAI's ``strict: true``);
+            otherwise objects without ``additionalProperties`` are open, as JSON Schema means them.
         json_object: any JSON object (OpenAI ``response_format: {"type": "json_object"}``).
         regex: a regular expression the whole output must match.
         grammar: a context-free grammar in xgrammar's EBNF (GBNF-style: ``root ::= "yes" | "no"``).
@@ -134,10 +175,12 @@ class StructuredOutput:
 
     Raises:
         InvalidRequestError: none or more than one constraint, or a value of the wrong type
-            (``param="structured_output"``).
+            (``param="structured_output"``); a :class:`~llminfer.sampling.schema.SchemaError` naming the
+            keyword for a schema that cannot be enforced.
     """
 
     json_schema: str | None = attrs.field(default=None, converter=_schema_text)
+    strict: bool = False
     json_object: bool = False
     regex: str | None = None
     grammar: str | None = None
@@ -158,6 +201,14 @@ class StructuredOutput:
                 raise InvalidRequestError(f"{name} must be a non-empty string", param=PARAM)
         if self.choice is not None and (not self.choice or not all(self.choice)):
             raise InvalidRequestError("choice must be a non-empty list of non-empty strings", param=PARAM)
+        if not isinstance(self.strict, bool):
+            raise InvalidRequestError("strict must be true or false", param=PARAM)
+        if self.json_schema is not None:
+            from llminfer.sampling.schema import normalize_schema
+
+            _check_size(self.json_schema)
+            normalized = normalize_schema(json.loads(self.json_schema), strict=self.strict)
+            object.__setattr__(self, "json_schema", json.dumps(normalized, separators=COMPACT))
 
     @property
     def kind(self) -> str:
@@ -225,10 +276,20 @@ class GrammarCompiler:
     The xgrammar tokenizer info (a pass over the vocabulary, ~1 s for 150k tokens) is built on first use
     in a worker thread, so engines that never see a constrained request never pay for it.
 
-    A compile cannot be interrupted, and a hostile constraint can run for minutes after its request has
-    timed out. So there are several worker threads (one such compile does not hold up the others), and a
-    compile that reaches a worker after every request waiting for it has passed its deadline is skipped
-    rather than run for nobody (a backlog behind a slow compile then drains at once).
+    xgrammar's compile cannot be interrupted, and a hostile constraint can run for minutes. So each compile
+    thread hands its compile to the compile server (:mod:`llminfer.sampling.grammar_worker`, with
+    ``isolate=True``, the default), which runs it in a forked process of its own, and has that process
+    killed once every request waiting for the compile has passed its deadline: a timed-out compile frees its
+    thread and its CPU at once. The compiled grammar comes back serialized (``CompiledGrammar.serialize_json``;
+    ~0.1 ms per kB to load). The server starts in the background on first use (or :meth:`prepare`); until it
+    is up, compiles run in the threads themselves, uninterruptible, as without ``isolate``. Schemas too
+    large to compile in time are refused before they take a slot (:data:`MAX_SCHEMA_CHARS`,
+    :data:`MAX_ENUM_VALUES`). A compile that reaches a thread after every request waiting for it has passed
+    its deadline is skipped rather than run for nobody (a backlog behind slow compiles drains at once).
+
+    Compiled grammars are cached by constraint (the normalized schema's canonical text is part of it, so
+    two spellings of one schema share an entry); :attr:`cache_hits` / :attr:`cache_misses` /
+    :attr:`compile_timeouts` count what happened (the server's ``/metrics`` reports them).
 
     Args:
         tokenizer: a Hugging Face tokenizer (``PreTrainedTokenizerBase``).
@@ -236,12 +297,14 @@ class GrammarCompiler:
         stop_token_ids: the ids that end a request (EOS); the mask allows them only where the grammar accepts.
         timeout_s: a compile still running after this many seconds fails its request.
         cache_size: compiled grammars kept (least recently used dropped first).
-        max_workers: compile threads (compiles run in parallel: xgrammar releases the GIL).
+        max_workers: compile threads, each with at most one worker process (compiles run in parallel).
         clock: seconds, monotonic (injected in tests).
+        isolate: compile in killable worker processes (False: in the threads themselves, uninterruptible).
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int], *, timeout_s: float = 10.0,
-                 cache_size: int = 256, max_workers: int = 4, clock: Callable[[], float] = time.monotonic) -> None:
+                 cache_size: int = 256, max_workers: int = 4, clock: Callable[[], float] = time.monotonic,
+                 isolate: bool = True) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
@@ -254,6 +317,14 @@ class GrammarCompiler:
         self._build_lock = threading.Lock()
         self._compiler: Any = None
         self.compile_times_s: list[float] = []  # of each cache miss, for the benchmark
+        self.isolate = isolate
+        self._info_json: str | None = None  # the tokenizer info, serialized, for worker processes
+        self._server: _CompileServer | None = None  # started on first use (isolate)
+        self._local = threading.local()  # the cache entry the calling compile thread works for
+        self.cache_hits = 0
+        self.cache_misses = 0
+        self.compile_timeouts = 0
+        self.workers_killed = 0
 
     def submit(self, spec: StructuredOutput) -> GrammarHandle:
         """Start compiling ``spec`` (or reuse the cached compile) and return its handle at once."""
@@ -263,11 +334,14 @@ class GrammarCompiler:
             if entry is not None and entry.future.done() and entry.future.exception() is not None:
                 entry = None  # a failed compile is not cached: the error is re-raised by a new compile
             if entry is None:
+                self.cache_misses += 1
                 entry = _Compile(deadline)
                 entry.future = self._pool.submit(self._compile_if_wanted, spec, entry)
                 self._cache[spec] = entry
                 while len(self._cache) > self.cache_size:
                     self._cache.popitem(last=False)
+            else:
+                self.cache_hits += 1
             entry.deadline = max(entry.deadline, deadline)
             self._cache.move_to_end(spec)
         return GrammarHandle(entry.future, deadline, self.clock, self.timeout_s)
@@ -275,7 +349,12 @@ class GrammarCompiler:
     def prepare(self) -> concurrent.futures.Future:
         """Build the tokenizer info now, in the compile thread (a server calls this at start, so its first
         constrained request does not pay for it)."""
-        return self._pool.submit(self._xgrammar)
+        return self._pool.submit(self._prepare)
+
+    def _prepare(self) -> None:
+        self._xgrammar()
+        if self.isolate:
+            self._compile_server()  # started now, so the first constrained requests need not wait for it
 
     def compile(self, spec: StructuredOutput) -> Any:
         """Compile ``spec`` now, in the calling thread's wait (for tests and tools).
@@ -288,8 +367,27 @@ class GrammarCompiler:
         return handle.result()
 
     def close(self) -> None:
-        """Stop the compile threads (a compile in progress finishes in the background)."""
+        """Stop the compile threads and the idle worker processes (a compile in progress finishes in the
+        background, and its worker is stopped after it)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            server, self._server = self._server, None
+            self._closed = True
+        if server is not None:
+            server.close()
+
+    def stop_workers(self) -> None:
+        """Stop the compile server process (the compiler stays usable: the next compile starts another)."""
+        with self._lock:
+            server, self._server = self._server, None
+        if server is not None:
+            server.close()
+
+    def stats(self) -> dict[str, int]:
+        """Counts since start: ``cache_hits``, ``cache_misses`` (compiles started), ``compile_timeouts``
+        (compiles that ran past their deadline), ``workers_killed`` (compile processes killed for it)."""
+        return {"cache_hits": self.cache_hits, "cache_misses": self.cache_misses,
+                "compile_timeouts": self.compile_timeouts, "workers_killed": self.workers_killed}
 
     def _xgrammar(self) -> Any:
         # Only the compile thread calls this (max_workers threads share the lock below).
@@ -308,6 +406,7 @@ class GrammarCompiler:
                 raise InvalidRequestError(f"structured output is not available for this tokenizer: {one_line(exc)}",
                                           param=PARAM) from None
             # The cache is ours (keyed by the constraint); xgrammar's own would hold a second copy.
+            self._info = info
             self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         return self._compiler
 
@@ -320,28 +419,184 @@ class GrammarCompiler:
                     f"the structured-output constraint did not compile within {self.timeout_s:g} s (it waited "
                     "behind other compiles); retry, or simplify the schema or grammar", param=PARAM,
                     code="grammar_compile_timeout")
-        return self._compile(spec)
+        self._local.entry = entry
+        try:
+            return self._compile(spec)
+        finally:
+            self._local.entry = None
 
     def _compile(self, spec: StructuredOutput) -> Any:
         compiler = self._xgrammar()
         start = time.perf_counter()
-        try:
-            kind = spec.kind
-            if kind == "json_schema":
-                compiled = _compile_schema(compiler, spec.json_schema)
-            elif kind == "json_object":
-                compiled = compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, separators=COMPACT)
-            elif kind == "regex":
-                compiled = compiler.compile_regex(spec.regex)
-            elif kind == "grammar":
-                compiled = compiler.compile_grammar(spec.grammar)
-            else:
-                compiled = compiler.compile_grammar(spec.to_ebnf_choice())
-        except Exception as exc:  # noqa: BLE001 - xgrammar reports bad input as RuntimeError
-            raise InvalidRequestError(f"invalid or unsupported {spec.kind.replace('_', ' ')}: {_clean(exc)}",
-                                      param=PARAM) from None
+        if self.isolate:
+            compiled = self._compile_in_worker(spec, compiler)
+        else:
+            try:
+                compiled = _compile_spec(compiler, spec)
+            except Exception as exc:  # noqa: BLE001 - xgrammar reports bad input as RuntimeError
+                raise InvalidRequestError(f"invalid or unsupported {spec.kind.replace('_', ' ')}: {_clean(exc)}",
+                                          param=PARAM) from None
         self.compile_times_s.append(time.perf_counter() - start)
         return compiled
+
+    def _compile_in_worker(self, spec: StructuredOutput, compiler: Any) -> Any:
+        """Compile ``spec`` in the compile server (in a process of its own); kill that process once nobody
+        waits for the result any more. While the server is still starting, compile here instead.
+
+        Raises:
+            InvalidRequestError: the constraint is invalid, the process died, or the deadline of every
+                request waiting for it passed (``code="grammar_compile_timeout"``).
+        """
+        import xgrammar
+
+        server = self._compile_server()
+        if server is None:  # still starting: compile in this thread (uninterruptible, as without isolate)
+            try:
+                return _compile_spec(compiler, spec)
+            except Exception as exc:  # noqa: BLE001 - xgrammar reports bad input as RuntimeError
+                raise InvalidRequestError(f"invalid or unsupported {spec.kind.replace('_', ' ')}: {_clean(exc)}",
+                                          param=PARAM) from None
+        entry: _Compile | None = getattr(self._local, "entry", None)
+        job = server.submit(spec)
+        while True:
+            left = (entry.deadline if entry is not None else self.clock() + self.timeout_s) - self.clock()
+            if left <= 0:
+                server.kill(job)
+                with self._lock:
+                    self.compile_timeouts += 1
+                    self.workers_killed += 1
+                raise InvalidRequestError(
+                    f"the structured-output constraint did not compile within {self.timeout_s:g} s; its compile "
+                    "was stopped; simplify the schema or grammar", param=PARAM, code="grammar_compile_timeout")
+            if job.done.wait(min(left, 0.25)):
+                break
+        status, payload = job.reply
+        if status != "ok":
+            raise InvalidRequestError(f"invalid or unsupported {spec.kind.replace('_', ' ')}: {payload}", param=PARAM)
+        return xgrammar.CompiledGrammar.deserialize_json(payload, self._info)
+
+    def _compile_server(self) -> _CompileServer | None:
+        """The running compile server, or None while it starts (it is started here on first use)."""
+        with self._lock:
+            server = self._server
+            if server is not None and server.failed:
+                server = self._server = None  # it died: start another
+            if server is None and not getattr(self, "_closed", False):
+                if self._info_json is None:
+                    self._info_json = self._info.serialize_json()
+                server = self._server = _CompileServer(self._info_json)
+        return server if server is not None and server.ready.is_set() else None
+
+
+def _compile_spec(compiler: Any, spec: StructuredOutput) -> Any:
+    """``spec`` compiled by an ``xgrammar.GrammarCompiler`` (raises what xgrammar raises)."""
+    kind = spec.kind
+    if kind == "json_schema":
+        return _compile_schema(compiler, spec.json_schema)
+    if kind == "json_object":
+        return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, separators=COMPACT)
+    if kind == "regex":
+        return compiler.compile_regex(spec.regex)
+    if kind == "grammar":
+        return compiler.compile_grammar(spec.grammar)
+    return compiler.compile_grammar(spec.to_ebnf_choice())
+
+
+class _Job:
+    __slots__ = ("id", "done", "reply")
+
+    def __init__(self, job_id: int) -> None:
+        self.id = job_id
+        self.done = threading.Event()
+        self.reply: tuple[str, str] = ("error", "the compile server stopped")
+
+
+class _CompileServer:
+    """The parent's end of :mod:`llminfer.sampling.grammar_worker`: starts it (in the background: an
+    interpreter importing xgrammar takes seconds), sends jobs, and hands each reply to its :class:`_Job`
+    from a reader thread."""
+
+    def __init__(self, info_json: str) -> None:
+        import os
+        import subprocess
+        import sys
+        from pathlib import Path
+
+        import llminfer
+
+        self.ready = threading.Event()
+        self.failed = False
+        self._jobs: dict[int, _Job] = {}
+        self._next = 0
+        self._lock = threading.Lock()
+        env = dict(os.environ)
+        root = str(Path(llminfer.__file__).resolve().parent.parent)  # this llminfer, wherever it came from
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        self.process = subprocess.Popen([sys.executable, "-m", "llminfer.sampling.grammar_worker"],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        from multiprocessing.connection import Connection
+
+        self._out = Connection(os.dup(self.process.stdin.fileno()), readable=False)
+        self._in = Connection(os.dup(self.process.stdout.fileno()), writable=False)
+        self.process.stdin.close()
+        self.process.stdout.close()
+        threading.Thread(target=self._read, args=(info_json,), daemon=True,
+                         name="llminfer-grammar-server").start()
+
+    def _read(self, info_json: str) -> None:
+        try:
+            with self._lock:
+                self._out.send(info_json)
+            while True:
+                job_id, reply = self._in.recv()
+                if job_id == "ready":
+                    self.ready.set()
+                    continue
+                with self._lock:
+                    job = self._jobs.pop(job_id, None)
+                if job is not None:
+                    job.reply = reply
+                    job.done.set()
+        except (EOFError, OSError):
+            pass
+        self.failed = True
+        with self._lock:
+            jobs, self._jobs = list(self._jobs.values()), {}
+        for job in jobs:
+            job.done.set()
+
+    def submit(self, spec: StructuredOutput) -> _Job:
+        """Start compiling ``spec``; its :class:`_Job` is done when the reply came (or the server died)."""
+        with self._lock:
+            self._next += 1
+            job = self._jobs[self._next] = _Job(self._next)
+            try:
+                self._out.send(("compile", job.id, spec))
+            except OSError:
+                self._jobs.pop(job.id)
+                job.done.set()
+        return job
+
+    def kill(self, job: _Job) -> None:
+        """End ``job``'s compile process now (its reply, if one was on its way, is dropped)."""
+        with self._lock:
+            self._jobs.pop(job.id, None)
+            try:
+                self._out.send(("kill", job.id))
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        """Stop the server (its stdin closes: it kills its jobs and exits)."""
+        try:
+            self._out.close()
+        except OSError:
+            pass
+        try:
+            self.process.wait(5)
+        except Exception:  # noqa: BLE001 - a server that does not exit is killed
+            self.process.kill()
+        self._in.close()
 
 
 def special_token_ids(tokenizer: Any) -> set[int]:
@@ -384,7 +639,9 @@ def _compile_schema(compiler: Any, schema: str) -> Any:
     """Compile a JSON Schema so that every output is valid JSON (see ``_LOOSE_STRING_CHAR``)."""
     import xgrammar
 
-    kw = dict(any_whitespace=False, separators=COMPACT, strict_mode=True)
+    # Not xgrammar's strict mode, which closes every object and array: the normalized schema says where
+    # objects are closed (llminfer.sampling.schema).
+    kw = dict(any_whitespace=False, separators=COMPACT, strict_mode=False)
     ebnf = str(xgrammar.Grammar.from_json_schema(schema, **kw))
     if _LOOSE_STRING_CHAR in ebnf:
         try:
