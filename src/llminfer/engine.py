@@ -35,7 +35,7 @@ from llminfer.pipeline import Pipeline
 from llminfer.protocols import EngineCore, Stage
 from llminfer.protocols.messages import Control, GenerationRequest
 from llminfer.results import GenerationResult, StreamChunk
-from llminfer.runtime import Runtime, describe_runtime, load_runtime
+from llminfer.runtime import Runtime, describe_runtime, load_runtime, resolve_quant
 from llminfer.stats import StatLogger
 from llminfer.trace import Tracer
 
@@ -125,6 +125,7 @@ class InferenceEngine:
 
     def _load_now(self) -> None:
         if self.runtime is None:  # a second load() queued behind the first finds it done
+            self.cfg = resolve_quant(self.cfg)  # from-gguf: the weight-only mode of the file's type
             runtime = load_runtime(self.cfg)
             self.backend = assembly.build_backend(runtime, self.cfg)
             self.core = assembly.build_core(runtime, self.cfg, self.backend, self.tracer, self.stat_loggers,
