@@ -414,7 +414,12 @@ class InferenceEngine:
         """
         with self._admitted_requests(requests):
             portal = self._require_portal()
-            results = self._call(portal, collect_all, self._running_pipeline(), list(requests))
+            pipeline = self._running_pipeline()
+            try:
+                results = self._call(portal, collect_all, pipeline, list(requests))
+            except (KeyboardInterrupt, SystemExit):
+                self._abort_interrupted(portal, pipeline, requests)
+                raise
         for r in results:
             if isinstance(r, BaseException):
                 raise r
@@ -431,17 +436,29 @@ class InferenceEngine:
         request = self.make_request(prompt, **kwargs)
         with self._admitted_requests([request]):
             portal = self._require_portal()
-            chunks = RequestHandle(self._running_pipeline(), request).chunks()
+            pipeline = self._running_pipeline()
+            chunks = RequestHandle(pipeline, request).chunks()
             try:
                 while True:
                     try:
                         yield self._call(portal, chunks.__anext__)
                     except StopAsyncIteration:
                         return
+            except (KeyboardInterrupt, SystemExit):
+                self._abort_interrupted(portal, pipeline, [request])
+                raise
             finally:
                 # Cancels the request when the caller stops early; nothing to do once the loop has stopped.
                 with contextlib.suppress(EngineClosedError, RuntimeError):
                     self._call(portal, chunks.aclose)
+
+    def _abort_interrupted(self, portal: Any, pipeline: Pipeline, requests: Sequence[GenerationRequest]) -> None:
+        """Cancel ``requests`` after Ctrl-C (or SystemExit) reached this thread while it waited on the event
+        loop: the coroutine it waited for still runs there, so without an abort the requests would generate
+        to their end (and close() would wait for them). Each stops within the step under way."""
+        for request in requests:
+            with contextlib.suppress(Exception):
+                portal.call(pipeline.abort, request.request_id, "interrupted")
 
     def chat(self, messages: Sequence[dict[str, Any]], *, tools: Sequence[Any] | None = None,
              tool_choice: str | dict[str, Any] | None = "auto", parallel_tool_calls: bool = True,
