@@ -27,7 +27,8 @@ class Backend(str, enum.Enum):
 
 class QuantMode(str, enum.Enum):
     """Weight quantization: bitsandbytes (``nf4``, ``fp4``, ``int8``), or weight-only int8 / int4 on torch's
-    CPU kernels (``int8-wo``, ``int4-wo``; see :mod:`llminfer.backends.weight_only`)."""
+    CPU kernels (``int8-wo``, ``int4-wo``; see :mod:`llminfer.backends.weight_only`), or for a GGUF model the
+    one of those its file's type maps to (``from-gguf``)."""
 
     NONE = "none"
     NF4 = "nf4"
@@ -35,6 +36,9 @@ class QuantMode(str, enum.Enum):
     INT8 = "int8"
     INT8_WO = "int8-wo"
     INT4_WO = "int4-wo"
+    #: A GGUF model: the weight-only mode matching the file's type (Q8_0 -> int8-wo, Q4_0/Q4_1 -> int4-wo,
+    #: float -> none), resolved at load (:func:`llminfer.runtime.resolve_quant`).
+    FROM_GGUF = "from-gguf"
 
     @property
     def weight_only(self) -> bool:

@@ -35,7 +35,7 @@ from llminfer.pipeline import Pipeline
 from llminfer.protocols import EngineCore, Stage
 from llminfer.protocols.messages import Control, GenerationRequest
 from llminfer.results import GenerationResult, StreamChunk
-from llminfer.runtime import Runtime, describe_runtime, load_runtime
+from llminfer.runtime import Runtime, describe_runtime, load_runtime, resolve_quant
 from llminfer.stats import StatLogger
 from llminfer.trace import Tracer
 
@@ -125,6 +125,7 @@ class InferenceEngine:
 
     def _load_now(self) -> None:
         if self.runtime is None:  # a second load() queued behind the first finds it done
+            self.cfg = resolve_quant(self.cfg)  # from-gguf: the weight-only mode of the file's type
             runtime = load_runtime(self.cfg)
             self.backend = assembly.build_backend(runtime, self.cfg)
             self.core = assembly.build_core(runtime, self.cfg, self.backend, self.tracer, self.stat_loggers,
@@ -416,7 +417,12 @@ class InferenceEngine:
         """
         with self._admitted_requests(requests):
             portal = self._require_portal()
-            results = self._call(portal, collect_all, self._running_pipeline(), list(requests))
+            pipeline = self._running_pipeline()
+            try:
+                results = self._call(portal, collect_all, pipeline, list(requests))
+            except (KeyboardInterrupt, SystemExit):
+                self._abort_interrupted(portal, pipeline, requests)
+                raise
         for r in results:
             if isinstance(r, BaseException):
                 raise r
@@ -433,17 +439,29 @@ class InferenceEngine:
         request = self.make_request(prompt, **kwargs)
         with self._admitted_requests([request]):
             portal = self._require_portal()
-            chunks = RequestHandle(self._running_pipeline(), request).chunks()
+            pipeline = self._running_pipeline()
+            chunks = RequestHandle(pipeline, request).chunks()
             try:
                 while True:
                     try:
                         yield self._call(portal, chunks.__anext__)
                     except StopAsyncIteration:
                         return
+            except (KeyboardInterrupt, SystemExit):
+                self._abort_interrupted(portal, pipeline, [request])
+                raise
             finally:
                 # Cancels the request when the caller stops early; nothing to do once the loop has stopped.
                 with contextlib.suppress(EngineClosedError, RuntimeError):
                     self._call(portal, chunks.aclose)
+
+    def _abort_interrupted(self, portal: Any, pipeline: Pipeline, requests: Sequence[GenerationRequest]) -> None:
+        """Cancel ``requests`` after Ctrl-C (or SystemExit) reached this thread while it waited on the event
+        loop: the coroutine it waited for still runs there, so without an abort the requests would generate
+        to their end (and close() would wait for them). Each stops within the step under way."""
+        for request in requests:
+            with contextlib.suppress(Exception):
+                portal.call(pipeline.abort, request.request_id, "interrupted")
 
     def chat(self, messages: Sequence[dict[str, Any]], *, tools: Sequence[Any] | None = None,
              tool_choice: str | dict[str, Any] | None = "auto", parallel_tool_calls: bool = True,

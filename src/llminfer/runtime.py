@@ -58,6 +58,8 @@ class Runtime:
             ``total_bytes``, ``used_bytes``, ``activation_peak_bytes``; and ``gpu_memory_utilization``).
         cpu_kernel_layers: how many linear layers run on llminfer's CPU kernel
             (:mod:`llminfer.backends.cpu_kernels`; 0 off CPU, with it off, or where it cannot be built).
+        gguf: for a model loaded from a GGUF file, the file's facts
+            (:func:`llminfer.models.gguf.read_gguf_info`); None otherwise.
     """
 
     model_path: str
@@ -78,6 +80,7 @@ class Runtime:
     attention_backend: str = "torch"
     kv_sizing: dict[str, Any] | None = None
     cpu_kernel_layers: int = 0
+    gguf: dict[str, Any] | None = None
 
     @property
     def vocab_size(self) -> int | None:
@@ -196,9 +199,38 @@ def _config_and_tokenizer(cfg: EngineConfig, device: torch.device) -> Runtime:
     model_max = getattr(model_config.get_text_config(), "max_position_embeddings", None) or 2048
     if cfg.max_model_len is not None and cfg.max_model_len > model_max:
         raise ConfigError(f"max_model_len {cfg.max_model_len} exceeds the model's context of {model_max} tokens")
+    from llminfer.models.gguf import source_info
+
     return Runtime(model_path=model_path, model_config=model_config, device=device, dtype=dtype,
                    max_model_len=cfg.max_model_len or model_max, tokenizer=load_tokenizer(model_path, cfg),
-                   dtype_reason=dtype_reason)
+                   dtype_reason=dtype_reason, gguf=source_info(model_path))
+
+
+def resolve_quant(cfg: EngineConfig) -> EngineConfig:
+    """``cfg`` with ``quant.mode`` ``from-gguf`` replaced by the weight-only mode matching its GGUF file
+    (:func:`llminfer.models.gguf.weight_only_mode`: Q8_0 -> int8-wo, Q4_0/Q4_1 -> int4-wo, float -> none),
+    as a copy; any other ``cfg`` unchanged. Reads the GGUF header only (the trained built-in model is
+    fetched first if need be).
+
+    Raises:
+        ConfigError: ``from-gguf`` for a model that is no GGUF file, or a GGUF type with no such mode.
+        ModelLoadError: the GGUF file cannot be read or fetched.
+    """
+    if cfg.quant.mode is not QuantMode.FROM_GGUF:
+        return cfg
+    from llminfer.models.gguf import is_gguf_name, read_gguf_info, weight_only_mode
+    from llminfer.models.trained import TRAINED_MODEL_NAME, trained_gguf_path
+
+    name = cfg.model_name or ""
+    if name == TRAINED_MODEL_NAME:
+        file = str(trained_gguf_path())
+    elif is_gguf_name(name):
+        file = name
+    else:
+        raise ConfigError(f"quant.mode from-gguf needs a .gguf model (or {TRAINED_MODEL_NAME}); "
+                          f"{name or 'the built-in tiny model'!r} is none: choose int8-wo, int4-wo, nf4, ...")
+    mode = weight_only_mode(read_gguf_info(file))
+    return attrs.evolve(cfg, quant=attrs.evolve(cfg.quant, mode=QuantMode(mode)))
 
 
 def _load_draft(cfg: EngineConfig, rt: Runtime) -> None:
@@ -277,6 +309,8 @@ def describe_runtime(rt: Runtime, cfg: EngineConfig) -> dict[str, Any]:
         "attention_backend": rt.attention_backend,
         "cpu_kernel": _cpu_kernel_line(rt, cfg),
     }
+    if rt.gguf is not None:
+        facts.update(_gguf_facts(rt, cfg))
     if rt.model is None:
         facts.update({"tp_size": cfg.tp_size, "pp_size": cfg.pp_size, "prefix_cache": cfg.cache.enable_prefix_cache})
         return facts
@@ -291,6 +325,22 @@ def describe_runtime(rt: Runtime, cfg: EngineConfig) -> dict[str, Any]:
     if rt.kv_sizing is not None:
         facts.update({f"kv_sizing_{k}": v for k, v in rt.kv_sizing.items()})
     return facts
+
+
+def _gguf_facts(rt: Runtime, cfg: EngineConfig) -> dict[str, Any]:
+    """``llminfer info``'s GGUF lines: the file, its type (and its tensors' types), and what llminfer made
+    of it (the cached float32 folder, loaded in the engine's dtype, quantized again where ``--quant`` says)."""
+    g = rt.gguf or {}
+    tensors = ", ".join(f"{n} {t}" for t, n in g.get("tensor_types", {}).items())
+    made = f"dequantized to {str(rt.dtype).replace('torch.', '')}"
+    if cfg.quant.mode.weight_only:
+        made += (f", then quantized again as {cfg.quant.mode.value}"
+                 f"{f' (groups of {cfg.quant.int4_group_size})' if cfg.quant.mode is QuantMode.INT4_WO else ''}")
+    elif cfg.quant.mode is not QuantMode.NONE:
+        made += f", then quantized as {cfg.quant.mode.value} (bitsandbytes)"
+    made += f"; float32 copy cached in {rt.model_path}"
+    return {"gguf_file": g.get("file"), "gguf_type": f"{g.get('file_type')} ({g.get('architecture')}; tensors: {tensors})",
+            "gguf_loaded_as": made}
 
 
 def _cpu_kernel_line(rt: Runtime, cfg: EngineConfig) -> str:

@@ -242,9 +242,32 @@ def raise_open_files_limit() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
 
 
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``(host, port)`` (``SO_REUSEADDR``, as uvicorn binds), not yet listening: taking
+    the port before the model loads turns a port in use into an error at once, and the server then serves
+    on this very socket, so nothing can take the port in between.
+
+    Raises:
+        OSError: the address cannot be bound (in use, not local, no permission for a port below 1024).
+    """
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, _, _, _, address = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def run_server(app: Any, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
-               limits: ServerLimits | None = None) -> None:
+               limits: ServerLimits | None = None, sock: socket.socket | None = None) -> None:
     """Serve ``app`` until Ctrl-C or SIGTERM, then shut down gracefully (see :class:`ServerLimits`) and return.
+
+    Args:
+        sock: a socket from :func:`bind_socket` to serve on (then ``host`` and ``port`` only name it in logs).
 
     Raises:
         SystemExit: uvicorn could not start (for example the port is in use; the reason is logged).
@@ -252,7 +275,8 @@ def run_server(app: Any, host: str = "127.0.0.1", port: int = 8000, log_level: s
     limits = limits or ServerLimits()
     raise_open_files_limit()
     try:
-        _Server(uvicorn_config(app, host, port, log_level, limits), app, limits.shutdown_grace_s).run()
+        server = _Server(uvicorn_config(app, host, port, log_level, limits), app, limits.shutdown_grace_s)
+        server.run(sockets=[sock] if sock is not None else None)
     except KeyboardInterrupt:
         # uvicorn re-raises the Ctrl-C it handled; the server has already stopped cleanly.
         pass

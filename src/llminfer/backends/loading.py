@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,11 +24,25 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def resolve_model_path(cfg: EngineConfig) -> str:
-    """The folder or hub id to load: ``cfg.model_name``, or the built-in model (materialised on first use)."""
+    """The folder or hub id to load: ``cfg.model_name``; the built-in tiny model for None, ``"builtin"`` or
+    ``llminfer/tiny-qwen2`` (built on first use); for a ``.gguf`` file, or ``llminfer/smollm2-135m-instruct``
+    (fetched on first use), the float32 folder converted from it and cached by content
+    (:func:`llminfer.models.gguf.converted_path`).
+
+    Raises:
+        ModelLoadError: a GGUF file that does not exist or cannot be read or converted, or the trained
+            built-in model that cannot be fetched.
+    """
     from llminfer.models.builtin import BUILTIN_MODEL_NAME, builtin_model_path
+    from llminfer.models.gguf import converted_path, is_gguf_name
+    from llminfer.models.trained import TRAINED_MODEL_NAME, trained_gguf_path
 
     if cfg.model_name in (None, "", "builtin", BUILTIN_MODEL_NAME):
         return str(builtin_model_path())
+    if cfg.model_name == TRAINED_MODEL_NAME:
+        return str(converted_path(trained_gguf_path()))
+    if is_gguf_name(cfg.model_name):
+        return str(converted_path(Path(cfg.model_name).expanduser()))
     return cfg.model_name
 
 
@@ -105,13 +120,88 @@ def load_config(path: str, cfg: EngineConfig):
     """
     from transformers import AutoConfig
 
-    if (path.startswith(("/", ".", "~")) and not Path(path).expanduser().exists()):
-        raise ModelLoadError(f"model folder {path!r} does not exist")
+    if not Path(path).expanduser().exists():
+        check_hub_id(path, cfg)
     try:
         with quiet_transformers():
             return AutoConfig.from_pretrained(path, **hf_kwargs(cfg))
     except Exception as exc:  # noqa: BLE001 - transformers raises many kinds; one clear message
         raise ModelLoadError(f"cannot load model {path!r}: {_first_line(exc)}") from exc
+
+
+#: A Hugging Face model id: ``name`` or ``org/name`` (letters, digits, ``-``, ``_``, ``.``; at most 96 each).
+_HUB_ID = re.compile(r"[\w.-]{1,96}(/[\w.-]{1,96})?")
+_hub_state: dict[str, bool] = {}  # "reachable": the result of the one probe a process makes
+
+
+def check_hub_id(name: str, cfg: EngineConfig) -> None:
+    """For a model name with no local folder behind it, before transformers looks it up on the hub (which
+    retries an unreachable hub for about half a minute): refuse a name that cannot be a hub id (a path,
+    ``a/b/c``); else say at once, as a warning on stderr, that there is no local folder of that name and it
+    is being looked up on the hub; and where the hub's host does not resolve (one probe per process, at most
+    3 s) and the id is not in the local Hugging Face cache, fail at once.
+
+    Raises:
+        ModelLoadError: the name is no local folder and no hub id, or the hub cannot be reached and the id
+            is not cached.
+    """
+    import structlog
+
+    if name.startswith(("/", ".", "~")) or not _HUB_ID.fullmatch(name) or ".." in name or "--" in name:
+        raise ModelLoadError(f"model folder {name!r} does not exist (no local folder of that name, and it is not "
+                             "a Hugging Face model id)")
+    if cfg.hf_local_files_only or _env_offline():
+        return
+    structlog.get_logger("llminfer.loading").warning(
+        f"no local folder {name!r}: looking it up as a Hugging Face hub model id (pass --local-files-only, "
+        "hf_local_files_only=True, to never go online)")
+    if not hub_reachable() and not _in_hf_cache(name, cfg):
+        raise ModelLoadError(f"no local folder {name!r}, the Hugging Face hub cannot be reached, and it is not in "
+                             "the local Hugging Face cache (check the name; --local-files-only never goes online)")
+
+
+def _in_hf_cache(repo_id: str, cfg: EngineConfig) -> bool:
+    """Whether the Hugging Face cache holds the repo's ``config.json`` (at ``cfg.hf_revision``)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(repo_id, "config.json", cache_dir=cfg.hf_cache_dir,
+                                       revision=cfg.hf_revision)
+    except Exception:  # noqa: BLE001 - an odd id or cache: let transformers decide
+        return True
+    return isinstance(found, str)
+
+
+def _env_offline() -> bool:
+    import os
+
+    return any(os.environ.get(v, "").lower() in ("1", "true", "yes", "on") for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def hub_reachable(timeout_s: float = 3.0) -> bool:
+    """Whether the Hugging Face hub's host name (``$HF_ENDPOINT`` or huggingface.co) resolves; asked once per
+    process (a DNS lookup in a daemon thread, at most ``timeout_s`` seconds), then remembered."""
+    if "reachable" in _hub_state:
+        return _hub_state["reachable"]
+    import os
+    import socket
+    from urllib.parse import urlparse
+
+    host = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co").hostname or "huggingface.co"
+    answer: list[bool] = []
+
+    def probe() -> None:
+        try:
+            socket.getaddrinfo(host, 443, type=socket.SOCK_STREAM)
+            answer.append(True)
+        except OSError:
+            answer.append(False)
+
+    t = threading.Thread(target=probe, daemon=True, name="llminfer-hub-probe")
+    t.start()
+    t.join(timeout_s)
+    _hub_state["reachable"] = bool(answer and answer[0])
+    return _hub_state["reachable"]
 
 
 def cpu_flags() -> frozenset[str]:

@@ -1,6 +1,6 @@
 """The ``llminfer`` command line (Typer): the app, its commands and :func:`main`, the console entry point.
 
-The commands live in :mod:`llminfer.cli.generate` (run, stream, info, serve) and :mod:`llminfer.cli.bench`
+The commands live in :mod:`llminfer.cli.generate` (run, stream, chat, info, serve) and :mod:`llminfer.cli.bench`
 (bench, compare, bench-serve); the flags they share, and how those become an ``EngineConfig``, in
 :mod:`llminfer.cli.options`. This module registers the commands, in the order ``--help`` lists them, and maps the old spellings of renamed
 flags to the new ones (:data:`ALIASES`; they work but ``--help`` no longer shows them).
@@ -27,8 +27,8 @@ __all__ = ["app", "main"]
 
 app = typer.Typer(
     name="llminfer",
-    help="llminfer: a compact LLM inference and benchmarking engine. Runs offline on a built-in tiny model "
-    "when no --model is given.",
+    help="llminfer: a compact LLM inference and benchmarking engine. Without --model, run, stream, chat, info and "
+    "serve use llminfer/smollm2-135m-instruct (a trained chat model, fetched once with pip).",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
@@ -52,12 +52,13 @@ def _root(
     show_version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
                                       help="Print the version and exit."),
 ) -> None:
-    """llminfer: a compact LLM inference and benchmarking engine. Runs offline on a built-in tiny model when
-    no --model is given."""
+    """llminfer: a compact LLM inference and benchmarking engine. Without --model, run, stream, chat, info and
+    serve use llminfer/smollm2-135m-instruct (a trained chat model, fetched once with pip)."""
 
 
 app.command()(generate.run)
 app.command()(generate.stream)
+app.command()(generate.chat)
 app.command()(generate.info)
 app.command()(generate.serve)
 app.command()(bench.bench)
@@ -69,6 +70,7 @@ app.command("bench-report")(report.bench_report)
 ALIASES: dict[str, dict[str, str]] = {
     "run": {"--n": "--num-samples", "--page-size-tokens": "--page-size"},
     "stream": {"--page-size-tokens": "--page-size"},
+    "chat": {"--page-size-tokens": "--page-size"},
     "info": {"--page-size-tokens": "--page-size"},
     "serve": {"--page-size-tokens": "--page-size"},
 }

@@ -1,5 +1,7 @@
 """The generation commands: ``run`` (one prompt, then a stats line), ``stream`` (tokens as they arrive),
-``info`` (environment, model and KV capacity) and ``serve`` (the OpenAI-compatible HTTP API).
+``chat`` (an interactive multi-turn loop), ``info`` (environment, model and KV capacity) and ``serve`` (the
+OpenAI-compatible HTTP API). Without ``--model`` they load :func:`llminfer.models.default_model` (the
+trained ``llminfer/smollm2-135m-instruct``, or ``$LLMINFER_DEFAULT_MODEL``).
 
 The functions are plain; :mod:`llminfer.cli` registers them on the Typer app. Every flag is checked before
 the model loads: bad values raise typer.BadParameter, ConfigError or InvalidRequestError; ``serve`` raises
@@ -73,6 +75,7 @@ from llminfer.cli.options import (
     sampling_kwargs,
 )
 from llminfer.config import Backend, QuantMode
+from llminfer.models.trained import default_model
 
 
 def _stats_line(stats, finish_reason: str | None = None, chat: bool | None = None) -> str:
@@ -146,6 +149,7 @@ def run(
     """Generate for one prompt; print the text, then one stats line."""
     n = num_samples
     _check_chat_flags(prompt, chat, system)
+    model = model or default_model()
     check_engine_flags(model=model, device=device, log_level=log_level, adapter=adapter, adapter_name=adapter_name)
     cfg = build_config(model=model, backend=backend, dtype=dtype, device=device, max_batch_size=max_batch_size,
                        page_size=page_size, no_prefix_cache=no_prefix_cache, kv_cache_bytes=kv_cache_bytes,
@@ -201,6 +205,7 @@ def stream(
 ) -> None:
     """Print tokens as they arrive, then one stats line."""
     _check_chat_flags(prompt, chat, system)
+    model = model or default_model()
     check_engine_flags(model=model, device=device, log_level=log_level, adapter=adapter, adapter_name=adapter_name)
     cfg = build_config(model=model, backend=backend, dtype=dtype, device=device, max_batch_size=16,
                        page_size=page_size, no_prefix_cache=no_prefix_cache, kv_cache_bytes=kv_cache_bytes,
@@ -230,6 +235,117 @@ def stream(
         typer.echo(_stats_line(final.stats, final.finish_reason, templated))
 
 
+CHAT_HELP = "/exit (or Ctrl-D) quits, /reset forgets the conversation, Ctrl-C stops a reply"
+
+
+def chat(
+    model: Model = None, max_new_tokens: MaxNew = 512, temp: Temp = 0.0, top_p: TopP = 1.0, top_k: TopK = 0,
+    seed: Seed = None, min_p: MinP = 0.0, repetition_penalty: RepPen = 1.0, system: SystemOpt = None,
+    backend: BackendOpt = Backend.EAGER, dtype: Dtype = "auto", device: Device = "auto",
+    page_size: PageSize = 16, kv_cache_bytes: KVBytes = None, max_model_len: MaxLen = None,
+    revision: Revision = None, hf_token: HFToken = None, local_files_only: LocalOnly = False,
+    cache_dir: CacheDir = None, trust_remote_code: TrustRemote = False, quant: QuantOpt = QuantMode.NONE,
+    adapter: AdapterOpt = None, adapter_name: AdapterName = None, attention_backend: AttnBackend = "auto",
+    verbose: Annotated[bool, typer.Option("--verbose", help="Print a stats line after each reply.")] = False,
+    log_level: LogLevel = "warning",
+) -> None:
+    """Chat interactively: each line you type is a user message, the reply streams back through the model's
+    chat template, and the conversation carries over (multi-turn; the prefix cache reuses its KV). /exit or
+    Ctrl-D quits, /reset starts over, Ctrl-C stops a reply (and quits at the prompt)."""
+    model = model or default_model()
+    check_engine_flags(model=model, device=device, log_level=log_level, adapter=adapter, adapter_name=adapter_name)
+    cfg = build_config(model=model, backend=backend, dtype=dtype, device=device, max_batch_size=4,
+                       page_size=page_size, kv_cache_bytes=kv_cache_bytes, max_model_len=max_model_len,
+                       revision=revision, hf_token=hf_token, local_files_only=local_files_only, cache_dir=cache_dir,
+                       trust_remote_code=trust_remote_code, quant=quant, attention_backend=attention_backend)
+    kw = sampling_kwargs(max_new_tokens=max_new_tokens, temp=temp, top_p=top_p, top_k=top_k, seed=seed, stop=None,
+                         ignore_eos=False, min_p=min_p, repetition_penalty=repetition_penalty)
+    check_sampling(kw)
+    interactive = sys.stdin.isatty()
+    with load_engine(cfg, log_level, adapter, adapter_name) as engine:
+        if not getattr(engine.tokenizer, "chat_template", None):
+            raise typer.BadParameter(f"--model: {model!r} has no chat template, which chat needs (use run --no-chat)")
+        if interactive:
+            typer.echo(f"llminfer chat with {model}: {CHAT_HELP}", err=True)
+        chat_loop(engine, kw, system=system, interactive=interactive, verbose=verbose)
+
+
+def chat_loop(engine, kw: dict, *, system: str | None = None, interactive: bool = False,
+              verbose: bool = False, read_line=None) -> list[dict[str, str]]:
+    """``llminfer chat``'s loop on a loaded engine: read a line, stream the reply to stdout, remember both.
+
+    Args:
+        kw: sampling keyword arguments (:func:`~llminfer.cli.options.sampling_kwargs`).
+        system: a system message before the conversation.
+        interactive: show a ``>>>`` prompt (a terminal); otherwise read lines silently (a pipe).
+        verbose: a stats line after each reply.
+        read_line: a callable returning the next line, raising EOFError at the end (default: stdin).
+
+    Returns:
+        The conversation when the loop ends (``/exit``, ``/quit``, end of input, Ctrl-C at the prompt).
+        A request error (e.g. a conversation longer than the context) prints one ``error:`` line on stderr
+        and drops that turn; Ctrl-C during a reply stops it and keeps the text so far.
+    """
+    from llminfer.chat import ChatRenderer
+    from llminfer.errors import InvalidRequestError, LLMInferError
+
+    if read_line is None:
+        def read_line() -> str:
+            if interactive:
+                return input(">>> ")
+            line = sys.stdin.readline()
+            if not line:
+                raise EOFError
+            return line
+
+    base = [{"role": "system", "content": system}] if system is not None else []
+    messages = list(base)
+    renderer = ChatRenderer(engine.tokenizer)
+    while True:
+        try:
+            line = read_line().strip()
+        except (EOFError, KeyboardInterrupt):
+            if interactive:
+                typer.echo("")
+            return messages
+        if not line:
+            continue
+        if line in ("/exit", "/quit", "/bye"):
+            return messages
+        if line == "/reset":
+            messages = list(base)
+            typer.echo("(conversation cleared)", err=True)
+            continue
+        if line in ("/help", "/?"):
+            typer.echo(CHAT_HELP, err=True)
+            continue
+        messages.append({"role": "user", "content": line})
+        pieces: list[str] = []
+        final = None
+        try:
+            text = renderer.render(messages, param="messages")
+            ids = renderer.fix_bos(list(engine.inputs.encode(text, param="messages", add_special_tokens=False)))
+            for chunk in engine.stream(ids, **kw):
+                if not chunk.is_final:
+                    pieces.append(chunk.token)
+                    sys.stdout.write(chunk.token)
+                    sys.stdout.flush()
+                else:
+                    final = chunk
+        except KeyboardInterrupt:
+            typer.echo("\n(stopped)", err=True)
+        except LLMInferError as exc:
+            messages.pop()
+            hint = " (/reset starts over)" if isinstance(exc, InvalidRequestError) and \
+                getattr(exc, "code", None) == "context_length_exceeded" else ""
+            typer.echo(f"error: {exc}{hint}", err=True)
+            continue
+        typer.echo("")
+        messages.append({"role": "assistant", "content": "".join(pieces)})
+        if verbose and final is not None and final.stats is not None:
+            typer.echo(_stats_line(final.stats, final.finish_reason, True), err=True)
+
+
 def info(
     model: Model = None, backend: BackendOpt = Backend.EAGER, dtype: Dtype = "auto", device: Device = "auto",
     max_batch_size: BatchSize = 16, page_size: PageSize = 16, kv_cache_bytes: KVBytes = None,
@@ -242,6 +358,7 @@ def info(
 ) -> None:
     """Print the environment, the model (architecture, parameters, dtype, weight bytes before and after
     quantization) and KV capacity."""
+    model = model or default_model()
     check_engine_flags(model=model, device=device, log_level=log_level, adapter=adapter, adapter_name=adapter_name)
     cfg = build_config(model=model, backend=backend, dtype=dtype, device=device, max_batch_size=max_batch_size,
                        page_size=page_size, no_prefix_cache=False, kv_cache_bytes=kv_cache_bytes,
@@ -309,6 +426,7 @@ def serve(
 ) -> None:
     """Serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/responses, /v1/models,
     /health, /healthz, /metrics) with uvicorn until Ctrl-C."""
+    model = model or default_model()
     check_engine_flags(model=model, device=device, log_level=log_level, adapter=adapter, adapter_name=adapter_name)
     cfg = build_config(model=model, backend=backend, dtype=dtype, device=device, max_batch_size=max_batch_size,
                        page_size=page_size, no_prefix_cache=no_prefix_cache, kv_cache_bytes=kv_cache_bytes,
@@ -319,21 +437,30 @@ def serve(
                        attention_backend=attention_backend)
     try:  # the server stack (litestar, and the engine with torch) only once the cheap checks passed
         from llminfer.api import create_app, run_server
-        from llminfer.api.server import ServerLimits
+        from llminfer.api.server import ServerLimits, bind_socket
     except ImportError as exc:  # pragma: no cover - the serve extra is missing
         from llminfer.errors import BackendUnavailableError
 
         raise BackendUnavailableError(f"the server needs: pip install 'llminfer[serve]' ({exc})") from None
     key = _api_key(api_key, api_key_file)
-    engine = load_engine(cfg, log_level, adapter, adapter_name)
-    if compile_warmup and hasattr(engine.backend, "warmup"):  # the compiled backend
-        warm_up(engine)
-    asgi_app = create_app(engine, api_key=key, max_queue_size=max_queue_size, max_prompt_chars=max_prompt_chars,
-                          reject_unknown_fields=reject_unknown_fields, sse_keepalive_s=sse_keepalive_s or None)
-    limits = ServerLimits(read_timeout_s=read_timeout_s, keep_alive_timeout_s=keep_alive_timeout_s,
-                          limit_concurrency=limit_concurrency or max_batch_size + max_queue_size + 64,
-                          shutdown_grace_s=shutdown_grace_s)
-    run_server(asgi_app, host=host, port=port, log_level=log_level, limits=limits)
+    try:  # the port first: a port in use is an error at once, not after the model has loaded
+        sock = bind_socket(host, port)
+    except OSError as exc:
+        from llminfer.errors import ConfigError
+
+        raise ConfigError(f"--host/--port: cannot listen on {host}:{port}: {exc.strerror or exc}"
+                          f"{' (another server runs there? pick another --port)' if exc.errno == 98 else ''}") from None
+    with sock:
+        engine = load_engine(cfg, log_level, adapter, adapter_name)
+        if compile_warmup and hasattr(engine.backend, "warmup"):  # the compiled backend
+            warm_up(engine)
+        asgi_app = create_app(engine, api_key=key, max_queue_size=max_queue_size,
+                              max_prompt_chars=max_prompt_chars, reject_unknown_fields=reject_unknown_fields,
+                              sse_keepalive_s=sse_keepalive_s or None)
+        limits = ServerLimits(read_timeout_s=read_timeout_s, keep_alive_timeout_s=keep_alive_timeout_s,
+                              limit_concurrency=limit_concurrency or max_batch_size + max_queue_size + 64,
+                              shutdown_grace_s=shutdown_grace_s)
+        run_server(asgi_app, host=host, port=port, log_level=log_level, limits=limits, sock=sock)
 
 
 def warm_up(engine) -> int:

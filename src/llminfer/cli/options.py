@@ -30,8 +30,10 @@ from llminfer.config import (
 )
 
 # ---------------------------------------------------------------------------- engine and sampling options
-Model = Annotated[str | None, typer.Option("--model", "-m", help="Hugging Face model id or local folder "
-                                           "(default: the built-in tiny model).")]
+Model = Annotated[str | None, typer.Option("--model", "-m", help="Hugging Face model id, local folder or .gguf "
+                                           "file (default: llminfer/smollm2-135m-instruct, a trained chat model "
+                                           "fetched once, or $LLMINFER_DEFAULT_MODEL; llminfer/tiny-qwen2 is the "
+                                           "random tiny model).")]
 BackendOpt = Annotated[Backend, typer.Option("--backend", help="Backend that runs the model step.")]
 Dtype = Annotated[str, typer.Option("--dtype", help="auto, float32, bfloat16 or float16.")]
 Device = Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cuda:N.")]
@@ -87,7 +89,8 @@ SpecC = Annotated[float, typer.Option("--spec-confidence-threshold",
                                       help="Stop drafting when the draft's top probability is below this.")]
 QuantOpt = Annotated[QuantMode, typer.Option("--quant", help="Weight quantization: bitsandbytes (nf4, fp4, "
                                              "int8) or weight-only int8/int4 on torch's CPU kernels "
-                                             "(int8-wo, int4-wo); none.")]
+                                             "(int8-wo, int4-wo); from-gguf (a .gguf model: Q8_0 -> int8-wo, "
+                                             "Q4_0/Q4_1 -> int4-wo); none.")]
 AdapterOpt = Annotated[str | None, typer.Option("--adapter", help="LoRA adapter (PEFT folder or hub id) "
                                                 "loaded on top of the model.")]
 AdapterName = Annotated[str | None, typer.Option("--adapter-name", help="Name of the --adapter (default: "
@@ -176,8 +179,10 @@ def check_engine_flags(*, model: str | None = None, device: str = "auto", log_le
         raise typer.BadParameter(f"--device must be auto, cpu, cuda or cuda:N, got {device!r}")
     if model and (model.startswith(("/", "./", "../", "~")) or os.path.isfile(model)):
         path = os.path.expanduser(model)
-        if not os.path.isdir(path):
-            what = "is a file, not a model folder" if os.path.exists(path) else "does not exist"
+        gguf = model.lower().endswith(".gguf")
+        if not (os.path.isfile(path) if gguf else os.path.isdir(path)):
+            what = ("is a file, not a model folder or .gguf file" if os.path.exists(path) and not gguf
+                    else "is not a file" if os.path.exists(path) else "does not exist")
             raise typer.BadParameter(f"--model: {model!r} {what}")
     if adapter_name and not adapter:
         raise typer.BadParameter("--adapter-name needs --adapter")
