@@ -26,7 +26,12 @@ class FakeMachine:
 
     def governor(self, **kwargs) -> ThreadGovernor:
         return ThreadGovernor(clock=lambda: self.t, busy_reader=lambda cpus: self.busy, own_reader=lambda: self.own_s,
-                              cpus=[0, 1, 2, 3], **kwargs)
+                              cpus=[0, 1, 2, 3], sleep=self.sleep, **kwargs)
+
+    def sleep(self, seconds: float) -> None:
+        self.advance(seconds, others=self.others_now, own=0.0)
+
+    others_now = 0.0
 
 
 @pytest.fixture(autouse=True)
@@ -37,9 +42,7 @@ def _no_omp_env(monkeypatch):
 def test_auto_drops_at_once_when_a_neighbour_takes_cores_and_grows_back_after_two_windows():
     m = FakeMachine()
     g = m.governor(max_threads=4)
-    assert (g.mode, g.update()) == ("auto", 4)
-    m.advance(0.1, others=2.0)
-    assert g.update() == 4  # within the first window: nothing measured yet
+    assert g.mode == "auto" and g.threads == 4
     m.advance(0.5, others=2.0)
     assert g.update() == 2
     assert g.describe()["threads_other_processes_busy_cores"] == pytest.approx(2.0)
@@ -50,6 +53,17 @@ def test_auto_drops_at_once_when_a_neighbour_takes_cores_and_grows_back_after_tw
     m.advance(0.6, others=3.9)
     assert g.update() == 1  # never below one
     assert g.changes == 3
+
+
+def test_the_first_call_waits_for_a_short_first_window():
+    m = FakeMachine()
+    m.others_now = 3.0
+    g = m.governor(max_threads=4)
+    m.advance(0.02, others=3.0)
+    assert g.update() == 1 and m.t == pytest.approx(0.1)  # slept the rest of the 0.1 s window
+    m.advance(0.2, others=0.0)
+    assert g.update() == 1  # later windows are 0.5 s: no new measurement yet, and no sleep
+    assert m.t == pytest.approx(0.3)
 
 
 def test_auto_counts_a_core_used_70_percent_or_more_as_busy():

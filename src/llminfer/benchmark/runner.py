@@ -365,7 +365,7 @@ class Benchmarker:
                       "prompt_len": None if self.prompts else self.prompt_len, "ignore_eos": ignore_eos},
             config=engine.cfg.to_dict(),
             environment=environment(),
-            info={k: info[k] for k in ("model", "architecture", "parameters", "dtype", "dtype_reason", "weight_bytes", "kv_blocks",
+            info={k: info[k] for k in ("model", "architecture", "parameters", "dtype", "dtype_reason", "dtype_probe", "num_threads", "threads_mode", "weight_bytes", "kv_blocks",
                                        "kv_block_size", "kv_bytes", "device") if k in info},
         )
 

@@ -18,7 +18,8 @@ that; the number of idle cores is measured rather than guessed, because it chang
   the process), and at most the cores the *other* processes leave idle: every ``interval_s`` (0.5 s) it
   reads the busy time of the CPUs this process may run on (``/proc/stat``, steal included, so a noisy VM
   neighbour counts too), subtracts this process's own CPU time (``getrusage``: its spinning OpenMP threads
-  do not count against it), and sets ``idle = cpus - others``; the team gets ``floor(idle + 0.3)`` threads
+  do not count against it), and sets ``idle = cpus - others``; the first call (the model's load) waits
+  for a first window of 0.1 s so that it already runs with a suitable count; the team gets ``floor(idle + 0.3)`` threads
   (at least 1). It drops at once and grows only after two windows in a row agree, so a bursty neighbour
   does not make it flap. Where ``/proc/stat`` cannot be read (not Linux) ``auto`` keeps the default count.
 
@@ -42,6 +43,9 @@ from typing import Any
 
 INTERVAL_S = 0.5
 """Seconds between two measurements of the idle cores in ``auto`` mode."""
+
+FIRST_WINDOW_S = 0.1
+"""The first measurement's window: the first call waits for it (once per engine)."""
 
 _ROUND_UP = 0.3
 """``auto`` gives ``floor(idle + 0.3)`` threads: a core a neighbour uses 70 % or more counts as busy (its
@@ -97,6 +101,7 @@ class ThreadGovernor:
         clock: monotonic seconds (injectable for tests).
         busy_reader: ``cpus -> busy seconds of those CPUs or None`` (default: :func:`read_busy_seconds`).
         own_reader: ``() -> this process's CPU seconds`` (default: :func:`own_cpu_seconds`).
+        sleep: waits out the first window (default ``time.sleep``).
         cpus: the logical CPUs to watch (default: :func:`allowed_cpus`).
         max_threads: the most threads ``auto`` uses (default: torch's count on the calling thread: the physical
             cores, or what ``torch.set_num_threads`` set there).
@@ -109,7 +114,7 @@ class ThreadGovernor:
                  clock: Callable[[], float] = time.monotonic,
                  busy_reader: Callable[[list[int]], float | None] = read_busy_seconds,
                  own_reader: Callable[[], float] = own_cpu_seconds, cpus: list[int] | None = None,
-                 max_threads: int | None = None) -> None:
+                 max_threads: int | None = None, sleep: Callable[[float], None] = time.sleep) -> None:
         if num_threads is not None and num_threads < 1:
             raise ValueError(f"num_threads must be >= 1 or None, got {num_threads}")
         import torch
@@ -129,7 +134,7 @@ class ThreadGovernor:
             self.threads = max(1, max_threads or default)
         self.max_threads = self.threads
         self.interval_s = interval_s
-        self._clock, self._busy, self._own = clock, busy_reader, own_reader
+        self._clock, self._busy, self._own, self._sleep = clock, busy_reader, own_reader, sleep
         self.cpus = cpus if cpus is not None else allowed_cpus()
         self.others_busy: float | None = None  # cores the other processes used in the last window
         self.changes = 0
@@ -149,7 +154,12 @@ class ThreadGovernor:
             return self.threads
         with self._lock:
             t0, busy0, own0 = self._sample
-            if self._clock() - t0 < self.interval_s:
+            elapsed = self._clock() - t0
+            if self.others_busy is None and elapsed < FIRST_WINDOW_S:
+                # the first call (the model's load, right after the engine is built): a short first window,
+                # so that loading and the first steps already run with a count that suits the machine
+                self._sleep(FIRST_WINDOW_S - elapsed)
+            elif self.others_busy is not None and elapsed < self.interval_s:
                 return self.threads
             sample = self._take_sample()
             if sample is None:
