@@ -1,7 +1,7 @@
 """Compiled backend (``torch.compile``, inductor) over the eager backend: output tokens/s, side by side.
 
 Model: the ~102M Qwen2-shaped benchmark model (common.BENCH_DTYPE, CPU). Greedy, prompts of 32 tokens, ``--new-tokens``
-new tokens (ignore_eos), at batch 1 and batch 32 (all requests submitted at once to the continuous-batching
+new tokens (ignore_eos), at batch 1, 8 and 32 (all requests submitted at once to the continuous-batching
 scheduler). Both engines are warmed up on the same workload first; the compiled one compiles each token
 bucket it meets there (the warm-up time and the compile count are reported). The timed runs alternate
 eager / compiled per repetition, and the compile count must not grow during them (``recompiles``).
@@ -46,7 +46,7 @@ def main() -> dict:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--prompt-tokens", type=int, default=32)
-    ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--mode", default="default", choices=["default", "reduce-overhead", "max-autotune"])
     ap.add_argument("--model", default="bench", choices=["bench", "builtin"],
                     help="the ~102M bench model, or the built-in tiny model (--quick: compiling the bench "

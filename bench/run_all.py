@@ -76,6 +76,10 @@ def _largest_batch(results: dict) -> str:
     return max(results, key=lambda k: int(k.split("_")[1]))
 
 
+def _slowest_batch(results: dict) -> str:
+    return min(results, key=lambda k: results[k]["speed_ratio_compiled_over_eager"])
+
+
 def _kernel_case(case: str, rows: int):
     """Picks ``bench_cpu_kernels.py``'s product row for ``case`` at ``rows`` activation rows."""
     return lambda products: next(i for i, r in enumerate(products) if r["case"] == case and r["rows"] == rows)
@@ -104,6 +108,8 @@ RATIOS: list[Ratio] = [
           ("results", "batch_1", "speed_ratio_compiled_over_eager"), "report"),
     Ratio("compiled / eager tokens/s, largest batch (CPU)", "compiled_vs_eager.json",
           ("results", _largest_batch, "speed_ratio_compiled_over_eager"), "report"),
+    Ratio("compiled / eager tokens/s, slowest batch (CPU)", "compiled_vs_eager.json",
+          ("results", _slowest_batch, "speed_ratio_compiled_over_eager"), ">= 0.95 (checked)"),
     Ratio("int8-wo / fp32 decode speed, batch 1 (CPU)", "quant.json", ("speedup_vs_fp32", "int8-wo"), ">= 1.6"),
     Ratio("int8-wo top-1 agreement with fp32 (teacher-forced)", "quant.json",
           ("accuracy_teacher_forced", "int8-wo", "top1_agreement"), ">= 0.95"),
@@ -150,6 +156,23 @@ def summary_table(results: Path = RESULTS) -> str:
         v = _get(results / row.file, *row.keys)
         lines.append(f"{row.label:52s} {'-' if v is None else f'{v:8.3f}':>8s}  {row.target}")
     return "\n".join(lines)
+
+
+COMPILED_MIN_RATIO = 0.95
+"""The compiled backend may be at most 5 % slower than eager at any batch ``bench_compiled.py`` measured."""
+
+
+def failed_checks(results: Path = RESULTS) -> list[str]:
+    """The ratio checks that fail a full run (not ``--quick``, whose tiny model's ratios are not figures): one
+    line each. A suite that wrote no file fails nothing here (its own exit code counts)."""
+    out = []
+    compiled = _get(results / "compiled_vs_eager.json", "results") or {}
+    for key, row in sorted(compiled.items()):
+        ratio = row.get("speed_ratio_compiled_over_eager") if isinstance(row, dict) else None
+        if ratio is not None and ratio < COMPILED_MIN_RATIO:
+            out.append(f"compiled / eager tokens/s at {key.replace('_', ' ')} is {ratio:.3f} < {COMPILED_MIN_RATIO} "
+                       "(bench/results/compiled_vs_eager.json)")
+    return out
 
 
 def preload() -> None:
@@ -283,9 +306,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'total':14s} {time.monotonic() - t0:8.1f} {sum(o[3] for o in outcome):8.1f}  "
           f"(CPU-s: user + system time of the suites, less exposed to other load than seconds)")
     print("\n" + summary_table())
+    failed = [] if args.quick else failed_checks()
+    for line in failed:
+        print(f"ratio check failed: {line}")
     if args.quick:
         print("(--quick: each suite's small workload; the ratios show the suites run, not the targeted figures)")
-    return 1 if any(o[1] not in ("ok", "missing") for o in outcome) else 0
+    return 1 if failed or any(o[1] not in ("ok", "missing") for o in outcome) else 0
 
 
 if __name__ == "__main__":

@@ -69,8 +69,21 @@ def test_ratio_table_reads_the_results(run_all, tmp_path):
     rows = {line[:52].strip(): line[52:].split() for line in run_all.summary_table(tmp_path).splitlines()[1:]}
     assert rows["compiled / eager tokens/s, batch 1 (CPU)"] == ["1.250", "report"]
     assert rows["compiled / eager tokens/s, largest batch (CPU)"] == ["0.500", "report"]
+    assert rows["compiled / eager tokens/s, slowest batch (CPU)"] == ["0.500", ">=", "0.95", "(checked)"]
     assert rows["tracing on / off throughput"] == ["-", ">=", "0.98"]
     assert len(rows) == len(run_all.RATIOS)
+
+
+def test_compiled_slower_than_eager_by_more_than_5_percent_fails_the_run(run_all, tmp_path):
+    assert run_all.failed_checks(tmp_path) == []  # nothing measured: nothing fails here
+    results = {"batch_1": {"speed_ratio_compiled_over_eager": 1.3}, "batch_8": {"speed_ratio_compiled_over_eager": 0.96},
+               "batch_32": {"speed_ratio_compiled_over_eager": 0.94}}
+    (tmp_path / "compiled_vs_eager.json").write_text(json.dumps({"results": results}))
+    (failed,) = run_all.failed_checks(tmp_path)
+    assert "batch 32 is 0.940 < 0.95" in failed
+    results["batch_32"]["speed_ratio_compiled_over_eager"] = 0.951
+    (tmp_path / "compiled_vs_eager.json").write_text(json.dumps({"results": results}))
+    assert run_all.failed_checks(tmp_path) == []
 
 
 def test_list_and_unknown_suite(run_all, capsys):

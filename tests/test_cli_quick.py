@@ -79,6 +79,8 @@ def _no_load(*_args, **_kwargs):
     (["bench-report", "x.json", "--log-level", "loud"], "--log-level"),
     (["run", "x", "--dtype", "float64"], "--dtype: dtype must be one of"),
     (["bench", "--runs", "0"], "--runs: runs must be >= 1"),
+    (["serve", "--threads", "0"], "--threads"),
+    (["compare", "--threads", "-1"], "--threads"),
     (["run", ""], "empty"),
 ])
 def test_every_flag_is_checked_before_the_model_loads(argv, needle, monkeypatch, capsys):

@@ -247,6 +247,12 @@ class EngineConfig:
     #: :mod:`llminfer.backends.cpu_kernels`.
     cpu_kernels: bool = attrs.field(default=True, validator=_bool)
 
+    #: CPU threads of torch's (and llminfer's) kernels for this engine's steps. None: ``OMP_NUM_THREADS`` where
+    #: set, else at most the physical cores, lowered while other processes keep cores busy (measured every
+    #: 0.5 s, so a busy neighbour does not make the OpenMP team wait at every layer). See
+    #: :mod:`llminfer.core.threads`.
+    num_threads: int | None = attrs.field(default=None, validator=[_opt_int, _positive])
+
     tp_size: int = attrs.field(default=1, validator=[_int, _positive])
     pp_size: int = attrs.field(default=1, validator=[_int, _positive])
 

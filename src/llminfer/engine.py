@@ -28,6 +28,7 @@ from llminfer import assembly
 from llminfer.chat import ChatResult
 from llminfer.config import Backend, EngineConfig
 from llminfer.core.model_thread import ModelThreadLease, model_thread_enabled, shared_model_thread
+from llminfer.core.threads import ThreadGovernor
 from llminfer.errors import EngineClosedError, EngineError, InvalidRequestError
 from llminfer.frontend.input import InputProcessor, build_request
 from llminfer.frontend.output import RequestHandle, collect_all
@@ -92,7 +93,9 @@ class InferenceEngine:
         # and for vLLM, whose engine is created where the caller is (it may install signal handlers, which
         # only the main thread can).
         use_thread = model_thread_enabled() and self.cfg.backend is not Backend.VLLM
-        self.model_thread: ModelThreadLease | None = shared_model_thread() if use_thread else None
+        # torch's thread count for the steps (llminfer.core.threads); vLLM sets its own threads
+        self.threads = ThreadGovernor(self.cfg.num_threads) if self.cfg.backend is not Backend.VLLM else None
+        self.model_thread: ModelThreadLease | None = shared_model_thread(self.threads) if use_thread else None
         # start() and close() from many threads at once: one portal per engine, never two half-started
         # ones, and none started after close().
         self._lifecycle = threading.RLock()
@@ -134,7 +137,9 @@ class InferenceEngine:
 
     def _on_model_thread(self, fn: Any, *args: Any) -> Any:
         """``fn(*args)`` on the model thread (in this thread with ``LLMINFER_MODEL_THREAD=0``)."""
-        return self.model_thread.call(fn, *args) if self.model_thread is not None else fn(*args)
+        if self.model_thread is not None:
+            return self.model_thread.call(fn, *args)
+        return self.threads.wrap(fn)(*args) if self.threads is not None else fn(*args)
 
     # ------------------------------------------------------------------ assembly and lifecycle
     def default_stages(self) -> dict[str, Stage]:
@@ -643,6 +648,8 @@ class InferenceEngine:
         :func:`llminfer.runtime.describe_runtime`), merged with the core's and backend's own facts."""
         self.load()
         facts = {**describe_runtime(self.runtime, self.cfg), **self.core.describe()}  # type: ignore[union-attr, arg-type]
+        if self.threads is not None:
+            facts.update(self.threads.describe())
         if self.list_adapters():
             facts.update(adapters=list(self.list_adapters()), active_adapter=self.active_adapter)
         return facts

@@ -76,6 +76,9 @@ class Runtime:
     draft_cache: PagedKVCache | None = None
     load_time_s: float = 0.0
     dtype_reason: str = ""
+    #: ``dtype="auto"`` settled by measurement (llminfer.backends.dtype_probe): the figures, the choice, and
+    #: whether they were measured now or cached; None where the flag rule decided alone.
+    dtype_probe: dict[str, Any] | None = None
     grammar_compiler: GrammarCompiler | None = None
     attention_backend: str = "torch"
     kv_sizing: dict[str, Any] | None = None
@@ -128,24 +131,10 @@ def load_runtime(cfg: EngineConfig) -> Runtime:
     rt.attention_backend = resolve_attention_backend(cfg.attention_backend, device)
     register_paged_attention()
     t0 = time.perf_counter()
-    rt.model = load_model(rt.model_path, cfg, rt.dtype, device, attn_implementation="llminfer_paged",
-                          quantization_config=quantization_config)
-    if cfg.cpu_kernels and cfg.backend in (Backend.EAGER, Backend.COMPILED) and device.type == "cpu":
-        from llminfer.backends.cpu_kernels import enable_cpu_kernels, skinny_linear_available
-
-        rt.cpu_kernel_layers = enable_cpu_kernels(rt.model, include_head=cfg.backend is Backend.COMPILED)
-        if (cfg.attention_backend == "auto" and rt.attention_backend == "torch"
-                and rt.dtype in (torch.float32, torch.bfloat16) and skinny_linear_available()):
-            rt.attention_backend = "cpu"
-    if cfg.cpu_prepack_lm_head and cfg.backend is Backend.EAGER:
-        from llminfer.backends.cpu_kernels import BF16_KERNEL_MAX_ROWS, bf16_kernel_available
-        from llminfer.backends.prepack import PrepackedLinear, prepack_lm_head
-
-        prepack_lm_head(rt.model)
-        head = rt.model.get_output_embeddings()
-        if (isinstance(head, PrepackedLinear) and rt.cpu_kernel_layers and bf16_kernel_available()
-                and head.in_features % 32 == 0):  # bf16_linear's K rule
-            head.bf16_kernel_rows = BF16_KERNEL_MAX_ROWS
+    if _should_probe_dtype(cfg, rt, device):
+        _probe_dtype(rt, cfg, device, quantization_config)
+    else:
+        _install_model(rt, cfg, device, *_prepare_model(rt, cfg, device, rt.dtype, quantization_config))
     rt.load_time_s = time.perf_counter() - t0
     rt.eos_token_ids = _eos_ids(rt.model, rt.tokenizer)
     layers, kv_heads, head_dim = kv_geometry(rt.model.config)
@@ -167,6 +156,101 @@ def load_runtime(cfg: EngineConfig) -> Runtime:
     log.info("engine loaded", model=rt.model_path, device=str(device), dtype=str(rt.dtype),
              kv_blocks=num_blocks, block_size=block_size)
     return rt
+
+
+def _prepare_model(rt: Runtime, cfg: EngineConfig, device: torch.device, dtype: torch.dtype,
+                   quantization_config: Any) -> tuple[Any, int, str]:
+    """Load the model in ``dtype`` and prepare it as the backend runs it (llminfer's CPU kernels, the
+    prepacked head). Returns ``(model, cpu_kernel_layers, attention_backend)``."""
+    model = load_model(rt.model_path, cfg, dtype, device, attn_implementation="llminfer_paged",
+                       quantization_config=quantization_config)
+    kernel_layers = 0
+    attention_backend = rt.attention_backend
+    if cfg.cpu_kernels and cfg.backend in (Backend.EAGER, Backend.COMPILED) and device.type == "cpu":
+        from llminfer.backends.cpu_kernels import enable_cpu_kernels, skinny_linear_available
+
+        kernel_layers = enable_cpu_kernels(model, include_head=cfg.backend is Backend.COMPILED)
+        if (cfg.attention_backend == "auto" and attention_backend == "torch"
+                and dtype in (torch.float32, torch.bfloat16) and skinny_linear_available()):
+            attention_backend = "cpu"
+    if cfg.cpu_prepack_lm_head and cfg.backend is Backend.EAGER:
+        from llminfer.backends.cpu_kernels import BF16_KERNEL_MAX_ROWS, bf16_kernel_available
+        from llminfer.backends.prepack import PrepackedLinear, prepack_lm_head
+
+        prepack_lm_head(model)
+        head = model.get_output_embeddings()
+        if (isinstance(head, PrepackedLinear) and kernel_layers and bf16_kernel_available()
+                and head.in_features % 32 == 0):  # bf16_linear's K rule
+            head.bf16_kernel_rows = BF16_KERNEL_MAX_ROWS
+    return model, kernel_layers, attention_backend
+
+
+def _install_model(rt: Runtime, cfg: EngineConfig, device: torch.device, model: Any, kernel_layers: int,
+                   attention_backend: str) -> None:
+    rt.model = model
+    rt.cpu_kernel_layers = kernel_layers
+    rt.attention_backend = attention_backend
+
+
+def _should_probe_dtype(cfg: EngineConfig, rt: Runtime, device: torch.device) -> bool:
+    """Whether ``dtype="auto"`` is settled by measurement here (see :mod:`llminfer.backends.dtype_probe`)."""
+    from llminfer.backends.dtype_probe import probe_enabled
+
+    return (cfg.dtype == "auto" and device.type == "cpu" and rt.dtype in (torch.bfloat16, torch.float16)
+            and cfg.quant.mode is QuantMode.NONE and cfg.backend in (Backend.EAGER, Backend.COMPILED)
+            and probe_enabled() and _fits_twice(rt, cfg))
+
+
+def _fits_twice(rt: Runtime, cfg: EngineConfig) -> bool:
+    """The fp32 copy takes at most a quarter of the available memory (both candidates load at once)."""
+    from llminfer.backends.quant import unquantized_weight_bytes
+
+    try:
+        _, fp32_bytes = unquantized_weight_bytes(rt.model_config, torch.float32, cfg.hf_trust_remote_code)
+        with open("/proc/meminfo", encoding="ascii") as f:
+            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, Exception):  # noqa: BLE001 - unknown: do not measure
+        return False
+    return fp32_bytes * 4 <= avail
+
+
+def _probe_dtype(rt: Runtime, cfg: EngineConfig, device: torch.device, quantization_config: Any) -> None:
+    """Settle ``dtype="auto"`` between the flag rule's half type and float32 by timing both (or from the
+    cache of an earlier measurement), install the faster model and say why in ``rt.dtype_reason``."""
+    from llminfer.backends import dtype_probe as dp
+
+    flag_dtype = rt.dtype
+    flag_name = str(flag_dtype).replace("torch.", "")
+    key = f"{dp.cpu_key()}|{dp.shape_key(rt.model_config, torch.get_num_threads())}"
+    record = dp.cached_choice(key)
+    if record is not None and record.get("choice") in ("float32", flag_name):
+        chosen = getattr(torch, record["choice"])
+        _install_model(rt, cfg, device, *_prepare_model(rt, cfg, device, chosen, quantization_config))
+        how = "cached measurement"
+    else:
+        try:
+            models, figures = dp.measure_dtypes(
+                [flag_dtype, torch.float32],
+                lambda dt: (lambda m: (m, m[2]))(_prepare_model(rt, cfg, device, dt, quantization_config)), device,
+                timer=lambda prepared, dt, attn, dev: dp.time_model(prepared[0], dt, attn, dev))
+        except Exception as exc:  # noqa: BLE001 - the flag rule stands
+            log.warning("dtype measurement failed; keeping the flag rule's choice", error=str(exc))
+            _install_model(rt, cfg, device, *_prepare_model(rt, cfg, device, flag_dtype, quantization_config))
+            rt.dtype_probe = {"error": str(exc)}
+            return
+        name = dp.pick(figures, flag_name)
+        chosen = getattr(torch, name)
+        _install_model(rt, cfg, device, *models[chosen][0])
+        models.clear()
+        record = {"choice": name, "flag_choice": flag_name, "figures": figures, "measured_at": time.time()}
+        dp.store_choice(key, record)
+        how = "measured"
+    rt.dtype = chosen
+    rt.dtype_probe = {**record, "source": how, "key": key}
+    figs = ", ".join(f"{k} {v['prefill_ms']:.1f} ms prefill {dp.PREFILL_TOKENS} + {v['decode_step_ms']:.2f} ms/decode "
+                     f"step" for k, v in record["figures"].items())
+    rt.dtype_reason = (f"auto: {str(chosen).replace('torch.', '')} by {how} ({figs}; the flag rule said "
+                       f"{flag_name}: {rt.dtype_reason.removeprefix('auto: ')})")
 
 
 def _profile_step(rt: Runtime, cfg: EngineConfig, geometry: tuple[int, int, int], block_size: int) -> dict[str, int]:
@@ -311,6 +395,8 @@ def describe_runtime(rt: Runtime, cfg: EngineConfig) -> dict[str, Any]:
     }
     if rt.gguf is not None:
         facts.update(_gguf_facts(rt, cfg))
+    if rt.dtype_probe is not None:
+        facts["dtype_probe"] = rt.dtype_probe
     if rt.model is None:
         facts.update({"tp_size": cfg.tp_size, "pp_size": cfg.pp_size, "prefix_cache": cfg.cache.enable_prefix_cache})
         return facts

@@ -365,7 +365,7 @@ class Benchmarker:
                       "prompt_len": None if self.prompts else self.prompt_len, "ignore_eos": ignore_eos},
             config=engine.cfg.to_dict(),
             environment=environment(),
-            info={k: info[k] for k in ("model", "architecture", "parameters", "dtype", "dtype_reason", "weight_bytes", "kv_blocks",
+            info={k: info[k] for k in ("model", "architecture", "parameters", "dtype", "dtype_reason", "dtype_probe", "num_threads", "threads_mode", "weight_bytes", "kv_blocks",
                                        "kv_block_size", "kv_bytes", "device") if k in info},
         )
 
@@ -473,8 +473,28 @@ def print_table(results: ComparisonResult | Mapping[str, BenchmarkResult]) -> st
         text += f"\n{name}: skipped — {reason}"
     for name, notes in results.notes.items():
         text += "".join(f"\nnote: {name}: {n}" for n in notes)
+    text += "".join(f"\nnote: {n}" for n in slower_than_eager(results))
     print(text)
     return text
+
+
+def slower_than_eager(results: ComparisonResult, backend: str = Backend.COMPILED.value) -> list[str]:
+    """One line per batch size where ``backend`` gave fewer output tokens/s (median of runs) than eager.
+
+    The compiled backend exists to be faster; a row where it is not points at recompiles inside the measured
+    runs, a shape that fell back to eager, or a regression (``engine.info()["compile"]`` has the counts).
+    """
+    if backend not in results.results or Backend.EAGER.value not in results.results:
+        return []
+    eager = {c["batch_size"]: c.get("output_tokens_per_s") for c in results.results[Backend.EAGER.value].configs}
+    out = []
+    for c in results.results[backend].configs:
+        mine, theirs = c.get("output_tokens_per_s"), eager.get(c["batch_size"])
+        if mine is not None and theirs and mine < theirs:
+            out.append(f"{backend} is slower than eager at batch {c['batch_size']} ({mine:.1f} vs {theirs:.1f} "
+                       f"output tok/s, x{mine / theirs:.2f}): check for recompiles and eager fallbacks in its "
+                       "compile stats")
+    return out
 
 
 def plot(results: ComparisonResult | Mapping[str, BenchmarkResult], path: str | Path) -> Path:

@@ -34,6 +34,7 @@ from llminfer.cli.options import (
     Revision,
     Runs,
     Seed,
+    Threads,
     TPSize,
     TrustRemote,
     Warmup,
@@ -196,6 +197,7 @@ def bench(
     artifacts_dir: ArtifactsDir = None, json_out: JsonOut = None, csv_out: CsvOut = None, plot: PlotOpt = None,
     plot_suite_dir: PlotSuite = None, overwrite: Overwrite = False, log_level: LogLevel = "warning",
     attention_backend: AttnBackend = "auto",
+    threads: Threads = None,
 ) -> None:
     """Benchmark one model over batch sizes: latency percentiles over every request, throughput spread over
     runs, memory per batch size. Writes files only where asked (--artifacts-dir, --json-out, --csv-out,
@@ -208,7 +210,7 @@ def bench(
     cfg = build_config(model=model, backend=backend, dtype=dtype, device=device,
                        max_batch_size=max(max_batch_size, max(sizes)), page_size=page_size,
                        no_prefix_cache=no_prefix_cache, kv_cache_bytes=kv_cache_bytes, revision=revision,
-                       trust_remote_code=trust_remote_code, attention_backend=attention_backend)
+                       trust_remote_code=trust_remote_code, attention_backend=attention_backend, threads=threads)
     cfg.cache.enable_paged_kv = paged_kv
     plan = _plan_outputs("benchmark", artifacts_dir, json_out, csv_out, plot, plot_suite_dir, overwrite)
 
@@ -249,6 +251,7 @@ def compare(
     = False,
     artifacts_dir: ArtifactsDir = None, json_out: JsonOut = None, csv_out: CsvOut = None, plot: PlotOpt = None,
     plot_suite_dir: PlotSuite = None, overwrite: Overwrite = False, log_level: LogLevel = "warning",
+    threads: Threads = None,
 ) -> None:
     """Run the same benchmark on several backends, one engine at a time, each with its own memory figures.
     --tp-size / --pp-size apply to vllm and --compile-cudagraphs to compiled; the others ignore them with a
@@ -271,7 +274,7 @@ def compare(
     base = build_config(model=model, dtype=dtype, device=device, max_batch_size=max(max_batch_size, max(sizes)),
                         page_size=page_size, no_prefix_cache=no_prefix_cache, kv_cache_bytes=kv_cache_bytes,
                         revision=revision, trust_remote_code=trust_remote_code,
-                        compile_cudagraphs=compile_cudagraphs)
+                        compile_cudagraphs=compile_cudagraphs, threads=threads)
     # Each backend gets the settings that mean it (BackendComparison.config_for), so no validate() here.
     base = attrs.evolve(base, tp_size=tp_size, pp_size=pp_size)
     plan = _plan_outputs("comparison", artifacts_dir, json_out, csv_out, plot, plot_suite_dir, overwrite)

@@ -64,6 +64,7 @@ from llminfer.cli.options import (
     Stop,
     SystemOpt,
     Temp,
+    Threads,
     TopK,
     TopP,
     TPSize,
@@ -142,6 +143,7 @@ def run(
     trust_remote_code: TrustRemote = False, tp_size: TPSize = 1, pp_size: PPSize = 1,
     quant: QuantOpt = QuantMode.NONE, adapter: AdapterOpt = None, adapter_name: AdapterName = None,
     compile_mode: CompileMode = "default", attention_backend: AttnBackend = "auto",
+    threads: Threads = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as one JSON object (a list with "
                                           "--num-samples > 1).")] = False,
     log_level: LogLevel = "warning",
@@ -158,7 +160,7 @@ def run(
                        tp_size=tp_size, pp_size=pp_size, quant=quant,
                        assistant_model=assistant_model, spec_num_assistant_tokens=spec_num_assistant_tokens,
                        spec_confidence_threshold=spec_confidence_threshold, compile_mode=compile_mode,
-                       attention_backend=attention_backend)
+                       attention_backend=attention_backend, threads=threads)
     kw = sampling_kwargs(max_new_tokens=max_new_tokens, temp=temp, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
                          ignore_eos=ignore_eos, min_p=min_p, repetition_penalty=repetition_penalty,
                          no_repeat_ngram_size=no_repeat_ngram_size, bad_words=bad_words, force_words=force_words,
@@ -201,6 +203,7 @@ def stream(
     local_files_only: LocalOnly = False, cache_dir: CacheDir = None, trust_remote_code: TrustRemote = False,
     tp_size: TPSize = 1, pp_size: PPSize = 1, quant: QuantOpt = QuantMode.NONE, adapter: AdapterOpt = None,
     adapter_name: AdapterName = None, compile_mode: CompileMode = "default", attention_backend: AttnBackend = "auto",
+    threads: Threads = None,
     log_level: LogLevel = "warning",
 ) -> None:
     """Print tokens as they arrive, then one stats line."""
@@ -214,7 +217,7 @@ def stream(
                        tp_size=tp_size, pp_size=pp_size, quant=quant,
                        assistant_model=assistant_model, spec_num_assistant_tokens=spec_num_assistant_tokens,
                        spec_confidence_threshold=spec_confidence_threshold, compile_mode=compile_mode,
-                       attention_backend=attention_backend)
+                       attention_backend=attention_backend, threads=threads)
     kw = sampling_kwargs(max_new_tokens=max_new_tokens, temp=temp, top_p=top_p, top_k=top_k, seed=seed,
                          stop=stop, ignore_eos=ignore_eos, min_p=min_p, repetition_penalty=repetition_penalty,
                          no_repeat_ngram_size=no_repeat_ngram_size, bad_words=bad_words,
@@ -353,6 +356,7 @@ def info(
     local_files_only: LocalOnly = False, cache_dir: CacheDir = None, trust_remote_code: TrustRemote = False,
     tp_size: TPSize = 1, pp_size: PPSize = 1, quant: QuantOpt = QuantMode.NONE, adapter: AdapterOpt = None,
     adapter_name: AdapterName = None, attention_backend: AttnBackend = "auto",
+    threads: Threads = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     log_level: LogLevel = "warning",
 ) -> None:
@@ -364,7 +368,8 @@ def info(
                        page_size=page_size, no_prefix_cache=False, kv_cache_bytes=kv_cache_bytes,
                        max_model_len=max_model_len, revision=revision, hf_token=hf_token,
                        local_files_only=local_files_only, cache_dir=cache_dir, trust_remote_code=trust_remote_code,
-                       tp_size=tp_size, pp_size=pp_size, quant=quant, attention_backend=attention_backend)
+                       tp_size=tp_size, pp_size=pp_size, quant=quant, attention_backend=attention_backend,
+                       threads=threads)
     engine = load_engine(cfg, log_level, adapter, adapter_name)
     facts = engine.info()
     if as_json:
@@ -413,6 +418,7 @@ def serve(
     trust_remote_code: TrustRemote = False, tp_size: TPSize = 1, pp_size: PPSize = 1,
     quant: QuantOpt = QuantMode.NONE, adapter: AdapterOpt = None, adapter_name: AdapterName = None,
     compile_mode: CompileMode = "default", attention_backend: AttnBackend = "auto",
+    threads: Threads = None,
     compile_warmup: Annotated[bool, typer.Option("--compile-warmup/--no-compile-warmup", help="With --backend "
                               "compiled: compile every step shape before accepting requests, so no client waits "
                               "for a compile.")] = True,
@@ -434,7 +440,7 @@ def serve(
                        local_files_only=local_files_only, cache_dir=cache_dir, trust_remote_code=trust_remote_code,
                        tp_size=tp_size, pp_size=pp_size, quant=quant, compile_mode=compile_mode,
                        batch_timeout_ms=batch_timeout_ms, served_model_name=served_model_name,
-                       attention_backend=attention_backend)
+                       attention_backend=attention_backend, threads=threads)
     try:  # the server stack (litestar, and the engine with torch) only once the cheap checks passed
         from llminfer.api import create_app, run_server
         from llminfer.api.server import ServerLimits, bind_socket

@@ -109,6 +109,8 @@ BatchSizes = Annotated[str, typer.Option("--batch-sizes", help="Comma-separated 
 Runs = Annotated[int, typer.Option("--runs", help="Measured runs per batch size (after warm-up).")]
 Warmup = Annotated[int, typer.Option("--warmup", help="Warm-up runs per batch size (not measured).")]
 PromptLen = Annotated[int, typer.Option("--prompt-len", help="Tokens per synthetic prompt.")]
+Threads = Annotated[int | None, typer.Option("--threads", min=1, help="CPU threads of the model step (default: "
+                                             "OMP_NUM_THREADS if set, else the idle physical cores, measured).")]
 
 
 # ---------------------------------------------------------------------------- flags -> settings
@@ -119,7 +121,8 @@ def build_config(
     hf_token: str | None = None, local_files_only: bool = False, cache_dir: str | None = None,
     trust_remote_code: bool = False, tp_size: int = 1, pp_size: int = 1, assistant_model: str | None = None,
     spec_num_assistant_tokens: int = 5, spec_confidence_threshold: float = 0.4,
-    quant: QuantMode | str = QuantMode.NONE, attention_backend: str = "auto", **extra: Any,
+    quant: QuantMode | str = QuantMode.NONE, attention_backend: str = "auto", threads: int | None = None,
+    **extra: Any,
 ) -> EngineConfig:
     """Turn the engine flags (keyword arguments named like the command parameters; the defaults are the
     flags' defaults) into a validated :class:`EngineConfig`. ``extra`` goes to ``EngineConfig`` as is.
@@ -140,7 +143,8 @@ def build_config(
             hf_revision=revision, hf_token=hf_token, hf_local_files_only=local_files_only, hf_cache_dir=cache_dir,
             hf_trust_remote_code=trust_remote_code, tp_size=tp_size, pp_size=pp_size,
             assistant_model_name=assistant_model, speculative_num_assistant_tokens=spec_num_assistant_tokens,
-            speculative_confidence_threshold=spec_confidence_threshold, attention_backend=attention_backend, **extra,
+            speculative_confidence_threshold=spec_confidence_threshold, attention_backend=attention_backend,
+            num_threads=threads, **extra,
         ).validate()
     except ConfigError as exc:
         message = str(exc)
@@ -161,7 +165,7 @@ CONFIG_FLAGS: dict[str, str] = {
     "page_size_tokens": "--page-size", "kv_cache_memory_bytes": "--kv-cache-bytes",
     "max_model_len": "--max-model-len", "tp_size": "--tp-size", "pp_size": "--pp-size",
     "attention_backend": "--attention-backend", "speculative_num_assistant_tokens": "--spec-num-assistant-tokens",
-    "speculative_confidence_threshold": "--spec-confidence-threshold",
+    "speculative_confidence_threshold": "--spec-confidence-threshold", "num_threads": "--threads",
 }
 """``EngineConfig`` field → the flag that sets it, for error messages."""
 

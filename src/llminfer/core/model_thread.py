@@ -28,11 +28,14 @@ import queue
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 import anyio.lowlevel
 import anyio.to_thread
+
+if TYPE_CHECKING:
+    from llminfer.core.threads import ThreadGovernor
 
 T = TypeVar("T")
 
@@ -158,8 +161,11 @@ class ModelThreadLease:
     share again, so an engine used after :meth:`close` still works and its next ``close`` gives it back).
     """
 
-    def __init__(self, thread: ModelThread) -> None:
+    def __init__(self, thread: ModelThread, threads: ThreadGovernor | None = None) -> None:
         self._thread = thread
+        # The engine's thread count, set on the model thread before each of its calls (OpenMP keeps it per
+        # thread, so engines sharing the thread each run with their own; see llminfer.core.threads).
+        self.threads = threads
         self._lock = threading.Lock()
         self.held = False
         self._take()
@@ -177,17 +183,20 @@ class ModelThreadLease:
     def submit(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
         """:meth:`ModelThread.submit` (taking a share again after :meth:`close`)."""
         self._take()
-        return self._thread.submit(fn, *args)
+        return self._thread.submit(self._governed(fn), *args)
 
     def call(self, fn: Callable[..., T], *args: Any) -> T:
         """:meth:`ModelThread.call` (taking a share again after :meth:`close`)."""
         self._take()
-        return self._thread.call(fn, *args)
+        return self._thread.call(self._governed(fn), *args)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """:meth:`ModelThread.run` (taking a share again after :meth:`close`)."""
         self._take()
-        return await self._thread.run(fn, *args)
+        return await self._thread.run(self._governed(fn), *args)
+
+    def _governed(self, fn: Callable[..., T]) -> Callable[..., T]:
+        return fn if self.threads is None else self.threads.wrap(fn)
 
     def close(self) -> None:
         """Give this engine's share back (idempotent); the last one ends the thread, after what was
@@ -220,6 +229,7 @@ def _forget_users() -> None:
 os.register_at_fork(after_in_child=_forget_users)
 
 
-def shared_model_thread() -> ModelThreadLease:
-    """A share of the process-wide model thread, for one engine (see :class:`ModelThreadLease`)."""
-    return ModelThreadLease(_SHARED)
+def shared_model_thread(threads: ThreadGovernor | None = None) -> ModelThreadLease:
+    """A share of the process-wide model thread, for one engine (see :class:`ModelThreadLease`), whose calls
+    run with ``threads``' count (None: whatever count the thread has)."""
+    return ModelThreadLease(_SHARED, threads)

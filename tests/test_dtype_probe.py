@@ -1,0 +1,102 @@
+"""``dtype="auto"`` on CPU settled by measurement (llminfer.backends.dtype_probe), cached, flag rule as fallback."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llminfer import EngineConfig, InferenceEngine
+from llminfer import runtime as rt_mod
+from llminfer.backends import dtype_probe as dp
+
+
+def test_pick_keeps_the_flag_choice_within_the_tie_margin():
+    figs = {"bfloat16": {"cost_ms": 101.0}, "float32": {"cost_ms": 100.0}}
+    assert dp.pick(figs, "bfloat16") == "bfloat16"
+    figs["bfloat16"]["cost_ms"] = 110.0
+    assert dp.pick(figs, "bfloat16") == "float32"
+    assert dp.pick({"bfloat16": {"cost_ms": 5.0}, "float32": {"cost_ms": 9.0}}, "bfloat16") == "bfloat16"
+
+
+def test_cache_round_trip_and_a_broken_file(tmp_path):
+    path = tmp_path / "c.json"
+    assert dp.cached_choice("k", path) is None
+    dp.store_choice("k", {"choice": "float32"}, path)
+    dp.store_choice("j", {"choice": "bfloat16"}, path)
+    assert dp.cached_choice("k", path) == {"choice": "float32"}
+    path.write_text("not json")
+    assert dp.cached_choice("k", path) is None
+    dp.store_choice("k", {"choice": "bfloat16"}, path)  # a broken file is replaced
+    assert dp.cached_choice("k", path) == {"choice": "bfloat16"}
+
+
+def test_measure_alternates_candidates_and_keeps_each_ones_best():
+    calls = []
+    times = {torch.bfloat16: iter([(50, 5), (10, 2), (12, 1)]), torch.float32: iter([(50, 5), (20, 1), (9, 3)])}
+
+    def timer(model, dt, attn, dev):
+        calls.append(dt)
+        return next(times[dt])
+
+    models, figs = dp.measure_dtypes([torch.bfloat16, torch.float32], lambda dt: (f"m{dt}", "torch"),
+                                     torch.device("cpu"), rounds=2, timer=timer)
+    assert calls == [torch.bfloat16, torch.float32] * 3  # warm-up round, then 2 alternating rounds
+    assert figs["bfloat16"] == {"prefill_ms": 10, "decode_step_ms": 1, "cost_ms": 10 + dp.DECODE_WEIGHT * 1}
+    assert figs["float32"]["prefill_ms"] == 9 and figs["float32"]["decode_step_ms"] == 1
+    assert models[torch.float32] == ("mtorch.float32", "torch")
+
+
+@pytest.fixture
+def half_flags(monkeypatch, tmp_path):
+    """The flag rule picks bfloat16 (as on a CPU with native bf16); the cache lives in tmp_path."""
+    real = rt_mod.resolve_dtype
+
+    def resolve(cfg, model_config, device, native_half=None):
+        if cfg.dtype != "auto":
+            return real(cfg, model_config, device)
+        return torch.bfloat16, "auto: bfloat16 checkpoint, and this CPU computes bfloat16 natively (test)"
+
+    monkeypatch.setattr(rt_mod, "resolve_dtype", resolve)
+    monkeypatch.setattr(dp, "cache_path", lambda: tmp_path / "dtype_choice.json")
+    monkeypatch.delenv(dp.ENV, raising=False)
+    return tmp_path / "dtype_choice.json"
+
+
+def test_auto_measures_keeps_the_faster_and_caches_it(qwen2_dir, half_flags, monkeypatch):
+    seen = []
+
+    def fake_time(model, dtype, attn, device, clock=None):
+        seen.append(dtype)
+        assert next(model.parameters()).dtype == dtype  # each candidate is timed in its own dtype
+        return (1.0, 0.1) if dtype == torch.float32 else (2.0, 0.3)
+
+    monkeypatch.setattr(dp, "time_model", fake_time)
+    cfg = EngineConfig(model_name=str(qwen2_dir), device="cpu")
+    with InferenceEngine(cfg) as engine:
+        info = engine.info()
+        assert info["dtype"] == "float32" and "by measured" in info["dtype_reason"]
+        assert info["dtype_probe"]["flag_choice"] == "bfloat16" and info["dtype_probe"]["source"] == "measured"
+        assert next(engine.model.parameters()).dtype == torch.float32
+        assert engine.run("hello", max_new_tokens=3, ignore_eos=True).stats.completion_tokens == 3
+    assert set(seen) == {torch.float32, torch.bfloat16}
+    seen.clear()
+    with InferenceEngine(cfg) as engine:  # the second load reads the cache: nothing is timed
+        info = engine.info()
+        assert info["dtype"] == "float32" and info["dtype_probe"]["source"] == "cached measurement"
+    assert seen == []
+
+
+def test_the_flag_rule_stands_when_measuring_fails_or_is_off(qwen2_dir, half_flags, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("no timer here")
+
+    monkeypatch.setattr(dp, "time_model", broken)
+    with InferenceEngine(EngineConfig(model_name=str(qwen2_dir), device="cpu")) as engine:
+        info = engine.info()
+        assert info["dtype"] == "bfloat16" and info["dtype_probe"] == {"error": "no timer here"}
+    monkeypatch.setenv(dp.ENV, "0")
+    with InferenceEngine(EngineConfig(model_name=str(qwen2_dir), device="cpu")) as engine:
+        info = engine.info()
+        assert info["dtype"] == "bfloat16" and "dtype_probe" not in info
+    with InferenceEngine(EngineConfig(model_name=str(qwen2_dir), device="cpu", dtype="float32")) as engine:
+        assert "dtype_probe" not in engine.info()  # a dtype that is set is never measured
