@@ -38,7 +38,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time these come fro
 
 _use_safe_default_output()
 
-__version__ = "0.1.0"
+from llminfer.version import __version__  # noqa: E402 - after the output set-up above, like the rest
 
 _LAZY = {
     "Backend": "llminfer.config", "CacheConfig": "llminfer.config", "EngineConfig": "llminfer.config",

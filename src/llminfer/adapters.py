@@ -61,7 +61,7 @@ def load(model: torch.nn.Module, path_or_id: str, name: str, download_kwargs: di
     Raises:
         Exception: whatever transformers / PEFT raise for a missing or mismatched adapter.
     """
-    from llminfer.backends.loading import quiet_transformers
+    from llminfer.logging import quiet_transformers
 
     require_peft()
     # quiet: transformers prints a progress bar and a "load report" listing the base weights as MISSING

@@ -87,7 +87,7 @@ def configure_logging(level: str | None = None, json: bool = False) -> None:
     per line. Configures structlog globally (it replaces an application's own structlog setup).
 
     Transformers' own warnings and progress bars stay off while llminfer loads a model unless ``level`` is
-    debug (see :func:`llminfer.backends.loading.quiet_transformers`).
+    debug (see :func:`quiet_transformers`).
 
     Raises:
         ValueError: ``level`` is not one of the four.
@@ -145,3 +145,36 @@ def status(message: str) -> Iterator[None]:
     finally:
         with _status_lock:
             _status["active"] = False
+
+
+_quiet_lock = threading.Lock()
+_quiet_depth = [0]
+_quiet_saved: list = []
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """Inside the block transformers logs errors only and draws no progress bar (its settings are put back
+    after it; nested and concurrent blocks restore once, when the last one ends). Does nothing when
+    llminfer logs at debug level."""
+    if current_level() <= logging.DEBUG:
+        yield
+        return
+    from transformers.utils import logging as hf_logging
+
+    with _quiet_lock:
+        if _quiet_depth[0] == 0:
+            _quiet_saved[:] = [hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()]
+            hf_logging.set_verbosity_error()
+            hf_logging.disable_progress_bar()
+        _quiet_depth[0] += 1
+    try:
+        yield
+    finally:
+        with _quiet_lock:
+            _quiet_depth[0] -= 1
+            if _quiet_depth[0] == 0:
+                verbosity, bar = _quiet_saved
+                hf_logging.set_verbosity(verbosity)
+                if bar:
+                    hf_logging.enable_progress_bar()

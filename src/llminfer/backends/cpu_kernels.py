@@ -57,7 +57,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llminfer.backends.loading import cpu_flags
+from llminfer.backends.cpu_info import cpu_flags
 
 log = structlog.get_logger("llminfer.cpu_kernels")
 

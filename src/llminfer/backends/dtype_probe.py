@@ -61,9 +61,9 @@ def shape_key(model_config: Any, threads: int) -> str:
 
 def cpu_key() -> str:
     """The CPU model and torch's ISA level (the kernels built for it)."""
-    from llminfer.benchmark.environment import _cpu_model
+    from llminfer.backends.cpu_info import cpu_model
 
-    return f"{_cpu_model() or 'unknown cpu'}/{torch.backends.cpu.get_cpu_capability()}"
+    return f"{cpu_model() or 'unknown cpu'}/{torch.backends.cpu.get_cpu_capability()}"
 
 
 def cache_path() -> Path:

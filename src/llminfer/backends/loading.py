@@ -8,17 +8,17 @@ should not draw on its user's terminal); they show when llminfer logs at debug l
 from __future__ import annotations
 
 import contextlib
-import logging
 import re
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from llminfer.backends.cpu_info import cpu_flags
 from llminfer.config import EngineConfig
 from llminfer.errors import ConfigError, ModelLoadError
+from llminfer.logging import quiet_transformers
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -75,41 +75,6 @@ def hf_kwargs(cfg: EngineConfig) -> dict[str, Any]:
     if cfg.hf_token:
         kw["token"] = cfg.hf_token
     return {k: v for k, v in kw.items() if v is not None}
-
-
-_quiet_lock = threading.Lock()
-_quiet_depth = [0]
-_quiet_saved: list = []
-
-
-@contextlib.contextmanager
-def quiet_transformers() -> Iterator[None]:
-    """Inside the block transformers logs errors only and draws no progress bar (its settings are put back
-    after it; nested and concurrent blocks restore once, when the last one ends). Does nothing when
-    llminfer logs at debug level."""
-    from llminfer.logging import current_level
-
-    if current_level() <= logging.DEBUG:
-        yield
-        return
-    from transformers.utils import logging as hf_logging
-
-    with _quiet_lock:
-        if _quiet_depth[0] == 0:
-            _quiet_saved[:] = [hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()]
-            hf_logging.set_verbosity_error()
-            hf_logging.disable_progress_bar()
-        _quiet_depth[0] += 1
-    try:
-        yield
-    finally:
-        with _quiet_lock:
-            _quiet_depth[0] -= 1
-            if _quiet_depth[0] == 0:
-                verbosity, bar = _quiet_saved
-                hf_logging.set_verbosity(verbosity)
-                if bar:
-                    hf_logging.enable_progress_bar()
 
 
 def load_config(path: str, cfg: EngineConfig):
@@ -202,18 +167,6 @@ def hub_reachable(timeout_s: float = 3.0) -> bool:
     t.join(timeout_s)
     _hub_state["reachable"] = bool(answer and answer[0])
     return _hub_state["reachable"]
-
-
-def cpu_flags() -> frozenset[str]:
-    """The CPU feature flags of ``/proc/cpuinfo`` (empty where there is none, e.g. macOS)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
 
 
 #: The CPU flags (``/proc/cpuinfo`` names) that make each half type native: without one, oneDNN emulates it

@@ -19,6 +19,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from llminfer.backends.cpu_info import cpu_model
+
 #: What ``peak_memory_mb`` measures (the artifacts' ``memory_kind``).
 MEMORY_KINDS = {
     "cuda_peak_allocated": "peak device memory allocated by torch during the configuration (reset before it)",
@@ -31,16 +33,6 @@ MEMORY_KINDS = {
     "rss_lifetime_peak": "peak resident memory of the process since it started (this system cannot reset "
                          "the high-water mark, so configurations are not separated)",
 }
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def git_revision() -> str | None:
@@ -58,7 +50,7 @@ def environment() -> dict[str, Any]:
     import torch
     import transformers
 
-    import llminfer
+    from llminfer.version import __version__
 
     cuda = torch.cuda.is_available()
     return {
@@ -67,11 +59,11 @@ def environment() -> dict[str, Any]:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "gpu": torch.cuda.get_device_name() if cuda else None,
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "transformers": transformers.__version__,
-        "llminfer": llminfer.__version__,
+        "llminfer": __version__,
         "git_revision": git_revision(),
         "cpu_dtype": cpu_dtype_facts(),
     }

@@ -191,8 +191,7 @@ def convert_gguf(info: dict[str, Any], dest: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from llminfer.backends.loading import quiet_transformers
-    from llminfer.logging import status
+    from llminfer.logging import quiet_transformers, status
 
     file = Path(info["file"])
     folder, name = str(file.parent), file.name
@@ -243,7 +242,7 @@ def convert_gguf(info: dict[str, Any], dest: Path) -> Path:
 def _quiet_gguf_bar():
     """transformers draws its GGUF dequantizing bar with plain tqdm, which its progress-bar switch does not
     reach: inside this block that bar is off too, unless llminfer logs at debug level (as
-    :func:`llminfer.backends.loading.quiet_transformers`)."""
+    :func:`llminfer.logging.quiet_transformers`)."""
     import logging
 
     from llminfer.logging import current_level

@@ -522,15 +522,13 @@ class _CompileServer:
         import sys
         from pathlib import Path
 
-        import llminfer
-
         self.ready = threading.Event()
         self.failed = False
         self._jobs: dict[int, _Job] = {}
         self._next = 0
         self._lock = threading.Lock()
         env = dict(os.environ)
-        root = str(Path(llminfer.__file__).resolve().parent.parent)  # this llminfer, wherever it came from
+        root = str(Path(__file__).resolve().parents[2])  # this llminfer, wherever it came from
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         self.process = subprocess.Popen([sys.executable, "-m", "llminfer.sampling.grammar_worker"],
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
