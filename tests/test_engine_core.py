@@ -192,3 +192,88 @@ def test_waiting_queue_matches_a_reference_list(policy, ops):
         assert sorted(r.request_id for r in queue) == sorted(r.request_id for r in model)
     if policy == "fcfs":
         assert list(queue) == model
+
+
+# ---------------------------------------------------------------- the direct inbox (aborts and finishes)
+
+class AbortingBackend(FakeBackend):
+    """Puts an abort for ``request_id`` on the core's direct inbox while step ``at_step`` runs, as a client
+    disconnect does while the stages before the core are busy."""
+
+    def __init__(self, send, request_id: str, at_step: int) -> None:
+        super().__init__()
+        self.send, self.request_id, self.at_step = send, request_id, at_step
+
+    def execute(self, plan: SchedulerOutput) -> StepOutput:
+        if plan.step_id == self.at_step:
+            self.send.send_nowait(Abort(self.request_id))
+        return super().execute(plan)
+
+
+def test_an_abort_on_the_direct_inbox_ends_its_request_at_the_next_step():
+    send_direct, direct = anyio.create_memory_object_stream(100)
+    backend = AbortingBackend(send_direct, "long", at_step=3)
+    core, _ = make_core(backend=backend)
+    core.bind_direct(direct)
+    emitted = anyio.run(drive, core, [request("long", max_new=50)])
+    tokens, reasons = tokens_by_request(emitted)
+    assert reasons["long"] == "abort"
+    assert len(tokens["long"]) == 4  # steps 0..3 ran; nothing after the abort
+    assert core.scheduler.kv.pool.num_free_blocks == core.scheduler.kv.num_blocks
+
+
+def test_pipeline_sends_finishes_direct_and_aborts_both_ways():
+    from llminfer.pipeline import Pipeline
+    from llminfer.protocols.messages import FinishRequest
+
+    class Recorder:
+        name = "recorder"
+
+        def __init__(self):
+            self.ordered, self.direct = [], []
+
+        def bind_direct(self, inbox):
+            self.direct_inbox = inbox
+
+        async def run(self, inbox, outbox):
+            async with outbox:
+                async for msg in inbox:
+                    if isinstance(msg, Control) and msg.action == "close":
+                        return
+                    self.ordered.append(msg)
+                    while True:
+                        try:
+                            self.direct.append(self.direct_inbox.receive_nowait())
+                        except anyio.WouldBlock:
+                            break
+
+    class NullSink:
+        name = "sink"
+
+        def open(self, request_id):
+            return anyio.create_memory_object_stream(1)[1]
+
+        def close(self, request_id):
+            return True
+
+        def fail_all(self, error):
+            pass
+
+        async def run(self, inbox, outbox):
+            async with outbox:
+                async for _ in inbox:
+                    pass
+
+    recorder = Recorder()
+
+    async def main():
+        async with Pipeline([recorder, NullSink()]) as pipeline:
+            pipeline.send_nowait(FinishRequest("a", 3))
+            pipeline.send_nowait(Abort("b"))
+            pipeline.send_nowait(Control("drain"))
+            for _ in range(10):
+                await anyio.lowlevel.checkpoint()
+
+    anyio.run(main)
+    assert [type(m).__name__ for m in recorder.direct] == ["FinishRequest", "Abort"]
+    assert [type(m).__name__ for m in recorder.ordered][:2] == ["Abort", "Control"]

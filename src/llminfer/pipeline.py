@@ -25,8 +25,8 @@ from anyio.abc import ObjectReceiveStream, ObjectSendStream, TaskGroup
 
 from llminfer.core.engine_core import INBOX_CAPACITY
 from llminfer.errors import EngineClosedError, EngineError
-from llminfer.protocols import SendsUpstream, Sink, Stage
-from llminfer.protocols.messages import Abort, Control, GenerationRequest, RequestDelta
+from llminfer.protocols import SendsUpstream, Sink, Stage, TakesDirectMessages
+from llminfer.protocols.messages import Abort, Control, FinishRequest, GenerationRequest, RequestDelta
 
 log = structlog.get_logger("llminfer.pipeline")
 
@@ -53,6 +53,7 @@ class Pipeline:
         self.buffer_size = buffer_size
         self._tg: TaskGroup | None = None
         self._input: ObjectSendStream[Any] | None = None
+        self._direct: ObjectSendStream[Any] | None = None  # to the stage that takes direct messages, if any
         self._failure: BaseException | None = None
         self._inner: TaskGroup | Any = None
         self.running = False
@@ -66,6 +67,9 @@ class Pipeline:
         for stage in self.stages:
             if isinstance(stage, SendsUpstream):
                 stage.bind_upstream(self.send_nowait)
+            if isinstance(stage, TakesDirectMessages) and self._direct is None:
+                self._direct, direct_inbox = anyio.create_memory_object_stream[Any](INBOX_CAPACITY)
+                stage.bind_direct(direct_inbox)
             outbox, next_inbox = anyio.create_memory_object_stream[Any](self.buffer_size)
             jobs.append((stage, inbox, outbox))
             inbox = next_inbox
@@ -105,6 +109,8 @@ class Pipeline:
             # requests are done): end the head channel too, so the stages before it finish.
             if self._input is not None:
                 self._input.close()
+            if self._direct is not None:
+                self._direct.close()
 
     @staticmethod
     async def _discard(inbox: ObjectReceiveStream[Any]) -> None:
@@ -142,7 +148,18 @@ class Pipeline:
     def send_nowait(self, message: Any) -> bool:
         """Put ``message`` (an :class:`Abort`, :class:`~llminfer.protocols.messages.Control`, ...) at the
         tail of the ordered inbox, from inside the event loop; never blocks. False when the pipeline
-        no longer takes messages."""
+        no longer takes messages.
+
+        A :class:`FinishRequest` (the core already has its request) goes only to the core's direct inbox
+        when it has one; an :class:`Abort` goes there too, and down the ordered inbox in case it overtook
+        its request (see :class:`~llminfer.protocols.TakesDirectMessages`)."""
+        if self._direct is not None and isinstance(message, (Abort, FinishRequest)):
+            try:
+                self._direct.send_nowait(message)
+                if isinstance(message, FinishRequest):
+                    return True
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                pass
         if self._input is None:
             return False
         try:

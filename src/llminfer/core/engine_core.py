@@ -91,6 +91,12 @@ class EngineCore:
         self._passed_on: list[Any] = []
         self._drains: list[Any] = []
         self._last_step: tuple[list[Any], int] = ([], 0)  # the last step's requests and end time (tracing)
+        self._direct: ObjectReceiveStream[Any] | None = None  # aborts and stop-string finishes, unordered
+
+    def bind_direct(self, inbox: ObjectReceiveStream[Any]) -> None:
+        """Take :class:`Abort` and :class:`FinishRequest` also from ``inbox``, ahead of the ordered one
+        (:class:`~llminfer.protocols.TakesDirectMessages`)."""
+        self._direct = inbox
 
     # ------------------------------------------------------------------ the loop
     async def run(self, inbox: ObjectReceiveStream[Any], outbox: ObjectSendStream[Any]) -> None:
@@ -167,7 +173,14 @@ class EngineCore:
 
     # ------------------------------------------------------------------ the inbox
     def _take_waiting(self, inbox: ObjectReceiveStream[Any]) -> None:
-        """Handle every message already in the inbox, without waiting."""
+        """Handle every message already in the direct inbox, then in the ordered inbox, without waiting."""
+        while self._direct is not None:
+            try:
+                self._handle(self._direct.receive_nowait())
+            except anyio.WouldBlock:
+                break
+            except (anyio.EndOfStream, anyio.ClosedResourceError):
+                self._direct = None
         while self._inbox_open:
             try:
                 self._handle(inbox.receive_nowait())

@@ -57,6 +57,16 @@ class SendsUpstream(Protocol):
 
 
 @runtime_checkable
+class TakesDirectMessages(Protocol):
+    """A stage (the engine core) that also reads a second, direct inbox: :class:`FinishRequest` and
+    :class:`Abort` reach it there at once, without waiting behind other requests in the stages before it
+    (tokenization). An abort also travels the ordered inbox, since it may overtake its own request on the
+    direct one; handling one twice is harmless (unknown ids are ignored)."""
+
+    def bind_direct(self, inbox: ObjectReceiveStream[Any]) -> None: ...
+
+
+@runtime_checkable
 class Sink(Stage, Protocol):
     """The last stage: delivers each :class:`RequestDelta` to the stream :meth:`open` returned for it,
     and ends a request's stream with its error on :class:`RequestFailed`."""
@@ -135,6 +145,7 @@ __all__ = [
     "Sink",
     "Stage",
     "StepOutput",
+    "TakesDirectMessages",
     "TokenizedRequest",
     "Tokenizer",
     "Upstream",
