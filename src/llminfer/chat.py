@@ -37,6 +37,7 @@ from llminfer.tools import (
     ToolPlan,
     finish_reason,
     parse_tool_calls,
+    plan_tools,
 )
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -239,3 +240,51 @@ class ChatRenderer:
             if self.adds_bos and ids[0] != bos:
                 ids.insert(0, bos)
         return ids
+
+
+def chat_turn(engine: Any, messages: Sequence[dict[str, Any]], *, tools: Sequence[Any] | None = None,
+              tool_choice: str | dict[str, Any] | None = "auto", parallel_tool_calls: bool = True,
+              chat_template: str | None = None, **kwargs: Any) -> ChatResult:
+    """One chat turn on ``engine`` (an :class:`~llminfer.engine.InferenceEngine`): ``messages`` (OpenAI-shaped dicts: ``role``, ``content``, assistant ``tool_calls``,
+    ``tool`` results with ``tool_call_id``) and ``tools`` through the chat template, then generation,
+    with tool calls parsed out of the output (the HTTP server's rendering and parsing; see
+    :mod:`llminfer.chat` and :mod:`llminfer.tools`).
+
+    Args:
+        messages: the conversation.
+        tools: OpenAI tool definitions (``{"type": "function", "function": {"name", "description",
+            "parameters"}}``) or :class:`llminfer.tools.Tool` objects.
+        tool_choice: ``"auto"`` (the model decides; calls parsed from ``<tool_call>`` blocks), ``"none"``,
+            ``"required"`` (constrained to one or more calls) or ``{"type": "function", "function":
+            {"name": ...}}`` (constrained to that function's arguments). Ignored without tools when
+            ``"auto"`` or ``"none"``.
+        parallel_tool_calls: allow more than one call.
+        chat_template: a template to use instead of the tokenizer's.
+        **kwargs: sampling arguments of :meth:`~llminfer.engine.InferenceEngine.make_request`
+            (``structured_output`` only without a constraining ``tool_choice``).
+
+    Returns:
+        :class:`~llminfer.chat.ChatResult` with ``content``, ``tool_calls``, ``finish_reason``
+        (``"tool_calls"`` when the output ended with calls), ``text`` and ``stats``.
+
+    Raises:
+        InvalidRequestError: bad messages or tools (``param`` under ``messages`` / ``tools``), a bad
+            ``tool_choice``, a ``structured_output`` together with ``required`` or a named function, a
+            constraint that does not compile, or a bad sampling value; CapacityError, EngineError as
+            :meth:`~llminfer.engine.InferenceEngine.run`.
+    """
+    engine.load()
+    if not tools and tool_choice in ("auto", "none"):
+        tool_choice = None
+    plan = plan_tools(tools, tool_choice, parallel_tool_calls)
+    renderer = ChatRenderer(engine.tokenizer)
+    text = renderer.render(messages, plan.tools if plan is not None else (), chat_template=chat_template)
+    ids = renderer.fix_bos(list(engine.inputs.encode(text, param="messages", add_special_tokens=False)))
+    constraint = plan.structured_output if plan is not None else None
+    if constraint is not None:
+        if kwargs.get("structured_output") is not None:
+            raise InvalidRequestError(f"structured_output cannot be combined with tool_choice={plan.mode!r}",
+                                      param="structured_output")
+        kwargs["structured_output"] = constraint
+    result = engine.run(ids, **kwargs)
+    return ChatResult.from_result(result, plan if plan is not None and plan.mode != "none" else None)
