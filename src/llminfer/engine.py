@@ -13,6 +13,7 @@ loop once it is entered with ``async with engine.running():`` (the HTTP server d
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import contextlib
 import threading
 import weakref
@@ -348,9 +349,18 @@ class InferenceEngine:
         return pipeline
 
     def _call(self, portal: Any, fn: Any, *args: Any) -> Any:
-        """``portal.call(fn, *args)``; a portal that close() stopped meanwhile is an EngineClosedError."""
+        """``portal.call(fn, *args)``; a portal that close() stopped meanwhile is an EngineClosedError.
+
+        The wait polls (every 0.1 s) instead of blocking: a Ctrl-C that the kernel hands to another thread
+        of the process does not wake a blocked wait, so Python would run its KeyboardInterrupt only when
+        ``fn`` ended (for ``run``, at the end of the whole generation)."""
         try:
-            return portal.call(fn, *args)
+            future = portal.start_task_soon(fn, *args)
+            while True:
+                try:
+                    return future.result(timeout=0.1)
+                except concurrent.futures.TimeoutError:
+                    continue
         except RuntimeError as exc:
             if self._closed or self._portal is not portal:
                 raise EngineClosedError(_CLOSED) from exc

