@@ -47,6 +47,8 @@ def main() -> dict:
         # (skinny_linear, paged_decode_attention) serve fp32 only, so batch 1 may favour fp32 even there.
         engines["float32"] = _engine(path, "float32", args.batch)
     chosen = {k: str(e.runtime.dtype).replace("torch.", "") for k, e in engines.items()}
+    # auto settled by measurement where the flag rule picked a half type (llminfer.backends.dtype_probe)
+    probe, auto_reason = engines["auto"].runtime.dtype_probe, engines["auto"].runtime.dtype_reason
     kw = dict(max_new_tokens=args.new_tokens, ignore_eos=True)
     for e in engines.values():  # warm-up, excluded
         e.run_batch_continuous(random_prompts(2, args.prompt_tokens, BENCH_VOCAB, seed=7), max_new_tokens=4)
@@ -67,7 +69,8 @@ def main() -> dict:
     bn = {k: statistics.median(v) for k, v in batch_tps.items()}
     payload = {
         "benchmark": "dtype_auto_vs_bf16", "dtype_chosen": chosen,
-        "dtype_reason": environment()["cpu_dtype"]["auto_reason"],
+        "dtype_reason": auto_reason, "dtype_probe": probe,
+        "flag_rule_reason": environment()["cpu_dtype"]["auto_reason"],
         "batch1_ms_per_token": b1, "batch1_ms_per_token_runs": ms_per_token,
         "batch": args.batch, "batch_output_tokens_per_s": bn, "batch_output_tokens_per_s_runs": batch_tps,
         "speed_ratio_auto_over_bf16": {"batch_1": b1["bfloat16"] / b1["auto"],

@@ -221,6 +221,46 @@ def _full_forward(model: torch.nn.Module, ids: torch.Tensor, pos: torch.Tensor, 
     return model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep).logits
 
 
+class _RowSplitHead(torch.nn.Module):
+    """The LM head run outside the graph on CPU: ``small`` (llminfer's kernel) for up to ``small_rows`` rows,
+    ``packed`` (the eager backend's oneDNN-prepacked head) for more.
+
+    Why: llminfer's kernel reads a weight fastest for one row (four in bf16), but the 151,646 x 512 head of
+    the bench model at 8 and 32 rows ran 1.4-1.6x faster on the prepacked oneDNN GEMM in fp32, and a bf16
+    ``F.linear`` on the unpacked weight 1.4-1.7x slower than the prepacked one (2-core AMD EPYC Zen 4, one
+    thread, ``/tmp`` microbenchmark of issue 35). The head dominated batch-32 decode, so the compiled backend
+    ran batch 32 slower than eager, whose head is the prepacked one."""
+
+    def __init__(self, small: torch.nn.Module, packed: torch.nn.Module, small_rows: int) -> None:
+        super().__init__()
+        self.small, self.packed, self.small_rows = small, packed, small_rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // max(1, x.shape[-1])
+        return self.small(x) if rows <= self.small_rows else self.packed(x)
+
+
+def cpu_head(head: torch.nn.Module) -> torch.nn.Module:
+    """``head`` as the compiled backend runs it outside the graph on CPU (see :class:`_RowSplitHead`):
+    unchanged where oneDNN cannot prepack it (quantized, another dtype, no oneDNN)."""
+    from llminfer.backends.cpu_kernels import BF16_KERNEL_MAX_ROWS, SkinnyLinear
+    from llminfer.backends.prepack import PrepackedLinear, prepack_supported
+
+    if not isinstance(head, torch.nn.Linear) or type(head) not in (torch.nn.Linear, SkinnyLinear):
+        return head
+    if not prepack_supported(head.weight.dtype, head.weight.device):
+        return head
+    try:
+        packed = PrepackedLinear(head)
+        with torch.inference_mode():
+            packed(torch.zeros(1, head.in_features, dtype=head.weight.dtype))
+    except RuntimeError:  # an oneDNN build without this kernel
+        return head
+    if type(head) is torch.nn.Linear:  # no kernel here: the prepacked head at every row count, as eager
+        return packed
+    return _RowSplitHead(head, packed, BF16_KERNEL_MAX_ROWS if head.weight.dtype == torch.bfloat16 else 1)
+
+
 # ----------------------------------------------------------------------------------------------- backend
 class CompiledBackend(HFBackend):
     """:class:`HFBackend` with the model step under ``torch.compile`` (see the module docstring).
@@ -270,6 +310,8 @@ class CompiledBackend(HFBackend):
         if self.split_head:
             self._module = model.base_model
             self._head = model.get_output_embeddings()
+            if self.device.type == "cpu":
+                self._head = cpu_head(self._head)
             fn = _fresh_function(_body_forward, tag)
         else:
             self._module = model

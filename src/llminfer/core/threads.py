@@ -165,6 +165,8 @@ class ThreadGovernor:
             if sample is None:
                 return self.threads
             t1, busy1, own1 = sample
+            if t1 <= t0:
+                return self.threads
             self._sample = sample
             others = max(0.0, ((busy1 - busy0) - (own1 - own0)) / (t1 - t0))
             self.others_busy = others
