@@ -431,3 +431,80 @@ def test_bounded_json_strings_admit_no_raw_control_characters(engine) -> None:
     ids = torch.nonzero(allowed).flatten().tolist()
     for token in ids[:: max(1, len(ids) // 5000)]:
         assert not any(ord(ch) < 0x20 for ch in engine.tokenizer.decode([token])), token
+
+
+# ---------------------------------------------------------------------------- real-world tool schemas (issue 36)
+# tests/data/json_schemas/tools_corpus.json (written by make_tools_corpus.py next to it): what pydantic v2
+# emits for nested models (generated with pydantic), zod-to-json-schema's shapes (draft-07, definitions,
+# pointer references, tuples, intersections) and MCP-style tool lists (required names not under properties,
+# empty and missing parameters). Every accepted entry is run with tool_choice "required" and named for each
+# of its tools, sampled with two seeds: every call's arguments are a JSON object that validates against the
+# tool's own parameters (formats checked). Refused entries are refused naming the tool and the keyword.
+TOOLS_CORPUS: list[dict[str, Any]] = json.loads(
+    (Path(__file__).parent / "data" / "json_schemas" / "tools_corpus.json").read_text(encoding="utf-8"))
+TOOL_SEEDS = (7, 8)
+
+
+def _tool_plans(entry: dict[str, Any]) -> list[Any]:
+    from llminfer.tools import plan_tools
+
+    names = [t["function"]["name"] for t in entry["tools"]]
+    # One call per output: parallel calls are an unbounded array, which a random model fills to max_tokens.
+    return [plan_tools(entry["tools"], "required", parallel_tool_calls=False)] + [
+        plan_tools(entry["tools"], {"type": "function", "function": {"name": n}}) for n in names]
+
+
+def test_tools_corpus_is_varied() -> None:
+    sources = {e["source"].split(":")[0] for e in TOOLS_CORPUS}
+    assert sources == {"pydantic", "zod", "mcp"} and len(TOOLS_CORPUS) >= 25
+    assert sum(len(e["tools"]) for e in TOOLS_CORPUS) >= 30
+    text = json.dumps(TOOLS_CORPUS)
+    for feature in ('"$defs"', '"definitions"', '"#/properties/a"', '"discriminator"', '"allOf"',
+                    '"$ref": "#/$defs/TreeNode"'):
+        assert feature in text, feature
+
+
+def test_tools_corpus_refusals_name_the_tool_and_keyword() -> None:
+    from llminfer.errors import InvalidRequestError
+    from llminfer.tools import plan_tools
+
+    refused = [e for e in TOOLS_CORPUS if e["refused"]]
+    assert len(refused) >= 3
+    for entry in refused:
+        for choice in ("required", {"type": "function", "function": {"name": entry["tools"][0]["function"]["name"]}}):
+            with pytest.raises(InvalidRequestError) as err:
+                plan_tools(entry["tools"], choice)
+            assert err.value.param == "tools[0].function.parameters", entry["source"]
+            assert f"'{entry['refused']}'" in str(err.value), (entry["source"], str(err.value))
+
+
+def test_tools_corpus_calls_validate(engine) -> None:
+    from llminfer.tools import parse_tool_calls
+
+    jobs = []
+    compiler = engine.runtime.grammar_compiler
+    for entry in TOOLS_CORPUS:
+        if entry["refused"]:
+            continue
+        for plan in _tool_plans(entry):  # compiled one at a time first: ~100 at once would queue past 10 s
+            compiler.compile(plan.structured_output)
+        params = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"}
+                  for t in entry["tools"]}
+        for plan in _tool_plans(entry):
+            for seed in TOOL_SEEDS:
+                req = engine.make_request(f"Call a tool ({entry['source']}):",
+                                          structured_output=plan.structured_output, max_new_tokens=MAX_NEW_TOKENS,
+                                          temperature=1.0, seed=seed)
+                jobs.append((entry["source"], plan, params, req))
+    results = engine.run_requests([j[3] for j in jobs])
+    for (source, plan, params, _), result in zip(jobs, results):
+        assert result.finish_reason == "stop", (source, plan.mode, result.generated_text[:300])
+        content, calls = parse_tool_calls(result.generated_text, plan)
+        assert content is None and calls, (source, plan.mode, result.generated_text[:300])
+        for call in calls:
+            args = call.parsed_arguments()
+            assert isinstance(args, dict), (source, call)
+            validator = jsonschema.validators.validator_for(params[call.name], jsonschema.Draft202012Validator)
+            errors = [e.message for e in validator(params[call.name], format_checker=FORMATS).iter_errors(args)]
+            assert not errors, (source, plan.mode, call.arguments, errors)
+    assert len(jobs) >= 100

@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import HistogramMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
 from llminfer.stats import COMPLETED, IterationStats
@@ -78,6 +78,35 @@ class StepHistogram:
         for name in self.names:
             family = HistogramMetricFamily(name, self.documentation, labels=self.label_names)
             family.add_metric(self.labels, cumulative, total)
+            yield family
+
+
+class GrammarCompileCollector:
+    """The structured-output compiler's counters (:meth:`~llminfer.sampling.structured.GrammarCompiler.stats`),
+    read at scrape time: compiled-grammar cache hits and misses, compiles stopped at their deadline, and the
+    compile processes killed for it. Nothing is exposed for an engine without a compiler (vLLM)."""
+
+    _FAMILIES = (("grammar_cache_hits", "cache_hits", "Structured-output constraints served from the compiled-"
+                  "grammar cache (keyed by the normalized constraint)."),
+                 ("grammar_cache_misses", "cache_misses", "Structured-output constraints compiled (cache misses)."),
+                 ("grammar_compile_timeouts", "compile_timeouts", "Grammar compiles stopped because every "
+                  "request waiting for them had passed grammar_compile_timeout_s."),
+                 ("grammar_compile_processes_killed", "workers_killed", "Compile processes killed at their "
+                  "deadline (their CPU and slot freed)."))
+
+    def __init__(self, engine: Any, labels: tuple[str, ...], values: tuple[str, ...]) -> None:
+        self.engine = engine
+        self.labels = labels
+        self.values = values
+
+    def collect(self) -> Iterator[Metric]:
+        compiler = getattr(getattr(self.engine, "runtime", None), "grammar_compiler", None)
+        if compiler is None:
+            return
+        stats = compiler.stats()
+        for name, key, doc in self._FAMILIES:
+            family = CounterMetricFamily(PREFIX + name, doc, labels=self.labels)
+            family.add_metric(self.values, stats[key])
             yield family
 
 
@@ -161,6 +190,7 @@ class ServerMetrics:
         self._queries = self._hits = 0
         if engine is not None:
             engine.stat_loggers.append(self)
+            r.register(GrammarCompileCollector(engine, labels, (m,)))
 
     # ------------------------------------------------------------------ updates
     def record(self, stats: IterationStats) -> None:

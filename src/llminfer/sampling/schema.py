@@ -61,8 +61,9 @@ KEYWORDS: dict[str, tuple[str, str]] = {
     "additionalItems": (REWRITTEN, "becomes items, next to a tuple-form items list"),
     "minItems": (ENFORCED, ""),
     "maxItems": (ENFORCED, ""),
-    "minLength": (ENFORCED, ""),
-    "maxLength": (ENFORCED, ""),
+    "minLength": (ENFORCED, "next to pattern or format (which xgrammar then ignores it for): dropped where the "
+                            "pattern's or format's own lengths are within the bounds, refused otherwise"),
+    "maxLength": (ENFORCED, "as minLength"),
     "pattern": (ENFORCED, "the whole string matches it (a subset of what the unanchored pattern allows)"),
     "format": (ENFORCED, "xgrammar's rules for date-time, date, time, duration, email, hostname, ipv4, ipv6, "
                          "uri, uri-reference, uuid...; 'date' bounds the day at 31 whatever the month"),
@@ -344,10 +345,26 @@ class _Normalizer:
             out["items"] = value
         if "multipleOf" in out:
             self._check_multiple_of(out, where)
+        if ("minLength" in out or "maxLength" in out) and ("pattern" in out or "format" in out):
+            self._check_lengths(out, where)
         self._objects(out, where)
         if "const" in out or "enum" in out:
             return self._values(out, where)
         return out
+
+    def _check_lengths(self, out: dict[str, Any], where: str) -> None:
+        """xgrammar drops minLength / maxLength next to a pattern or a format. Keep the schema only where the
+        pattern or format bounds the length within them anyway (then the keywords are dropped)."""
+        lo, hi = _string_width(out)
+        low, high = out.get("minLength", 0), out.get("maxLength")
+        if lo is not None and lo >= low and (high is None or (hi is not None and hi <= high)):
+            out.pop("minLength", None)
+            out.pop("maxLength", None)
+            return
+        keyword = "maxLength" if high is not None else "minLength"
+        other = "pattern" if "pattern" in out else "format"
+        raise _refuse(keyword, where, f"xgrammar ignores string length bounds next to {other}; write the bound "
+                                      "into the pattern (for example ^[a-z]{1,20}$), or drop one of them")
 
     def _check_multiple_of(self, out: dict[str, Any], where: str) -> None:
         m = out["multipleOf"]
@@ -547,6 +564,26 @@ class _Normalizer:
                 if xa is not None and xb is not None and not ({_key(v) for v in xa} & {_key(v) for v in xb}):
                     return True
         return False
+
+
+_FORMAT_WIDTHS = {"date": (10, 10), "uuid": (36, 36), "ipv4": (7, 15)}
+
+
+def _string_width(schema: dict[str, Any]) -> tuple[int | None, int | None]:
+    """(shortest, longest) length of the strings ``schema``'s pattern / format allow (None: unknown or
+    unbounded)."""
+    if "pattern" in schema:
+        try:
+            import re._parser as sre_parse  # type: ignore[import-not-found]
+        except ImportError:  # Python 3.10
+            import sre_parse  # type: ignore[no-redef]
+        pattern = str(schema["pattern"])
+        try:
+            lo, hi = sre_parse.parse(pattern.removeprefix("^").removesuffix("$")).getwidth()
+        except Exception:  # noqa: BLE001 - a pattern Python cannot read: xgrammar will say what is wrong
+            return None, None
+        return lo, (hi if hi < 2**16 else None)
+    return _FORMAT_WIDTHS.get(schema.get("format"), (None, None))
 
 
 def normalize_schema(schema: Any, *, strict: bool = False, prefix: str = "",

@@ -280,7 +280,7 @@ class GrammarCompiler:
     thread hands its compile to the compile server (:mod:`llminfer.sampling.grammar_worker`, with
     ``isolate=True``, the default), which runs it in a forked process of its own, and has that process
     killed once every request waiting for the compile has passed its deadline: a timed-out compile frees its
-    thread and its CPU at once. The compiled grammar comes back serialized (``CompiledGrammar.serialize_json``;
+    thread and its CPU at once. Small JSON Schemas compile in the thread (:func:`_may_be_slow`). The compiled grammar comes back serialized (``CompiledGrammar.serialize_json``;
     ~0.1 ms per kB to load). The server starts in the background on first use (or :meth:`prepare`); until it
     is up, compiles run in the threads themselves, uninterruptible, as without ``isolate``. Schemas too
     large to compile in time are refused before they take a slot (:data:`MAX_SCHEMA_CHARS`,
@@ -428,7 +428,7 @@ class GrammarCompiler:
     def _compile(self, spec: StructuredOutput) -> Any:
         compiler = self._xgrammar()
         start = time.perf_counter()
-        if self.isolate:
+        if self.isolate and _may_be_slow(spec):
             compiled = self._compile_in_worker(spec, compiler)
         else:
             try:
@@ -486,6 +486,29 @@ class GrammarCompiler:
                     self._info_json = self._info.serialize_json()
                 server = self._server = _CompileServer(self._info_json)
         return server if server is not None and server.ready.is_set() else None
+
+
+SMALL_SCHEMA_CHARS = 4096
+"""A JSON Schema (or choice) up to this many characters, with at most :data:`SMALL_ENUM_VALUES` enum values
+and no pattern, compiles in the compile thread itself: its compile time is bounded by its size (~10 ms on
+the 2-core CI box), while the round trip through a compile process costs ~60 ms (most of it loading the
+serialized grammar back)."""
+SMALL_ENUM_VALUES = 128
+
+
+def _may_be_slow(spec: StructuredOutput) -> bool:
+    """Whether ``spec`` goes to a killable compile process: regular expressions and grammars always
+    (a short one can compile slowly), JSON Schemas and choices unless small (:data:`SMALL_SCHEMA_CHARS`)."""
+    kind = spec.kind
+    if kind == "json_object":
+        return False
+    if kind == "choice":
+        return len(spec.choice or ()) > SMALL_ENUM_VALUES or sum(map(len, spec.choice or ())) > SMALL_SCHEMA_CHARS
+    if kind != "json_schema":
+        return True
+    text = spec.json_schema or ""
+    return len(text) > SMALL_SCHEMA_CHARS or '"pattern":' in text or (
+        '"enum":' in text and _enum_values(json.loads(text)) > SMALL_ENUM_VALUES)
 
 
 def _compile_spec(compiler: Any, spec: StructuredOutput) -> Any:
