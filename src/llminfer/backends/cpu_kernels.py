@@ -547,6 +547,22 @@ def quant_paths() -> dict[str, dict]:
     return out
 
 
+def quant_path_note(kind: str) -> str:
+    """One line on the path ``kind`` (``"int8"`` or ``"int4"``) takes and why, for ``llminfer info``: e.g.
+    ``"q8 path (vpdpbusd zmm (AVX-512 VNNI), 8-bit activations per 32 columns), measured here: q8 1.75 ms,
+    wide 3.49 ms"``.
+
+    Raises:
+        ValueError, RuntimeError: as :func:`quant_paths`.
+    """
+    p = quant_paths()[kind]
+    what = (f"q8 path ({q8_instruction()}, 8-bit activations per 32 columns)" if p["path"] == "q8"
+            else "wide path")
+    if p["how"] == "forced":
+        return f"{what}, forced by {INT8_PATH_ENV if kind == 'int8' else INT4_PATH_ENV}"
+    return f"{what}, measured here: q8 {p['q8_ms']:.2f} ms, wide ({p['wide']}) {p['wide_ms']:.2f} ms"
+
+
 def _cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
