@@ -2,7 +2,10 @@
 
 Besides the fp32/int8 product below, the AVX-512 build has two more where the CPU has the instructions:
 :func:`bf16_linear` (AVX-512 BF16: bf16 models' products of up to :data:`BF16_KERNEL_MAX_ROWS` rows) and
-:func:`int4_linear` (AVX-512 VNNI: int4-wo's group-wise products at every row count).
+:func:`int4_linear` (AVX-512 VNNI: int4-wo's group-wise products at every row count). Every build also has
+the q8 path (:func:`int8_linear_q8`, :func:`int4_linear_q8`: 8-bit activations per block of 32 columns on u8 x
+s8 dot products, as llama.cpp's Q8_0), and :func:`quant_paths` picks per build, by a short measurement kept
+with the build, which path int8-wo and int4-wo layers take.
 
 ``torch.ops.llminfer_cpu.skinny_linear(x, weight, scale=None, bias=None)`` computes
 ``x @ (weight * scale[:, None]).T + bias`` for a float32 ``x`` ``[M, K]`` and a float32 or int8 ``weight``

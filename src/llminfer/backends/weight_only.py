@@ -13,7 +13,9 @@ activations stay in floating point ("weight-only"), which keeps the accuracy clo
   torch's own ``test_linalg`` int4 tests); ``torch.ops.aten._convert_weight_to_int4pack_for_cpu`` packs the
   codes and ``torch.ops.aten._weight_int4pack_mm_for_cpu`` multiplies. Where llminfer's CPU kernel has its
   AVX-512 VNNI path, :func:`llminfer.backends.cpu_kernels.enable_cpu_kernels` re-lays the codes out for
-  :func:`llminfer.backends.cpu_kernels.int4_linear` instead (:meth:`Int4WeightOnlyLinear.use_llminfer_kernel`).
+  :func:`llminfer.backends.cpu_kernels.int4_linear` instead (:meth:`Int4WeightOnlyLinear.use_llminfer_kernel`),
+  or, on any build where :func:`llminfer.backends.cpu_kernels.quant_paths` chose the q8 path, for
+  :func:`llminfer.backends.cpu_kernels.int4_linear_q8`.
 
 Activation dtype: torch vectorizes both kernels on x86 (AVX2 and AVX-512) for **bfloat16** activations
 only; float32 and float16 activations take a scalar loop there that is several times slower than the fp32
