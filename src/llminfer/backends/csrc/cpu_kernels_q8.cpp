@@ -154,6 +154,7 @@ inline facc chunk_fma(const Q8Rows& r, int64_t m, int64_t k, __m512i wu, facc ac
   return _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_loadu_ps(r.dlane.data() + (m * r.Kp + k) / 4), acc);
 }
 inline float facc_sum(facc v) { return lane_sum8(_mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1))); }
+inline facc facc_add(facc a, facc b) { return _mm512_add_ps(a, b); }
 #else
 using facc = __m256;
 inline facc fzero() { return _mm256_setzero_ps(); }
@@ -179,6 +180,7 @@ inline facc chunk_fma(const Q8Rows& r, int64_t m, int64_t k, __m256i w, facc acc
 }
 #endif
 inline float facc_sum(facc v) { return lane_sum8(v); }
+inline facc facc_add(facc a, facc b) { return _mm256_add_ps(a, b); }
 #endif
 
 #if LLMINFER_Q8_512
@@ -325,8 +327,8 @@ at::Tensor int8_linear_q8(const at::Tensor& x, const at::Tensor& weight, const a
 // layout of int4_linear in cpu_kernels.cpp pairs columns 32 apart in 16-bit words for vpdpwssd instead.)
 // W[n, k] = q[n, k] * scale[n, g] + zero[n, g] for g = k / G (zero being the layer's zero point less 8 *
 // scale), and
-//   out[m, n] = sum over chunks of (float(dot lanes) * d[m, lane's block]) * scale[n, lane's group]
-//               + sum_g zero[n, g] * xsum[m, g] + bias[n],
+//   out[m, n] = lane sum of [sum over chunks of (float(dot lanes) * d[m, lane's block]) * scale[n, lane's group]
+//                            + sum over vectors of groups of zero[n, g] * xsum[m, g]] + bias[n],
 // the dot lanes exact (int32), xsum[m, g] the group's sum of the float32 activations themselves (in double,
 // rounded once), every float step in one fixed order: a row's result does not depend on the batch. This is
 // llama.cpp's Q4_1 x Q8_0 block product (the zero term from the activations' sums, as its Q4_1 "m" term)
@@ -338,15 +340,40 @@ inline int64_t int4_q8_row_bytes(int64_t K) { return (K + 127) / 128 * 64; }
 inline __m512 lane_scales(const float* s, int64_t k, int64_t G, int64_t groups) {
   if (G > 32) return _mm512_set1_ps(s[k / G]);
   const int64_t g = k / 32;
-  const float hi = g + 1 < groups ? s[g + 1] : 0.f;  // a last chunk of 32 columns has no second group
-  return _mm512_insertf32x8(_mm512_set1_ps(s[g]), _mm256_set1_ps(hi), 1);
+  // s[g] to lanes 0-7 and s[g + 1] to lanes 8-15 (0 where a last chunk of 32 columns has no second group)
+  const __m512 two = _mm512_maskz_loadu_ps(g + 1 < groups ? 0x3 : 0x1, s + g);
+  return _mm512_permutexvar_ps(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0), two);
 }
 #endif
 
-// Rows [m0, m0 + MT) times one channel: out[m] = the sum above (before the zero term and the bias).
+// The zero points' term sum_g zero[g] * xsum[g] as a vector of partial sums (groups a vector at a time, in
+// order), added to the products' accumulator before its one lane sum. (A scalar loop here was the int4 loop's
+// bottleneck: one dependent add per group per channel.)
+inline facc zero_term(const float* z, const float* xs, int64_t groups) {
+#if LLMINFER_Q8_512
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; g += 16) {
+    const __mmask16 mask = groups - g >= 16 ? static_cast<__mmask16>(0xFFFF)
+                                            : static_cast<__mmask16>((1u << (groups - g)) - 1);
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, z + g), _mm512_maskz_loadu_ps(mask, xs + g), acc);
+  }
+  return acc;
+#else
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; g += 8) {
+    const int64_t left = std::min<int64_t>(8, groups - g);
+    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(left)),
+                                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    acc = _mm256_fmadd_ps(_mm256_maskload_ps(z + g, mask), _mm256_maskload_ps(xs + g, mask), acc);
+  }
+  return acc;
+#endif
+}
+
+// Rows [m0, m0 + MT) times one channel: out[m] = the sum above (before the bias).
 template <int MT>
 inline void int4_q8_channel(const Q8Rows& r, int64_t m0, const uint8_t* codes, int64_t K, int64_t G,
-                            const float* s, float* sums) {
+                            const float* s, const float* zero, const float* xsum, float* sums) {
   const int64_t groups = K / G;
   facc acc[MT];
   for (int m = 0; m < MT; ++m) acc[m] = fzero();
@@ -393,28 +420,8 @@ inline void int4_q8_channel(const Q8Rows& r, int64_t m0, const uint8_t* codes, i
     }
   }
 #endif
-  for (int m = 0; m < MT; ++m) sums[m] = facc_sum(acc[m]);
-}
-
-// The zero points' term sum_g zero[g] * xsum[g], a vector of groups at a time (a scalar loop was the int4
-// loop's bottleneck: one dependent add per group per channel), lanes summed in a fixed order.
-inline float zero_term(const float* z, const float* xs, int64_t groups) {
-#if LLMINFER_Q8_512
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t g = 0; g < groups; g += 16) {
-    const __mmask16 mask = groups - g >= 16 ? static_cast<__mmask16>(0xFFFF)
-                                            : static_cast<__mmask16>((1u << (groups - g)) - 1);
-    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, z + g), _mm512_maskz_loadu_ps(mask, xs + g), acc);
-  }
-  return facc_sum(acc);
-#else
-  __m256 acc = _mm256_setzero_ps();
-  int64_t g = 0;
-  for (; g + 8 <= groups; g += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(z + g), _mm256_loadu_ps(xs + g), acc);
-  float t = lane_sum8(acc);
-  for (; g < groups; ++g) t += z[g] * xs[g];
-  return t;
-#endif
+  for (int m = 0; m < MT; ++m)
+    sums[m] = facc_sum(facc_add(acc[m], zero_term(zero, xsum + (m0 + m) * groups, groups)));
 }
 
 void int4_linear_q8_impl(const float* x, int64_t M, int64_t K, const uint8_t* codes, int64_t N, int64_t G,
@@ -433,16 +440,15 @@ void int4_linear_q8_impl(const float* x, int64_t M, int64_t K, const uint8_t* co
     float sums[kQ8Rows];
     const uint8_t* cn = codes + n * row_bytes;
     const float* sn = scale + n * groups;
-    switch (rows) {
-      case 4: int4_q8_channel<4>(r, m, cn, K, G, sn, sums); break;
-      case 3: int4_q8_channel<3>(r, m, cn, K, G, sn, sums); break;
-      case 2: int4_q8_channel<2>(r, m, cn, K, G, sn, sums); break;
-      default: int4_q8_channel<1>(r, m, cn, K, G, sn, sums); break;
-    }
     const float* zn = zero + n * groups;
+    switch (rows) {
+      case 4: int4_q8_channel<4>(r, m, cn, K, G, sn, zn, xsum.data(), sums); break;
+      case 3: int4_q8_channel<3>(r, m, cn, K, G, sn, zn, xsum.data(), sums); break;
+      case 2: int4_q8_channel<2>(r, m, cn, K, G, sn, zn, xsum.data(), sums); break;
+      default: int4_q8_channel<1>(r, m, cn, K, G, sn, zn, xsum.data(), sums); break;
+    }
     for (int64_t i = 0; i < rows; ++i) {
-      const float* xs = xsum.data() + (m + i) * groups;
-      float v = sums[i] + zero_term(zn, xs, groups);
+      float v = sums[i];
       if (bias) v += bias[n];
       out[(m + i) * N + n] = v;
     }
