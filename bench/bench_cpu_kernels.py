@@ -12,7 +12,11 @@ Products (``llminfer.backends.cpu_kernels.skinny_linear``), at 1, 4, 8, 32 and 6
 * ``layers_bf16`` / ``head_bf16`` (where the kernel has its AVX-512 BF16 path): ``F.linear`` in bf16 (and
   oneDNN's prepacked bf16 matmul for the head) against ``bf16_linear`` (the engine takes it up to 4 rows);
 * ``layers_int4`` / ``head_int4`` (on the VNNI build): ``aten._weight_int4pack_mm_for_cpu`` (bf16
-  activations, groups of 32) against ``int4_linear``.
+  activations, groups of 32) against ``int4_linear``;
+* ``layers_int8_q8`` / ``head_int8_q8`` / ``layers_int4_q8`` / ``head_int4_q8``: the same torch kernels
+  against the q8 path (``int8_linear_q8`` / ``int4_linear_q8``: 8-bit activations per 32 columns, u8 x s8
+  dot products), every build. A closing table puts each q8 case next to its wide one (``wide/q8``, both
+  timed in this run) and says which path ``quant_paths`` chose here.
 
 Decode attention at batch 1 and 32 over 128- and 512-token contexts (8 query heads, 2 K/V heads, head
 dim 64, 16-token blocks): the torch path (``attention_backend="torch"``: gather the blocks, masked
@@ -71,6 +75,7 @@ class _Layer:
 def _product_cases(x, layers, layers8, head, packed, head8, head_scale) -> dict[str, tuple[Callable, Callable]]:
     """(torch, kernel) callables per case for the activations ``x`` (``{in_features: [rows, in_features]}``)."""
     sk, i8, int8pack = cpu_kernels.skinny_linear, cpu_kernels.int8_linear, torch.ops.aten._weight_int8pack_mm
+    q8 = cpu_kernels.int8_linear_q8
     xb = {k: v.bfloat16() for k, v in x.items()}
     scales_bf16 = [[s.bfloat16() for _, s in layer] for layer in layers8]
     head_scale_bf16 = head_scale.bfloat16()
@@ -83,13 +88,17 @@ def _product_cases(x, layers, layers8, head, packed, head8, head_scale) -> dict[
         "head_fp32": (lambda: torch.ops.mkldnn._linear_pointwise(x[512], packed, None, "none", [], ""),
                       lambda: sk(x[512], head)),
         "head_int8": (lambda: int8pack(xb[512], head8, head_scale_bf16), lambda: i8(x[512], head8, head_scale)),
+        "layers_int8_q8": (lambda: [int8pack(xb[w.shape[1]], w, sb) for layer, sbs in zip(layers8, scales_bf16)
+                                    for (w, _), sb in zip(layer, sbs)],
+                           lambda: [q8(x[w.shape[1]], w, s) for layer in layers8 for w, s in layer]),
+        "head_int8_q8": (lambda: int8pack(xb[512], head8, head_scale_bf16), lambda: q8(x[512], head8, head_scale)),
     }
 
 
 def _int4(n: int, k: int, g: torch.Generator, group: int = 32) -> tuple[tuple, tuple]:
-    """Random int4 codes for an ``[n, k]`` layer: (torch's packed weight, its scales and zeros) and (the
-    kernel's codes, scale, zero), the same values in both layouts."""
-    from llminfer.backends.weight_only import pack_int4_codes
+    """Random int4 codes for an ``[n, k]`` layer: (torch's packed weight, its scales and zeros), (the
+    kernel's codes, scale, zero) and the same in the q8 path's layout: the same values in every layout."""
+    from llminfer.backends.weight_only import pack_int4_codes, pack_int4_codes_q8
 
     n_pad = -(-n // 16) * 16  # torch's CPU packing needs N % 16 == 0
     q = torch.randint(0, 16, (n_pad, k), generator=g, dtype=torch.int32)
@@ -97,7 +106,7 @@ def _int4(n: int, k: int, g: torch.Generator, group: int = 32) -> tuple[tuple, t
     sz = torch.stack([scale, zero], dim=2).transpose(0, 1).contiguous().bfloat16()
     theirs = (torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), sz)
     ours = (pack_int4_codes(q[:n]), scale[:n].contiguous(), (zero - 8 * scale)[:n].contiguous())
-    return theirs, ours
+    return theirs, ours, (pack_int4_codes_q8(q[:n]), *ours[1:])
 
 
 def _extra_weights(layers, head, g) -> dict[str, Any]:
@@ -108,9 +117,8 @@ def _extra_weights(layers, head, g) -> dict[str, Any]:
         w["lb"] = [[t.bfloat16() for t in layer] for layer in layers]
         w["hb"] = head.bfloat16()
         w["hb_packed"] = torch.ops.mkldnn._reorder_linear_weight(w["hb"], None)
-    if cpu_kernels.int8_activation_bits():
-        w["l4"] = [[_int4(n, k, g) for n, k in LAYER_SHAPES] for _ in range(LAYERS)]
-        w["h4"] = _int4(VOCAB, HIDDEN, g)
+    w["l4"] = [[_int4(n, k, g) for n, k in LAYER_SHAPES] for _ in range(LAYERS)]  # the q8 path: every build
+    w["h4"] = _int4(VOCAB, HIDDEN, g)
     return w
 
 
@@ -125,11 +133,14 @@ def _extra_cases(x, w: dict[str, Any]) -> dict[str, tuple[Callable, Callable]]:
                                 lambda: [bf(xb[t.shape[1]], t) for layer in lb for t in layer])
         cases["head_bf16"] = (lambda: torch.ops.mkldnn._linear_pointwise(xb[512], w["hb_packed"], None, "none", [], ""),
                               lambda: bf(xb[512], w["hb"]))
-    if "l4" in w:
-        mm4, i4, l4, h4 = torch.ops.aten._weight_int4pack_mm_for_cpu, cpu_kernels.int4_linear, w["l4"], w["h4"]
-        cases["layers_int4"] = (lambda: [mm4(xb[o[0].shape[1] * 2], t[0], 32, t[1]) for layer in l4 for t, o in layer],
-                                lambda: [i4(x[o[0].shape[1] * 2], *o, 32) for layer in l4 for _, o in layer])
+    mm4, i4, l4, h4 = torch.ops.aten._weight_int4pack_mm_for_cpu, cpu_kernels.int4_linear, w["l4"], w["h4"]
+    torch4 = lambda: [mm4(xb[o[0].shape[1] * 2], t[0], 32, t[1]) for layer in l4 for t, o, _ in layer]  # noqa: E731
+    if cpu_kernels.int8_activation_bits():
+        cases["layers_int4"] = (torch4, lambda: [i4(x[o[0].shape[1] * 2], *o, 32) for layer in l4 for _, o, _ in layer])
         cases["head_int4"] = (lambda: mm4(xb[512], h4[0][0], 32, h4[0][1]), lambda: i4(x[512], *h4[1], 32))
+    i4q = cpu_kernels.int4_linear_q8
+    cases["layers_int4_q8"] = (torch4, lambda: [i4q(x[o[0].shape[1] * 2], *o, 32) for layer in l4 for _, _, o in layer])
+    cases["head_int4_q8"] = (lambda: mm4(xb[512], h4[0][0], 32, h4[0][1]), lambda: i4q(x[512], *h4[2], 32))
     return cases
 
 
@@ -154,6 +165,23 @@ def products(rows_list: list[int], reps: int) -> list[dict[str, Any]]:
             out.append({"case": name, "rows": rows, "torch_ms": t_ms, "kernel_ms": k_ms, "torch_over_kernel": t_ms / k_ms})
             print(f"{name:12s} rows {rows:3d}: torch {t_ms:8.2f} ms  kernel {k_ms:8.2f} ms  torch/kernel "
                   f"{t_ms / k_ms:5.2f}", flush=True)
+    return out
+
+
+def q8_against_wide(products: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each q8 case next to its wide case of the same run: ``wide_over_q8`` above 1 means the q8 path is faster
+    (int4 on builds without VNNI: against torch's kernel, today's path there)."""
+    by = {(p["case"], p["rows"]): p for p in products}
+    out = []
+    for (case, rows), p in by.items():
+        if not case.endswith("_q8"):
+            continue
+        base = case[: -len("_q8")]
+        wide_ms = by[(base, rows)]["kernel_ms"] if (base, rows) in by else p["torch_ms"]
+        out.append({"case": base, "rows": rows, "wide_ms": wide_ms, "q8_ms": p["kernel_ms"],
+                    "wide_over_q8": wide_ms / p["kernel_ms"]})
+        print(f"{base:12s} rows {rows:3d}: wide {wide_ms:8.2f} ms  q8 {p['kernel_ms']:8.2f} ms  wide/q8 "
+              f"{wide_ms / p['kernel_ms']:5.2f}", flush=True)
     return out
 
 
@@ -195,16 +223,20 @@ def main() -> dict[str, Any]:
     reps = args.reps if args.reps is not None else (1 if args.quick else 3)
     isa, int8_bits = cpu_kernels.vector_isa(), cpu_kernels.int8_activation_bits()
     int8_path = f"integer, {int8_bits}-bit activations (VNNI)" if int8_bits else "fp32 activations"
-    print(f"kernel build: {isa}; int8 products: {int8_path}", flush=True)
+    print(f"kernel build: {isa}; int8 products: {int8_path}; q8 path on {cpu_kernels.q8_instruction()}", flush=True)
+    chosen = {k: v["path"] for k, v in cpu_kernels.quant_paths().items()}
+    print(f"paths chosen here (quant_paths): {chosen}", flush=True)
     load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
     steal = StealMeter()
     with torch.inference_mode():
         payload = {"benchmark": "cpu_kernels", "threads": torch.get_num_threads(), "kernel_isa": isa,
                    "int8_path": int8_path,
                    "products": products([1, 32] if args.quick else [1, 4, 8, 32, 64], reps),
+                   "q8_path": cpu_kernels.q8_instruction(), "quant_paths": cpu_kernels.quant_paths(),
                    "attention": attention(reps), "reps": reps, "loadavg_before": load_before,
                    "loadavg_after": " ".join(f"{x:.2f}" for x in os.getloadavg()), "steal_pct": steal.pct(),
                    "environment": environment()}
+    payload["q8_against_wide"] = q8_against_wide(payload["products"])
     print(f"load average before {load_before}, after {payload['loadavg_after']} (a loaded machine skews single "
           "rows: prefer --reps 3 with --quick)")
     if payload["steal_pct"] is not None:

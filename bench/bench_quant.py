@@ -9,6 +9,11 @@ activations, or 14-bit integer ones on AVX-512 VNNI); int4-wo on llminfer's kern
 (14-bit activations), else on torch's (bf16 activations). The accuracy has one more row,
 ``int4-wo-int4-head``: every layer and the head in int4.
 
+Both kernel paths: each quantized mode runs twice, on the q8 path (``int8-wo:q8``, ``int4-wo:q8``: 8-bit
+activations per 32 columns, u8 x s8 dot products) and on the wide one (``int8-wo:wide``, ``int4-wo:wide``),
+forced with ``LLMINFER_CPU_KERNEL_INT8_PATH`` / ``_INT4_PATH`` at load; the rounds visit all of them in turn,
+and the plain ``int8-wo`` / ``int4-wo`` keys repeat the figures of the path ``quant_paths`` chose here.
+
 Speed: one request at a time (batch 1), a 32-token prompt, greedy, EOS ignored; ms/token is the engine's
 time per output token after the first (``(total_latency_ms - ttft_ms) / (tokens - 1)``), the median over ``--reps`` rounds that
 visit the modes in turn (so a load change on the machine hits all of them alike).
@@ -37,14 +42,42 @@ import torch
 
 from common import BENCH_VOCAB, bench_model_path, environment, random_prompts, save
 from llminfer import CacheConfig, EngineConfig, InferenceEngine, QuantConfig
+from llminfer.backends import cpu_kernels
 from llminfer.backends.cpu_kernels import enable_cpu_kernels
 from llminfer.backends.weight_only import logit_agreement, quantize_model, sequence_logits
 from llminfer.logging import configure_logging
 
 MODES = ("none", "int8-wo", "int4-wo")
+#: (variant, mode, kernel path): every quantized mode on both paths of llminfer's CPU kernel.
+VARIANTS = (("none", "none", None), ("int8-wo:q8", "int8-wo", "q8"), ("int8-wo:wide", "int8-wo", "wide"),
+            ("int4-wo:q8", "int4-wo", "q8"), ("int4-wo:wide", "int4-wo", "wide"))
 
 
-def _engine(path, mode: str, group_size: int) -> InferenceEngine:
+class _forced_paths:
+    """Forces both quantized kernel paths to ``path`` (None: the measured choice) while a model is loaded."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+
+    def __enter__(self) -> None:
+        self.saved = {k: os.environ.get(k) for k in (cpu_kernels.INT8_PATH_ENV, cpu_kernels.INT4_PATH_ENV)}
+        for k in self.saved:
+            os.environ[k] = self.path or "auto"
+
+    def __exit__(self, *exc) -> None:
+        for k, v in self.saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _engine(path, mode: str, group_size: int, kernel_path: str | None = None) -> InferenceEngine:
+    with _forced_paths(kernel_path):
+        return _engine_now(path, mode, group_size)
+
+
+def _engine_now(path, mode: str, group_size: int) -> InferenceEngine:
     cfg = EngineConfig(model_name=str(path), dtype="float32", device="cpu", max_batch_size=1, batch_timeout_ms=0,
                        cache=CacheConfig(page_size_tokens=16, kv_cache_memory_bytes=64 << 20),
                        quant=QuantConfig(mode=mode, int4_group_size=group_size))
@@ -68,10 +101,12 @@ def accuracy(path, prompts: list[list[int]], group_size: int) -> dict[str, dict[
     ref = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="sdpa").eval()
     ref_logits = sequence_logits(ref, prompts)
     out = {"bf16": logit_agreement(ref_logits, copy.deepcopy(ref).to(torch.bfloat16), prompts)}
-    for name, mode, head in [(m, m, "int8") for m in MODES[1:]] + [("int4-wo-int4-head", "int4-wo", "int4")]:
+    runs = [(v, m, "int8", p) for v, m, p in VARIANTS[1:]] + [("int4-wo-int4-head", "int4-wo", "int4", None)]
+    for name, mode, head, kernel_path in runs:
         model = copy.deepcopy(ref)
         quantize_model(model, mode, group_size=group_size, int4_lm_head=head)
-        enable_cpu_kernels(model)  # as the engine runs them: llminfer's CPU kernels where they build
+        with _forced_paths(kernel_path):
+            enable_cpu_kernels(model)  # as the engine runs them: llminfer's CPU kernels where they build
         out[name] = logit_agreement(ref_logits, model, prompts)
         del model
     return out
@@ -92,24 +127,30 @@ def main() -> dict:
     load_before = os.getloadavg()
     path = bench_model_path()
     prompt = random_prompts(1, 32, BENCH_VOCAB, seed=11)[0]
-    engines = {m: _engine(path, m, args.group_size) for m in MODES}
-    facts = {m: e.info() for m, e in engines.items()}
-    read_bytes = {m: step_weight_bytes(e.model, facts[m]["weight_bytes"]) for m, e in engines.items()}
+    engines = {v: _engine(path, m, args.group_size, p) for v, m, p in VARIANTS}
+    facts = {v: e.info() for v, e in engines.items()}
+    read_bytes = {v: step_weight_bytes(e.model, facts[v]["weight_bytes"]) for v, e in engines.items()}
     for e in engines.values():
         e.run(prompt, max_new_tokens=4, ignore_eos=True)  # warm-up
-    tpot: dict[str, list[float]] = {m: [] for m in MODES}
+    tpot: dict[str, list[float]] = {v: [] for v in engines}
     tokens: dict[str, list[int]] = {}
     for _ in range(reps):
-        for m, e in engines.items():
+        for v, e in engines.items():
             r = e.run(prompt, max_new_tokens=new, ignore_eos=True)
             st = r.stats
-            tpot[m].append((st.total_latency_ms - st.ttft_ms) / max(st.completion_tokens - 1, 1))
-            tokens[m] = list(r.token_ids)
+            tpot[v].append((st.total_latency_ms - st.ttft_ms) / max(st.completion_tokens - 1, 1))
+            tokens[v] = list(r.token_ids)
     for e in engines.values():
         e.close()
-    ms = {m: statistics.median(v) for m, v in tpot.items()}
     acc_prompts = random_prompts(2 if args.quick else 4, 64, BENCH_VOCAB, seed=12)
     acc = accuracy(path, acc_prompts, args.group_size)
+    chosen = {k: v["path"] for k, v in cpu_kernels.quant_paths().items()} if cpu_kernels.skinny_linear_available() \
+        else {"int8": "wide", "int4": "wide"}
+    for m in MODES[1:]:  # the plain keys: the path chosen here
+        v = f"{m}:{chosen[m.split('-')[0]]}"
+        for d in (tpot, tokens, facts, read_bytes, acc):
+            d[m] = d[v]
+    ms = {m: statistics.median(v) for m, v in tpot.items()}
 
     def same_prefix(a: list[int], b: list[int]) -> int:
         return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
@@ -124,19 +165,21 @@ def main() -> dict:
         "quantized_linear_bytes": {m: f.get("quantized_linear_bytes", 0) for m, f in facts.items()},
         "weight_bytes_read_per_step": read_bytes,
         "accuracy_teacher_forced": acc,
-        "greedy_tokens_identical_to_fp32": {m: same_prefix(tokens[m], tokens["none"]) for m in MODES[1:]},
+        "greedy_tokens_identical_to_fp32": {m: same_prefix(tokens[m], tokens["none"]) for m in tokens if m != "none"},
+        "kernel_paths_chosen": chosen,
         "load_average_before": load_before, "load_average_after": os.getloadavg(),
         "environment": environment(),
     }
     b = acc["bf16"]
     print(f"[quant] (unquantized bf16 vs fp32: top-1 agree {b['top1_agreement']:.1%}, rel err {b['rel_err']:.3f}; "
           f"fp32 mean top-1/top-2 margin {b['mean_ref_top2_margin']:.3f})")
-    for m in MODES:
+    for m in [v for v, _, _ in VARIANTS]:
         a = acc.get(m)
         extra = (f"  top-1 agree {a['top1_agreement']:.1%} over {a['positions']}  rel err {a['rel_err']:.3f}  "
                  f"greedy same for {payload['greedy_tokens_identical_to_fp32'][m]}/{new}") if a else ""
-        print(f"[quant] {m:8s} {ms[m]:7.2f} ms/token  x{payload['speedup_vs_fp32'][m]:.2f}  "
+        print(f"[quant] {m:12s} {ms[m]:7.2f} ms/token  x{payload['speedup_vs_fp32'][m]:.2f}  "
               f"weights {facts[m]['weight_bytes'] / 1e6:6.1f} MB (read per step {read_bytes[m] / 1e6:6.1f} MB){extra}")
+    print(f"[quant] paths chosen here: {chosen}")
     a = acc["int4-wo-int4-head"]
     print(f"[quant] int4-wo with an int4 head: top-1 agree {a['top1_agreement']:.1%}  rel err {a['rel_err']:.3f}")
     print(f"[quant] load average before {load_before[0]:.2f}, after {payload['load_average_after'][0]:.2f}; "

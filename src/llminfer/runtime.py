@@ -436,6 +436,8 @@ def _cpu_kernel_line(rt: Runtime, cfg: EngineConfig) -> str:
             BF16_KERNEL_MAX_ROWS,
             bf16_kernel_available,
             int8_activation_bits,
+            quant_path_note,
+            quant_paths,
             vector_isa,
         )
 
@@ -443,15 +445,22 @@ def _cpu_kernel_line(rt: Runtime, cfg: EngineConfig) -> str:
         op, detail = "skinny_linear", "every row count"
         bits = int8_activation_bits()
         if cfg.quant.mode is QuantMode.INT8_WO:
-            op = "int8_linear"
-            detail += (f"; int8 on VNNI integer dot products, {bits}-bit activations" if bits
-                       else "; int8 with float32 activations")
+            q8 = quant_paths()["int8"]["path"] == "q8"
+            op = "int8_linear_q8" if q8 else "int8_linear"
+            if not q8:
+                detail += (f"; int8 on VNNI integer dot products, {bits}-bit activations" if bits
+                           else "; int8 with float32 activations")
+            detail += f"; int8 on the {quant_path_note('int8')}"
         elif cfg.quant.mode is QuantMode.INT4_WO:
-            op = "int4_linear" if bits else "int8_linear"
-            detail += (f"; int4 on VNNI integer dot products, {bits}-bit activations" if bits
-                       else "; int4 on torch's kernel (no AVX-512 VNNI here)")
+            q8 = quant_paths()["int4"]["path"] == "q8"
+            op = "int4_linear_q8" if q8 else ("int4_linear" if bits else "int8_linear")
+            if not q8:
+                detail += (f"; int4 on VNNI integer dot products, {bits}-bit activations" if bits
+                           else "; int4 on torch's kernel (no AVX-512 VNNI here)")
+            detail += f"; int4 on the {quant_path_note('int4')}"
             if cfg.quant.quantize_lm_head and cfg.quant.int4_lm_head == "int8":
-                detail += "; the LM head in int8 on int8_linear"
+                head_op = "int8_linear_q8" if quant_paths()["int8"]["path"] == "q8" else "int8_linear"
+                detail += f"; the LM head in int8 on {head_op}"
         elif rt.dtype == torch.bfloat16:
             op = "bf16_linear"
             detail = (f"bf16 on AVX-512 BF16 up to {BF16_KERNEL_MAX_ROWS} rows, torch's matmul beyond"

@@ -2,7 +2,10 @@
 
 Besides the fp32/int8 product below, the AVX-512 build has two more where the CPU has the instructions:
 :func:`bf16_linear` (AVX-512 BF16: bf16 models' products of up to :data:`BF16_KERNEL_MAX_ROWS` rows) and
-:func:`int4_linear` (AVX-512 VNNI: int4-wo's group-wise products at every row count).
+:func:`int4_linear` (AVX-512 VNNI: int4-wo's group-wise products at every row count). Every build also has
+the q8 path (:func:`int8_linear_q8`, :func:`int4_linear_q8`: 8-bit activations per block of 32 columns on u8 x
+s8 dot products, as llama.cpp's Q8_0), and :func:`quant_paths` picks per build, by a short measurement kept
+with the build, which path int8-wo and int4-wo layers take.
 
 ``torch.ops.llminfer_cpu.skinny_linear(x, weight, scale=None, bias=None)`` computes
 ``x @ (weight * scale[:, None]).T + bias`` for a float32 ``x`` ``[M, K]`` and a float32 or int8 ``weight``
@@ -51,6 +54,7 @@ import os
 import platform
 import threading
 from pathlib import Path
+from typing import Any
 
 import structlog
 import torch
@@ -62,6 +66,9 @@ from llminfer.backends.cpu_info import cpu_flags
 log = structlog.get_logger("llminfer.cpu_kernels")
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_kernels.cpp"
+#: Every source of the library (one extension; the build key hashes them all): the main file and the
+#: 8-bit-activation products (``csrc/cpu_kernels_q8.cpp``).
+SOURCES = (SOURCE, SOURCE.with_name("cpu_kernels_q8.cpp"))
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off")
 #: Added to :data:`CFLAGS` for the AVX-512 build, which needs every one of :data:`AVX512_CPU_FLAGS`.
 AVX512_CFLAGS = ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl")
@@ -70,6 +77,9 @@ AVX512_CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512dq", "avx512vl"})
 #: ``0``): int8 products then run on integer dot products (:func:`int8_linear`).
 VNNI_CFLAGS = ("-mavx512vnni",)
 VNNI_ENV = "LLMINFER_CPU_KERNEL_VNNI"
+#: Added to the AVX2 build where the CPU has ``avx_vnni`` (Intel Alder Lake and later): the q8 path's u8 x s8
+#: products then run on ``vpdpbusd`` instead of ``vpmaddubsw``.
+AVXVNNI_CFLAGS = ("-mavxvnni",)
 #: Added to the AVX-512 build where the CPU has ``avx512_bf16``: bf16 products then run on ``vdpbf16ps``
 #: (:func:`bf16_linear`).
 BF16_CFLAGS = ("-mavx512bf16",)
@@ -85,7 +95,7 @@ DISABLE_ENV = "LLMINFER_CPU_KERNELS"
 ISA_ENV = "LLMINFER_CPU_KERNEL_ISA"
 
 _lock = threading.Lock()
-_state: dict[str, str | bool | None] = {"loaded": None, "reason": None}
+_state: dict[str, Any] = {"loaded": None, "reason": None}
 
 
 def best_isa() -> str:
@@ -106,8 +116,8 @@ def target_isa() -> str:
 def build_cflags(isa: str) -> tuple[str, ...]:
     """The compiler flags of the build for ``isa`` (``"avx2"`` or ``"avx512"``; the AVX-512 build adds
     :data:`VNNI_CFLAGS` where the CPU has ``avx512_vnni``)."""
-    if isa != "avx512":
-        return CFLAGS
+    if isa != "avx512":  # AVX-VNNI (vpdpbusd on ymm) for the q8 path where the CPU has it
+        return CFLAGS + (AVXVNNI_CFLAGS if "avx_vnni" in cpu_flags() else ())
     bf16 = BF16_CFLAGS if "avx512_bf16" in cpu_flags() else ()
     return CFLAGS + AVX512_CFLAGS + (VNNI_CFLAGS if vnni_wanted() else ()) + bf16
 
@@ -124,7 +134,7 @@ def _cache_dir(isa: str = "avx2") -> Path:
 
     root = default_cache_dir()
     flags = " ".join(build_cflags(isa)).encode()
-    key = hashlib.sha256(SOURCE.read_bytes() + flags + torch.__version__.encode()).hexdigest()
+    key = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES) + flags + torch.__version__.encode()).hexdigest()
     return root / "cpu_kernels" / key[:16]
 
 
@@ -151,7 +161,7 @@ def _load() -> bool:
                 isa = target_isa()
                 build = _cache_dir(isa)
                 build.mkdir(parents=True, exist_ok=True)
-                cpp_extension.load(name="llminfer_cpu_kernels", sources=[str(SOURCE)],
+                cpp_extension.load(name="llminfer_cpu_kernels", sources=[str(src) for src in SOURCES],
                                    extra_cflags=list(build_cflags(isa)),
                                    extra_ldflags=["-fopenmp"], build_directory=str(build), is_python_module=False,
                                    verbose=False)
@@ -171,8 +181,8 @@ _fakes_registered = False
 
 
 def _register_fake_impls() -> None:
-    """Shape-only implementations of the ops (skinny_linear, int8_linear, int4_linear, bf16_linear,
-    paged_decode_attention), so
+    """Shape-only implementations of the ops (skinny_linear, int8_linear, int4_linear, their q8 forms,
+    bf16_linear, paged_decode_attention), so
     ``torch.compile`` (the compiled backend) traces through them and inductor calls them as extern kernels
     instead of breaking the graph. Once per process:
     the C++ library outlives :func:`_reset_for_tests`."""
@@ -193,6 +203,16 @@ def _register_fake_impls() -> None:
     @torch.library.register_fake("llminfer_cpu::int4_linear")
     def _int4_linear_fake(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
                           group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return x.new_empty(x.shape[0], codes.shape[0], dtype=torch.float32)
+
+    @torch.library.register_fake("llminfer_cpu::int8_linear_q8")
+    def _int8_linear_q8_fake(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                             bias: torch.Tensor | None = None) -> torch.Tensor:
+        return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+
+    @torch.library.register_fake("llminfer_cpu::int4_linear_q8")
+    def _int4_linear_q8_fake(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                             group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
         return x.new_empty(x.shape[0], codes.shape[0], dtype=torch.float32)
 
     @torch.library.register_fake("llminfer_cpu::bf16_linear")
@@ -343,6 +363,219 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return torch.ops.llminfer_cpu.bf16_linear(x, weight, bias)
 
 
+# --------------------------------------------------------------------------- products on 8-bit activations
+#: ``q8`` or ``wide`` forces the int8-wo products onto :func:`int8_linear_q8` or :func:`int8_linear`; ``auto``
+#: (or unset) takes the faster here, measured once per build (:func:`quant_paths`).
+INT8_PATH_ENV = "LLMINFER_CPU_KERNEL_INT8_PATH"
+#: The same for int4-wo: :func:`int4_linear_q8`, or ``wide`` (:func:`int4_linear` on the AVX-512 VNNI
+#: build, torch's int4 kernel elsewhere).
+INT4_PATH_ENV = "LLMINFER_CPU_KERNEL_INT4_PATH"
+QUANT_PATHS = ("q8", "wide")
+#: Where the measured choice is kept, in the build's folder (so it follows the source, flags and torch).
+PATHS_FILE = "quant_paths.json"
+
+
+def int8_linear_q8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ (weight * scale[:, None]).T + bias`` for an int8 ``weight`` on u8 x s8 integer dot products
+    with 8-bit activations (the "q8" path; source: ``csrc/cpu_kernels_q8.cpp``).
+
+    Each activation row is rounded per block of 32 columns as llama.cpp's Q8_0 does
+    (``d = max|x| / 127`` in float32, ``q = round(x / d)`` to nearest even). The products of a block run on
+    ``vpdpbusd`` (AVX-512 VNNI, 64 columns an instruction; AVX-VNNI, 32), the weights made unsigned with
+    ``w + 128`` and each lane started at ``-128 * sum(q)`` of its columns, or on ``vpmaddubsw`` (plain AVX2)
+    with llama.cpp's sign trick (``|q|`` times ``w`` with ``q``'s sign): exact int32 lane sums either way.
+    Each lane's sum is added in float32 times its block's ``d``, then the lanes in a fixed order, times
+    ``scale``, plus ``bias``: one fixed sequence per output element, so a row's result does not depend on
+    the batch or the threads. Against the float product the error is the activation rounding:
+    ``|out - x @ W.T| <= scale[n] * sum_k |weight[n, k]| * d[b(k)] / 2`` plus float32 sums. A block holding
+    a NaN or an infinity makes the row's outputs NaN.
+
+    Args:
+        x: float32 ``[M, K]``, contiguous, on CPU, ``K % 32 == 0``.
+        weight: int8 ``[N, K]``, contiguous, values in [-127, 127] (-128 would break the sign trick).
+        scale: float32 ``[N]`` per-output-channel scale.
+        bias: float32 ``[N]``, or None.
+
+    Returns:
+        float32 ``[M, N]``.
+
+    Raises:
+        RuntimeError: the kernel is not loaded, or the arguments break the rules above.
+    """
+    return torch.ops.llminfer_cpu.int8_linear_q8(x, weight, scale, bias)
+
+
+def int4_linear_q8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T + bias`` for group-wise int4 weights ``W[n, k] = q[n, k] * scale[n, g] + zero[n, g]`` on u8 x
+    s8 integer dot products with 8-bit activations (the "q8" path, any x86 build).
+
+    Activations are rounded per block of 32 columns as in :func:`int8_linear_q8`; the codes are the
+    unsigned operand (``vpdpbusd``, or ``vpmaddubsw`` on plain AVX2), each lane's exact sum is added in
+    float32 times its block's ``d`` and its group's scale, and the zero points' term uses each group's sum of
+    the float32 activations. llama.cpp's Q4_1 x Q8_0 block product, with llminfer's layout and group sizes.
+    A row's result does not depend on the other rows or the threads.
+
+    Args:
+        x: float32 ``[M, K]``, contiguous, on CPU.
+        codes: uint8 ``[N, ceil(K / 128) * 64]`` from
+            :func:`llminfer.backends.weight_only.pack_int4_codes_q8`.
+        scale, zero: float32 ``[N, K // group_size]``, contiguous, on CPU.
+        group_size: 32, 64, 128 or 256, dividing ``K``.
+        bias: float32 ``[N]``, or None.
+
+    Returns:
+        float32 ``[M, N]``.
+
+    Raises:
+        RuntimeError: the kernel is not loaded, or the arguments break the rules above.
+    """
+    return torch.ops.llminfer_cpu.int4_linear_q8(x, codes, scale, zero, group_size, bias)
+
+
+def q8_instruction() -> str | None:
+    """The instruction the q8 path multiplies with in the loaded build (None where it is not loaded)."""
+    if not _state["loaded"]:
+        return None
+    return str(torch.ops.llminfer_cpu.q8_instruction())
+
+
+def _forced_path(env: str) -> str | None:
+    value = os.environ.get(env, "auto").strip().lower() or "auto"
+    if value == "auto":
+        return None
+    if value not in QUANT_PATHS:
+        raise ValueError(f"{env} must be one of q8, wide or auto, got {value!r}")
+    return value
+
+
+def _best_ms(fn, loops: int = 2) -> float:
+    import time
+
+    start = time.perf_counter()
+    for _ in range(loops):
+        fn()
+    return (time.perf_counter() - start) / loops * 1e3
+
+
+def _race(a, b, rounds: int = 3) -> tuple[float, float]:
+    """The best ms per call of ``a`` and ``b``, timed alternately (ABAB) after one warm-up call each."""
+    a()
+    b()
+    ta = tb = float("inf")
+    for _ in range(rounds):
+        ta = min(ta, _best_ms(a))
+        tb = min(tb, _best_ms(b))
+    return ta, tb
+
+
+def _measure_paths() -> dict[str, dict]:
+    """Time both paths on the products of a decode step at batch 1 and at batch 8 (1 and 8 rows over 8 MB
+    of int8 weights, past the L2 caches), alternately, and keep per kind the path with the smaller sum of the
+    two (the q8 path's per-block float steps cost more per row as the rows grow, so a path that wins at one
+    row can lose at eight). Tens of ms on a 2-core Zen 4."""
+    n, k, g = 8192, 1024, 32
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(rows, k, generator=gen) for rows in (1, 8)]
+    w8 = torch.full((n, k), 37, dtype=torch.int8)  # any values: the instructions' timing does not depend on them
+    ones = torch.ones(n)
+    s, z = torch.ones(n, k // g), torch.zeros(n, k // g)
+    codes = torch.full((n, -(-k // 128) * 64), 0x5A, dtype=torch.uint8)
+    if int8_activation_bits():
+        wide4 = lambda x: int4_linear(x, codes, s, z, g)  # noqa: E731
+        label4 = "int4_linear"
+    else:  # no VNNI: today's int4 path is torch's kernel (bf16 activations)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.full((n, k), 5, dtype=torch.int32), 1)
+        sz = torch.stack([s, z], dim=2).transpose(0, 1).contiguous().bfloat16()
+        wide4 = lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), packed, g, sz)  # noqa: E731
+        label4 = "torch's _weight_int4pack_mm_for_cpu"
+    pairs = {"int8": (lambda x: int8_linear_q8(x, w8, ones), lambda x: int8_linear(x, w8, ones), "int8_linear"),
+             "int4": (lambda x: int4_linear_q8(x, codes, s, z, g), wide4, label4)}
+    found: dict[str, dict] = {}
+    for kind, (q8, wide, label) in pairs.items():
+        q8_ms = wide_ms = 0.0
+        for x in xs:
+            a, b = _race(lambda: q8(x), lambda: wide(x))  # noqa: B023 - called before x moves on
+            q8_ms, wide_ms = q8_ms + a, wide_ms + b
+        found[kind] = {"path": "q8" if q8_ms <= wide_ms else "wide", "how": "measured", "q8_ms": round(q8_ms, 4),
+                       "wide_ms": round(wide_ms, 4), "wide": label}
+    return found
+
+
+def quant_paths() -> dict[str, dict]:
+    """Which path the int8-wo and int4-wo layers take here: ``{"int8": {...}, "int4": {...}}``, each with
+    ``path`` (``"q8"``: :func:`int8_linear_q8` / :func:`int4_linear_q8`; ``"wide"``: :func:`int8_linear` /
+    :func:`int4_linear`, or torch's int4 kernel on builds without AVX-512 VNNI) and ``how`` (``"forced"`` by
+    :data:`INT8_PATH_ENV` / :data:`INT4_PATH_ENV`, or ``"measured"``, then with the ``q8_ms`` and ``wide_ms``
+    of the measurement).
+
+    The measurement (:func:`_measure_paths`, tens of ms) runs once per build, the first time a model
+    needs it, and is kept in the build's folder (:data:`PATHS_FILE`, keyed like the build by the sources,
+    the flags and torch's version; the CPU model is stored and checked too), so later processes read it.
+
+    Raises:
+        ValueError: an environment variable above holds something other than ``q8``, ``wide`` or ``auto``.
+        RuntimeError: the kernel is not loaded.
+    """
+    import json
+
+    forced = {"int8": _forced_path(INT8_PATH_ENV), "int4": _forced_path(INT4_PATH_ENV)}
+    if not _load():
+        raise RuntimeError(f"llminfer's CPU kernel is not loaded: {unavailable_reason()}")
+    with _lock:
+        measured = _state.get("paths")
+        if measured is None and not all(forced.values()):
+            cpu = _cpu_model()
+            path = _cache_dir(target_isa()) / PATHS_FILE
+            try:
+                kept = json.loads(path.read_text())
+                measured = kept["paths"] if kept.get("cpu") == cpu and kept.get("threads") == torch.get_num_threads() else None
+            except (OSError, ValueError, KeyError):
+                measured = None
+            if measured is None:
+                with torch.inference_mode():
+                    measured = _measure_paths()
+                tmp = path.with_suffix(f".{os.getpid()}.tmp")
+                try:
+                    tmp.write_text(json.dumps({"cpu": cpu, "threads": torch.get_num_threads(), "paths": measured}))
+                    os.replace(tmp, path)
+                except OSError:
+                    pass
+                log.info("quantized kernel paths measured", **{k: v["path"] for k, v in measured.items()})
+            _state["paths"] = measured
+    out: dict[str, dict] = {}
+    for kind, force in forced.items():
+        out[kind] = {"path": force, "how": "forced"} if force else dict(measured[kind])
+    return out
+
+
+def quant_path_note(kind: str) -> str:
+    """One line on the path ``kind`` (``"int8"`` or ``"int4"``) takes and why, for ``llminfer info``: e.g.
+    ``"q8 path (vpdpbusd zmm (AVX-512 VNNI), 8-bit activations per 32 columns), measured here: q8 1.75 ms,
+    wide 3.49 ms"``.
+
+    Raises:
+        ValueError, RuntimeError: as :func:`quant_paths`.
+    """
+    p = quant_paths()[kind]
+    what = (f"q8 path ({q8_instruction()}, 8-bit activations per 32 columns)" if p["path"] == "q8"
+            else "wide path")
+    if p["how"] == "forced":
+        return f"{what}, forced by {INT8_PATH_ENV if kind == 'int8' else INT4_PATH_ENV}"
+    return f"{what}, measured here: q8 {p['q8_ms']:.2f} ms, wide ({p['wide']}) {p['wide_ms']:.2f} ms"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 class SkinnyLinear(nn.Linear):
     """A drop-in for an fp32 or bf16 ``nn.Linear`` that runs its products on :func:`skinny_linear` (fp32)
     or :func:`bf16_linear` (bf16, where :func:`bf16_kernel_available`).
@@ -385,9 +618,10 @@ def enable_cpu_kernels(model: nn.Module, include_head: bool = False) -> int:
     with :func:`llminfer.backends.prepack.prepack_lm_head`, whose lazily packed weight does not trace under
     ``torch.compile``, so the compiled backend takes the kernel for it). Every
     :class:`~llminfer.backends.weight_only.Int8WeightOnlyLinear` (the head included) takes the kernel for
-    any row count (:func:`int8_linear`), and so does every
-    :class:`~llminfer.backends.weight_only.Int4WeightOnlyLinear` where the kernel has its VNNI path
-    (:func:`int4_linear`; its codes are re-laid out in place).
+    any row count (:func:`int8_linear_q8` or :func:`int8_linear`, as :func:`quant_paths` chose), and so does
+    every :class:`~llminfer.backends.weight_only.Int4WeightOnlyLinear` (:func:`int4_linear_q8`, or
+    :func:`int4_linear` where the kernel has its VNNI path and that path was chosen; the codes are re-laid
+    out in place).
 
     Args:
         model: the loaded model (modules swapped in place).
@@ -404,21 +638,23 @@ def enable_cpu_kernels(model: nn.Module, include_head: bool = False) -> int:
     fp32 = [(n, m) for n, m in plain if m.weight.dtype == torch.float32 and m.in_features % 8 == 0]
     bf16 = [(n, m) for n, m in plain if m.weight.dtype == torch.bfloat16 and m.in_features % 32 == 0]
     int8 = [m for m in model.modules() if isinstance(m, Int8WeightOnlyLinear) and m.weight.device.type == "cpu"]
-    int4 = [m for m in model.modules() if isinstance(m, Int4WeightOnlyLinear) and m.weight.device.type == "cpu"
-            and m.in_features <= 32768]
+    int4 = [m for m in model.modules() if isinstance(m, Int4WeightOnlyLinear) and m.weight.device.type == "cpu"]
     if not (fp32 or bf16 or int8 or int4) or not skinny_linear_available():
         return 0
+    paths = quant_paths() if (int8 or int4) else {"int8": {"path": "wide"}, "int4": {"path": "wide"}}
     swapped = fp32 + (bf16 if bf16_kernel_available() else [])
     for name, linear in swapped:
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, SkinnyLinear(linear))
     for layer in int8:
         layer.use_cpu_kernel = True
+        layer.kernel_path = "q8" if paths["int8"]["path"] == "q8" and layer.in_features % 32 == 0 else "wide"
         layer._kernel_scales = layer.scales.float().contiguous()  # now, not inside a torch.compile trace
-    if int8_activation_bits() is None:  # int4 needs the integer path; without it torch's kernel stays
-        int4 = []
+    int4_path = paths["int4"]["path"]
+    if int4_path == "wide":  # int4_linear needs the VNNI integer path (and K <= 32768); else torch's kernel stays
+        int4 = [m for m in int4 if m.in_features <= 32768] if int8_activation_bits() is not None else []
     for layer in int4:
-        layer.use_llminfer_kernel()
+        layer.use_llminfer_kernel(int4_path)
     return len(swapped) + len(int8) + len(int4)
 
 
@@ -426,3 +662,4 @@ def _reset_for_tests() -> None:
     with _lock:
         _state["loaded"] = None
         _state["reason"] = None
+        _state.pop("paths", None)

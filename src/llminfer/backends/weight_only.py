@@ -13,7 +13,9 @@ activations stay in floating point ("weight-only"), which keeps the accuracy clo
   torch's own ``test_linalg`` int4 tests); ``torch.ops.aten._convert_weight_to_int4pack_for_cpu`` packs the
   codes and ``torch.ops.aten._weight_int4pack_mm_for_cpu`` multiplies. Where llminfer's CPU kernel has its
   AVX-512 VNNI path, :func:`llminfer.backends.cpu_kernels.enable_cpu_kernels` re-lays the codes out for
-  :func:`llminfer.backends.cpu_kernels.int4_linear` instead (:meth:`Int4WeightOnlyLinear.use_llminfer_kernel`).
+  :func:`llminfer.backends.cpu_kernels.int4_linear` instead (:meth:`Int4WeightOnlyLinear.use_llminfer_kernel`),
+  or, on any build where :func:`llminfer.backends.cpu_kernels.quant_paths` chose the q8 path, for
+  :func:`llminfer.backends.cpu_kernels.int4_linear_q8`.
 
 Activation dtype: torch vectorizes both kernels on x86 (AVX2 and AVX-512) for **bfloat16** activations
 only; float32 and float16 activations take a scalar loop there that is several times slower than the fp32
@@ -126,6 +128,32 @@ def unpack_int4_codes(packed: torch.Tensor, in_features: int) -> torch.Tensor:
     return nib.reshape(n, -1)[:, :in_features].contiguous()
 
 
+def pack_int4_codes_q8(q: torch.Tensor) -> torch.Tensor:
+    """Codes in [0, 15] in the layout of :func:`llminfer.backends.cpu_kernels.int4_linear_q8`.
+
+    Args:
+        q: integer ``[N, K]`` with ``K % 32 == 0``.
+
+    Returns:
+        uint8 ``[N, ceil(K / 128) * 64]``: each run of 128 columns from ``k0`` is 64 bytes, byte ``i`` holding
+        ``q[:, k0 + i]`` in its low nibble and ``q[:, k0 + 64 + i]`` in its high one (zero nibbles where a
+        shorter last run has no columns).
+    """
+    n, k = q.shape
+    runs = -(-k // 128)
+    padded = torch.zeros(n, runs * 128, dtype=torch.int32)
+    padded[:, :k] = q
+    nib = padded.reshape(n, runs, 2, 64)  # [n, run, half, i]
+    return (nib[:, :, 0] | (nib[:, :, 1] << 4)).to(torch.uint8).reshape(n, runs * 64).contiguous()
+
+
+def unpack_int4_codes_q8(packed: torch.Tensor, in_features: int) -> torch.Tensor:
+    """The inverse of :func:`pack_int4_codes_q8`: int32 ``[N, in_features]``."""
+    n = packed.shape[0]
+    b = packed.to(torch.int32).reshape(n, -1, 64)
+    return torch.stack([b & 0x0F, b >> 4], dim=2).reshape(n, -1)[:, :in_features].contiguous()
+
+
 # --------------------------------------------------------------------------------------------- modules
 class _WeightOnlyLinear(nn.Linear):
     """Shared parts: an ``nn.Linear`` (for PEFT) holding no float weight, input cast to the kernel's dtype."""
@@ -190,11 +218,15 @@ class Int8WeightOnlyLinear(_WeightOnlyLinear):
 
     #: Set by :func:`llminfer.backends.cpu_kernels.enable_cpu_kernels`: CPU inputs of any row count run on
     #: llminfer's kernel (:func:`~llminfer.backends.cpu_kernels.int8_linear`: float32 activations, or on the
-    #: AVX-512 VNNI build activations rounded to 14 bits per row and exact integer sums). ``compute_dtype`` is
-    #: not applied: both are more exact than bf16 activations and faster than torch's kernel at every row
-    #: count measured, 1 to 128; one kernel for prefill and decode keeps a row's result independent of how
-    #: the step was packed.
+    #: AVX-512 VNNI build activations rounded to 14 bits per row and exact integer sums), or, where
+    #: ``kernel_path`` is ``"q8"``, :func:`~llminfer.backends.cpu_kernels.int8_linear_q8` (activations rounded
+    #: to 8 bits per block of 32 columns, as llama.cpp's Q8_0). ``compute_dtype`` is not applied: the first two
+    #: are more exact than bf16 activations, the third about as exact, and all faster than torch's kernel; one
+    #: kernel for prefill and decode keeps a row's result independent of how the step was packed.
     use_cpu_kernel = False
+    #: ``"q8"`` or ``"wide"``: which of the kernel's int8 products this layer runs (set with use_cpu_kernel,
+    #: from :func:`llminfer.backends.cpu_kernels.quant_paths`).
+    kernel_path = "wide"
     _kernel_scales: torch.Tensor | None = None  # ``scales`` in float32 for that kernel (enable_cpu_kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -208,7 +240,8 @@ class Int8WeightOnlyLinear(_WeightOnlyLinear):
             scales = self._kernel_scales = self.scales.float().contiguous()
         bias = None if self.bias is None else self.bias.float()
         flat = x.reshape(rows, self.in_features).float().contiguous()
-        out = cpu_kernels.int8_linear(flat, self.weight, scales, bias)
+        product = cpu_kernels.int8_linear_q8 if self.kernel_path == "q8" else cpu_kernels.int8_linear
+        out = product(flat, self.weight, scales, bias)
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
@@ -253,8 +286,10 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
         self.register_buffer("scales_and_zeros", sz.to(compute_dtype))
 
     #: Set by :meth:`use_llminfer_kernel`: ``weight`` then holds the codes in the layout of
-    #: :func:`llminfer.backends.cpu_kernels.int4_linear` and every product runs there.
+    #: :func:`llminfer.backends.cpu_kernels.int4_linear` (``kernel_path`` ``"wide"``) or of
+    #: :func:`llminfer.backends.cpu_kernels.int4_linear_q8` (``"q8"``) and every product runs there.
     use_cpu_kernel = False
+    kernel_path = "wide"
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.weight, self.group_size, self.scales_and_zeros)
@@ -268,13 +303,15 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
         rows = x.numel() // self.in_features
         flat = x.reshape(rows, self.in_features).float().contiguous()
         bias = None if self.bias is None else self.bias.float()
-        out = cpu_kernels.int4_linear(flat, self.weight, self.kernel_scales, self.kernel_zeros, self.group_size, bias)
+        product = cpu_kernels.int4_linear_q8 if self.kernel_path == "q8" else cpu_kernels.int4_linear
+        out = product(flat, self.weight, self.kernel_scales, self.kernel_zeros, self.group_size, bias)
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def codes(self) -> torch.Tensor:
         """The int32 ``[out_features, in_features]`` codes in [0, 15] (of either layout)."""
         if self.use_cpu_kernel:
-            return unpack_int4_codes(self.weight, self.in_features)[: self.out_features]
+            unpack = unpack_int4_codes_q8 if self.kernel_path == "q8" else unpack_int4_codes
+            return unpack(self.weight, self.in_features)[: self.out_features]
         # torch's packed layout is opaque: its own kernel with scale 1 and zero point 8 computes
         # (q - 8) * 1 + 8 = q, and rows of the identity pick each column (exact: one term per output)
         n_pad = self.weight.shape[0]
@@ -285,11 +322,18 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
                 for i in range(0, self.in_features, 256)]
         return torch.cat(cols).t()[: self.out_features].round().to(torch.int32)
 
-    def use_llminfer_kernel(self) -> None:
-        """Re-lay ``weight`` out for :func:`llminfer.backends.cpu_kernels.int4_linear` (:func:`pack_int4_codes`:
-        the same bytes where ``in_features % 128 == 0``, without torch's row padding), replace
-        ``scales_and_zeros`` by the kernel's float32 ``kernel_scales`` / ``kernel_zeros`` buffers, and run every
-        product there from now on (the caller checks that the kernel has its VNNI path). Idempotent."""
+    def use_llminfer_kernel(self, path: str = "wide") -> None:
+        """Re-lay ``weight`` out for :func:`llminfer.backends.cpu_kernels.int4_linear` (``path="wide"``,
+        :func:`pack_int4_codes`, the caller checks that the kernel has its VNNI path) or
+        :func:`~llminfer.backends.cpu_kernels.int4_linear_q8` (``"q8"``, :func:`pack_int4_codes_q8`), without
+        torch's row padding; replace ``scales_and_zeros`` by the kernel's float32 ``kernel_scales`` /
+        ``kernel_zeros`` buffers, and run every product there from now on. Idempotent (the first path stays).
+
+        Raises:
+            ValueError: ``path`` is neither ``"wide"`` nor ``"q8"``.
+        """
+        if path not in ("wide", "q8"):
+            raise ValueError(f"int4 kernel path must be 'wide' or 'q8', got {path!r}")
         if self.use_cpu_kernel:
             return
         q = self.codes()
@@ -299,7 +343,8 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
         # see what the products read), under other names than torch's layout, so a state_dict of one layout
         # does not load into the other.
         del self.scales_and_zeros
-        self.weight = pack_int4_codes(q)
+        self.weight = pack_int4_codes_q8(q) if path == "q8" else pack_int4_codes(q)
+        self.kernel_path = path
         self.register_buffer("kernel_scales", scales)                           # float32 [N, K / G]
         self.register_buffer("kernel_zeros", (zeros - 8.0 * scales).contiguous())  # zero - 8 * scale
         self.use_cpu_kernel = True
