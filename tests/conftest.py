@@ -52,3 +52,29 @@ def fake_vllm(monkeypatch) -> FakeVLLM:
     monkeypatch.setattr(vb.VLLMBackend, "from_config", classmethod(
         lambda cls, cfg, path, max_len: cls(fake, dict, lambda ids: {"prompt_token_ids": ids}, "fake")))
     return fake
+
+
+# ---------------------------------------------------------------------------- TEMPORARY (issue 34)
+# TEMPORARY stand-ins for the ``trained_gguf`` / ``trained_model`` fixtures that the GGUF branch provides
+# (the built-in trained model fetched once per session). Same names and contract: a str path, skipping with
+# a clear reason where the model cannot be had. The lead replaces this block when merging that branch.
+def _trained_from_env(var: str, what: str) -> str:
+    value = os.environ.get(var)
+    if not value:
+        pytest.skip(f"no trained model: set {var} to {what}")
+    if not Path(value).exists():
+        pytest.skip(f"no trained model: {var}={value} does not exist")
+    return value
+
+
+@pytest.fixture(scope="session")
+def trained_gguf() -> str:
+    """TEMPORARY: path of the SmolLM2-135M-Instruct Q4_1 GGUF, from ``LLMINFER_TEST_TRAINED_GGUF``."""
+    return _trained_from_env("LLMINFER_TEST_TRAINED_GGUF", "the SmolLM2-135M-Instruct .gguf file")
+
+
+@pytest.fixture(scope="session")
+def trained_model() -> str:
+    """TEMPORARY: a local HF folder of that model (fp32 safetensors, tokenizer, chat template), from
+    ``LLMINFER_TEST_TRAINED_MODEL``."""
+    return _trained_from_env("LLMINFER_TEST_TRAINED_MODEL", "a local HF folder of SmolLM2-135M-Instruct")
