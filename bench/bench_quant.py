@@ -86,10 +86,10 @@ def step_weight_bytes(model, weight_bytes: int) -> int:
 def bnb_accuracy(path, ref_logits: list[torch.Tensor], prompts: list[list[int]]) -> dict[str, dict[str, float]]:
     """bitsandbytes ``nf4`` and ``int8`` (LLM.int8) against fp32 logits, loaded as llminfer loads them
     (:func:`llminfer.backends.quant.bnb_config`, fp32 compute); one ``SKIP:`` line per mode that cannot run."""
+    from transformers import AutoConfig
+
     from llminfer.backends.quant import bnb_config
     from llminfer.errors import LLMInferError
-
-    from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(str(path)) if path.is_dir() else None
     if config is not None and getattr(config, "quantization_config", None) is not None:
