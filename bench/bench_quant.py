@@ -28,7 +28,19 @@ Weight bytes: with tied embeddings the input embedding keeps its fp32 weight for
 quantized head is an extra copy, so the footprint barely shrinks; what a decode step reads
 (``weight_bytes_read_per_step``) drops by ~4x (int8) and ~6x (int4).
 
-    nice python bench/bench_quant.py [--quick] [--reps 3] [--new-tokens 48]
+With ``--model NAME`` (a trained model: a folder, a .gguf file or a built-in name; ``run_all.py`` passes
+``common.TRAINED_MODEL``), the same rows on that model, written to results/quant_trained.json: the speed
+prompt is the first 32 tokens of ``common.ENGLISH_PASSAGES``, the accuracy text those passages (each a
+teacher-forced sequence), and two bitsandbytes rows join the accuracy (``nf4`` and LLM.int8 ``int8``, fp32
+compute, every linear layer but the LM head, where bitsandbytes runs). On trained weights the fp32 top-1/top-2
+margins are wide, so top-1 agreement measures the quantization, not the noise of flat logits. When the
+trained model came from a GGUF file (the built-in SmolLM2-135M-Instruct is Q4_1), the fp32 reference *is*
+that GGUF's quantization, dequantized: "the GGUF's own quantization against fp32" is the identity here, and
+``int4-wo`` (asymmetric groups of 32 along the input, ``min + q * scale``: Q4_1's grid) re-quantizes Q4_1
+weights almost losslessly; what it then differs by is the activation precision of the kernels. llama.cpp's
+figures on the same file come from ``bench/llamacpp/peer.py --gguf``.
+
+    nice python bench/bench_quant.py [--quick] [--reps 3] [--new-tokens 48] [--model NAME]
 """
 
 from __future__ import annotations
@@ -40,7 +52,17 @@ import statistics
 
 import torch
 
-from common import BENCH_VOCAB, bench_model_path, environment, random_prompts, save
+from common import (
+    BENCH_VOCAB,
+    ENGLISH_PASSAGES,
+    bench_model_path,
+    environment,
+    load_hf_model,
+    random_prompts,
+    resolve_trained,
+    save,
+    skip_payload,
+)
 from llminfer import CacheConfig, EngineConfig, InferenceEngine, QuantConfig
 from llminfer.backends import cpu_kernels
 from llminfer.backends.cpu_kernels import enable_cpu_kernels
@@ -94,11 +116,38 @@ def step_weight_bytes(model, weight_bytes: int) -> int:
     return weight_bytes - emb.numel() * emb.element_size()
 
 
-def accuracy(path, prompts: list[list[int]], group_size: int) -> dict[str, dict[str, float]]:
-    """Teacher-forced agreement and logit error of each quantized mode against fp32, over ``prompts``."""
-    from transformers import AutoModelForCausalLM
+def bnb_accuracy(path, ref_logits: list[torch.Tensor], prompts: list[list[int]]) -> dict[str, dict[str, float]]:
+    """bitsandbytes ``nf4`` and ``int8`` (LLM.int8) against fp32 logits, loaded as llminfer loads them
+    (:func:`llminfer.backends.quant.bnb_config`, fp32 compute); one ``SKIP:`` line per mode that cannot run."""
+    from transformers import AutoConfig
 
-    ref = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="sdpa").eval()
+    from llminfer.backends.quant import bnb_config
+    from llminfer.errors import LLMInferError
+
+    config = AutoConfig.from_pretrained(str(path)) if path.is_dir() else None
+    if config is not None and getattr(config, "quantization_config", None) is not None:
+        # A folder saved from a dequantized GGUF keeps its GgufConfig, which transformers will not replace
+        # by a BitsAndBytesConfig; the weights in it are plain floats.
+        del config.quantization_config
+    out = {}
+    for mode in ("nf4", "int8"):
+        try:
+            qcfg = bnb_config(QuantConfig(mode=mode, compute_dtype="float32"), torch.device("cpu"))
+            kw = {"config": config} if config is not None else {}
+            model = load_hf_model(path, dtype=torch.float32, attn_implementation="sdpa", quantization_config=qcfg,
+                                  **kw)
+        except (LLMInferError, ImportError, RuntimeError, ValueError) as exc:
+            print(f"SKIP: bitsandbytes {mode}: {str(exc).splitlines()[0][:200]}")
+            continue
+        out[f"bnb-{mode}"] = logit_agreement(ref_logits, model, prompts)
+        del model
+    return out
+
+
+def accuracy(path, prompts: list[list[int]], group_size: int, bnb: bool = False) -> dict[str, dict[str, float]]:
+    """Teacher-forced agreement and logit error of each quantized mode against fp32, over ``prompts``
+    (with ``bnb``, bitsandbytes' modes too)."""
+    ref = load_hf_model(path, dtype=torch.float32, attn_implementation="sdpa")
     ref_logits = sequence_logits(ref, prompts)
     out = {"bf16": logit_agreement(ref_logits, copy.deepcopy(ref).to(torch.bfloat16), prompts)}
     runs = [(v, m, "int8", p) for v, m, p in VARIANTS[1:]] + [("int4-wo-int4-head", "int4-wo", "int4", None)]
@@ -109,6 +158,8 @@ def accuracy(path, prompts: list[list[int]], group_size: int) -> dict[str, dict[
             enable_cpu_kernels(model)  # as the engine runs them: llminfer's CPU kernels where they build
         out[name] = logit_agreement(ref_logits, model, prompts)
         del model
+    if bnb:
+        out.update(bnb_accuracy(path, ref_logits, prompts))
     return out
 
 
@@ -119,16 +170,31 @@ def main() -> dict:
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--group-size", type=int, default=32, help="int4 group size")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--model", default=None, help="a trained model (folder, .gguf or built-in name) instead of "
+                    "the random bench model; writes results/quant_trained.json")
     args = ap.parse_args()
     reps, new = (2, 16) if args.quick else (args.reps, args.new_tokens)
     configure_logging("warning")
     if args.threads:
         torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
-    path = bench_model_path()
-    prompt = random_prompts(1, 32, BENCH_VOCAB, seed=11)[0]
+    if args.model:
+        try:
+            path = resolve_trained(args.model)
+        except (FileNotFoundError, OSError) as exc:
+            return skip_payload("quant_trained", str(exc))
+    else:
+        path = bench_model_path()
     engines = {v: _engine(path, m, args.group_size, p) for v, m, p in VARIANTS}
     facts = {v: e.info() for v, e in engines.items()}
+    if args.model:
+        tok = engines["none"].tokenizer
+        passages = [tok.encode(text, add_special_tokens=False) for text in ENGLISH_PASSAGES]
+        prompt = passages[0][:32]
+        acc_prompts = passages[:2] if args.quick else passages
+    else:
+        prompt = random_prompts(1, 32, BENCH_VOCAB, seed=11)[0]
+        acc_prompts = random_prompts(2 if args.quick else 4, 64, BENCH_VOCAB, seed=12)
     read_bytes = {v: step_weight_bytes(e.model, facts[v]["weight_bytes"]) for v, e in engines.items()}
     for e in engines.values():
         e.run(prompt, max_new_tokens=4, ignore_eos=True)  # warm-up
@@ -142,8 +208,7 @@ def main() -> dict:
             tokens[v] = list(r.token_ids)
     for e in engines.values():
         e.close()
-    acc_prompts = random_prompts(2 if args.quick else 4, 64, BENCH_VOCAB, seed=12)
-    acc = accuracy(path, acc_prompts, args.group_size)
+    acc = accuracy(path, acc_prompts, args.group_size, bnb=bool(args.model))
     chosen = {k: v["path"] for k, v in cpu_kernels.quant_paths().items()} if cpu_kernels.skinny_linear_available() \
         else {"int8": "wide", "int4": "wide"}
     for m in MODES[1:]:  # the plain keys: the path chosen here
@@ -180,11 +245,13 @@ def main() -> dict:
         print(f"[quant] {m:12s} {ms[m]:7.2f} ms/token  x{payload['speedup_vs_fp32'][m]:.2f}  "
               f"weights {facts[m]['weight_bytes'] / 1e6:6.1f} MB (read per step {read_bytes[m] / 1e6:6.1f} MB){extra}")
     print(f"[quant] paths chosen here: {chosen}")
-    a = acc["int4-wo-int4-head"]
-    print(f"[quant] int4-wo with an int4 head: top-1 agree {a['top1_agreement']:.1%}  rel err {a['rel_err']:.3f}")
+    for name in ["int4-wo-int4-head", *(k for k in acc if k.startswith("bnb-"))]:
+        a = acc[name]
+        print(f"[quant] {name}: top-1 agree {a['top1_agreement']:.1%} over {a['positions']}  "
+              f"rel err {a['rel_err']:.3f}")
     print(f"[quant] load average before {load_before[0]:.2f}, after {payload['load_average_after'][0]:.2f}; "
           f"{payload['torch_threads']} torch threads, {payload['cpu_capability']}")
-    print(f"-> {save('quant', payload)}")
+    print(f"-> {save('quant_trained' if args.model else 'quant', payload)}")
     return payload
 
 

@@ -132,3 +132,75 @@ def run_child(code: str, args: Sequence[str], env: dict[str, str], what: str) ->
         raise SystemExit(f"{what} failed:\n{done.stderr[-2000:]}")
     line = next(ln for ln in done.stdout.splitlines() if ln.startswith("RESULT "))
     return json.loads(line[len("RESULT "):])
+
+
+#: The trained model of the quality benchmarks (``--model`` default of bench_quant.py, bench_speculative.py,
+#: bench_quality.py): the built-in trained chat model, or what ``LLMINFER_BENCH_TRAINED_MODEL`` names (a
+#: local folder or a .gguf file).
+TRAINED_MODEL = os.environ.get("LLMINFER_BENCH_TRAINED_MODEL", "llminfer/smollm2-135m-instruct")
+
+
+def skip_payload(name: str, reason: str) -> dict[str, Any]:
+    """Print one ``SKIP:`` line and save ``results/<name>.json`` saying why the suite measured nothing."""
+    print(f"SKIP: {name}: {reason}")
+    payload = {"benchmark": name, "skipped": reason, "environment": environment()}
+    save(name, payload)
+    return payload
+
+
+#: Four short passages written for llminfer's benchmarks (no third-party text): the summarise workload of
+#: bench_speculative.py and the fixed text of bench_quant.py's teacher-forced agreement on a trained model.
+ENGLISH_PASSAGES = [
+    "The town library moved into the old railway station in 1994, after the last passenger train had left "
+    "the valley. The waiting room became the reading room, the ticket office became the lending desk, and the "
+    "goods shed was turned into a children's library with a model railway along one wall. Volunteers repaired "
+    "the station clock, which had stopped at twenty past four decades earlier. Today the library holds about "
+    "forty thousand books, runs a weekly chess club, and lends tools as well as novels. Its busiest day is "
+    "Saturday, when the farmers' market sets up on the old platform and visitors come in out of the rain.",
+    "Honeybees keep the temperature of their brood nest close to thirty-five degrees Celsius. In cold weather "
+    "the workers cluster around the brood and shiver their flight muscles to make heat without moving their "
+    "wings. In hot weather they fan their wings at the entrance to pull air through the hive, and they spread "
+    "thin films of water over the comb so that it cools as it evaporates. A colony that cannot hold the brood "
+    "at the right temperature raises bees that learn more slowly and live shorter lives. Beekeepers help by "
+    "giving hives shade in summer and shelter from the wind in winter.",
+    "The bridge across the estuary took six years to build. Engineers first sank two concrete towers into "
+    "the riverbed, each resting on piles driven forty metres into the clay. Steel cables were then spun "
+    "between the towers, one wire at a time, by a wheel that travelled back and forth across the water. The "
+    "deck was lifted into place in sections from barges at high tide. When the bridge opened, the ferry that "
+    "had crossed the estuary for a century made its last trip, and its captain was the first driver across "
+    "the new road. The crossing that had taken forty minutes now took four.",
+    "Sourdough bread rises without baker's yeast. The baker keeps a starter, a paste of flour and water in "
+    "which wild yeasts and lactic acid bacteria live together. Each day part of the starter is thrown away "
+    "and the rest is fed with fresh flour and water. To make a loaf, some starter is mixed into a dough that "
+    "then rests for many hours, often overnight, while the yeasts make gas and the bacteria make the acids "
+    "that give the bread its sour taste. The long rest also lets the flour's enzymes work, which is why many "
+    "people find sourdough easier to digest than bread made quickly with baker's yeast.",
+]
+
+
+def resolve_trained(name: str) -> Path:
+    """The local file or folder of a trained model named by ``--model``: a folder or .gguf path as given,
+    else what llminfer resolves the name to (the built-in names).
+
+    Raises:
+        FileNotFoundError: nothing local of that name (the message says what was tried).
+    """
+    from llminfer import EngineConfig
+    from llminfer.backends.loading import resolve_model_path
+
+    path = Path(name)
+    if not path.exists():
+        path = Path(resolve_model_path(EngineConfig(model_name=name)))
+    if not path.exists():
+        raise FileNotFoundError(f"{name} is no local folder or .gguf file, and llminfer resolves it to {path}, "
+                                "which does not exist either")
+    return path
+
+
+def load_hf_model(path: Path, **kw: Any) -> Any:
+    """``AutoModelForCausalLM.from_pretrained`` of a folder, or of a .gguf file (transformers dequantizes it)."""
+    from transformers import AutoModelForCausalLM
+
+    if path.suffix == ".gguf":
+        return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, **kw).eval()
+    return AutoModelForCausalLM.from_pretrained(str(path), **kw).eval()

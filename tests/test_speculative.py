@@ -1,5 +1,5 @@
-"""Speculative decoding: greedy output identical to the target alone; sampling preserves the target's
-distribution (chi-square); acceptance statistics."""
+"""Speculative decoding (draft model and prompt lookup): greedy output identical to the target alone; sampling
+preserves the target's distribution (chi-square); acceptance statistics."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from helpers import make_engine, random_prompts
+from llminfer.backends.speculative import NgramIndex, _VerifyingBackend
 from llminfer.models import build_random_model
 from llminfer.sampling.params import SamplingParams
-from llminfer.sampling.sampler import warp
+from llminfer.sampling.sampler import SamplingState, warp
 
 PROMPTS = random_prompts([3, 11, 26, 40], 150_000, seed=61)
 
@@ -101,3 +102,98 @@ def test_sampling_preserves_target_distribution(qwen2_dir, draft_dir, which):
     assert proposed >= n  # every request went through speculation for its second token
     observed = collections.Counter((r.token_ids[0], r.token_ids[1]) for r in results)
     assert _chi_square_p(observed, expected, n) > 0.01
+
+
+# ---------------------------------------------------------------------------- prompt lookup (n-gram drafts)
+def test_ngram_index_proposes_continuation_of_longest_most_recent_match():
+    idx = NgramIndex(1, 3)
+    #         0  1  2  3  4  5  6  7  8
+    tokens = [5, 6, 7, 8, 9, 6, 7, 1, 6]
+    # suffix (6,): last occurred before the end at position 5 -> continuation starts at 6
+    assert idx.propose(tokens, 3) == [7, 1, 6]
+    tokens += [7]
+    # suffix (1, 6, 7)? no; (6, 7) occurred ending at 7 (most recent, not 3) -> continuation from 7
+    assert idx.propose(tokens, 2) == [1, 6]
+    assert idx.propose([1, 2, 3], 4) == []  # a fresh index: no earlier occurrence of any suffix
+    assert NgramIndex(2, 4).propose([3, 4, 9, 3], 4) == []  # only a 1-gram matches, below n_min
+
+
+def _ngram_engine(model_dir, **kw):
+    return make_engine(model_dir, block_size=4, max_batch_size=64, speculative_method="ngram",
+                       speculative_num_assistant_tokens=4, speculative_prompt_lookup_min=1, **kw)
+
+
+def test_ngram_greedy_identical_to_plain(qwen2_dir, plain_greedy):
+    # Prompts that repeat themselves, so that lookups find matches and drafts get verified.
+    prompts = PROMPTS + [p[:6] * 4 for p in PROMPTS[1:]]
+    with make_engine(qwen2_dir, block_size=4) as engine:
+        want = [r.token_ids for r in engine.run_batch_continuous(prompts, max_new_tokens=24, ignore_eos=True)]
+    assert want[: len(PROMPTS)] == plain_greedy
+    with _ngram_engine(qwen2_dir) as engine:
+        results = engine.run_batch_continuous(prompts, max_new_tokens=24, ignore_eos=True)
+        assert engine.backend.name == "eager+prompt-lookup"
+        assert engine.cache_stats()["blocks_used"] == 0
+        # Released with their requests' sampling state (finished ids reach the backend with the next step).
+        assert engine.backend.indexes and set(engine.backend.indexes) <= set(engine.backend.states)
+        engine.run(prompts[0], max_new_tokens=2)
+        assert len(engine.backend.indexes) <= 1
+    assert [r.token_ids for r in results] == want
+    assert sum(r.stats.spec_proposed_tokens for r in results[len(PROMPTS):]) > 0
+
+
+def test_ngram_config_errors(qwen2_dir):
+    from llminfer import EngineConfig
+    from llminfer.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="drop assistant_model_name"):
+        EngineConfig(speculative_method="ngram", assistant_model_name=str(qwen2_dir)).validate()
+    with pytest.raises(ConfigError, match="needs assistant_model_name"):
+        EngineConfig(speculative_method="draft_model").validate()
+    with pytest.raises(ConfigError, match="speculative_method must be one of"):
+        EngineConfig(speculative_method="medusa")
+    with pytest.raises(ConfigError, match="prompt_lookup_min must be <="):
+        EngineConfig(speculative_method="ngram", speculative_prompt_lookup_min=5).validate()
+    with pytest.raises(ConfigError, match="eager backend only"):
+        make_engine(qwen2_dir, backend="compiled", speculative_method="ngram")
+
+
+def test_point_mass_draft_verification_keeps_target_distribution():
+    """Rejection sampling with a certain (n-gram) draft: accept d with p(d), else resample p without d;
+    the first output token is distributed as p."""
+    params = SamplingParams(temperature=1.0)
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0], [0.0, 0.0, 0.0, 0.0, 0.0]])
+    p = logits[0].softmax(-1)
+    state = SamplingState(params, "cpu")
+    state.generator = torch.Generator().manual_seed(5)
+    n = 4000
+    firsts = collections.Counter()
+    accepted = 0
+    for _ in range(n):
+        out, acc = _VerifyingBackend.verify(None, state, logits, [1], [None])
+        firsts[out[0]] += 1
+        accepted += acc
+        assert len(out) == 1 + acc
+    assert _chi_square_p(firsts, {i: float(p[i]) for i in range(5)}, n) > 0.01
+    assert accepted / n == pytest.approx(float(p[1]), abs=0.03)
+
+
+SUMMARY_TEXT = ("The lighthouse on the northern cape was built in 1871 from granite quarried on the island. Its lamp "
+                "was first fuelled by whale oil, then by kerosene, and from 1923 by electricity. The keepers lived "
+                "in a cottage at the foot of the tower with their families, and a school boat visited once a week. "
+                "In 1968 the light was automated and the last keeper left the island. Today the cottage is a small "
+                "museum that opens in the summer months.")
+
+
+@pytest.mark.slow
+def test_ngram_greedy_identical_on_trained_model(trained_model):
+    """On trained weights the summary copies spans of the prompt: drafts are accepted, output unchanged."""
+    kw = dict(dtype="float32", block_size=16)
+    messages = [{"role": "user", "content": "Summarise this text in two sentences.\n\n" + SUMMARY_TEXT}]
+    with make_engine(trained_model, **kw) as engine:
+        prompt = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = engine.tokenizer.encode(prompt, add_special_tokens=False)
+        want = engine.run(ids, max_new_tokens=64)
+    with make_engine(trained_model, speculative_method="ngram", **kw) as engine:
+        got = engine.run(ids, max_new_tokens=64)
+    assert got.token_ids == want.token_ids
+    assert got.stats.spec_accepted_tokens > 0

@@ -24,8 +24,8 @@ from llminfer.trace import Tracer
 
 
 def build_backend(rt: Runtime, cfg: EngineConfig) -> Any:
-    """The step backend for ``cfg.backend``: eager (:class:`HFBackend`), speculative (with an assistant),
-    compiled, or vLLM's handle.
+    """The step backend for ``cfg.backend``: eager (:class:`HFBackend`), speculative (with an assistant, or
+    prompt lookup), compiled, or vLLM's handle.
 
     Raises:
         BackendUnavailableError: vLLM cannot start here.
@@ -34,6 +34,12 @@ def build_backend(rt: Runtime, cfg: EngineConfig) -> Any:
         from llminfer.backends.vllm import VLLMBackend
 
         return VLLMBackend.from_config(cfg, rt.model_path, rt.max_model_len)
+    if cfg.speculative_method == "ngram":
+        from llminfer.backends.speculative import PromptLookupBackend
+
+        return PromptLookupBackend(rt.model, rt.kv_cache, rt.eos_token_ids, cfg.speculative_num_assistant_tokens,
+                                   cfg.speculative_prompt_lookup_min, cfg.speculative_prompt_lookup_max,
+                                   rt.attention_backend)
     if rt.draft_model is not None:
         from llminfer.backends.speculative import SpeculativeBackend
 
@@ -70,7 +76,8 @@ def build_core(rt: Runtime, cfg: EngineConfig, backend: Any, tracer: Tracer,
         long_prefill_token_threshold=cfg.scheduler.long_prefill_token_threshold,
         watermark=cfg.scheduler.watermark,
         policy=cfg.scheduler.policy,
-        num_lookahead_tokens=cfg.speculative_num_assistant_tokens if rt.draft_model is not None else 0,
+        num_lookahead_tokens=(cfg.speculative_num_assistant_tokens
+                              if rt.draft_model is not None or cfg.speculative_method == "ngram" else 0),
     )
     return EngineCore(Scheduler(limits, rt.kv_manager, rt.eos_token_ids), backend, cfg.batch_timeout_ms, tracer,
                       stat_loggers, model_thread)

@@ -49,6 +49,7 @@ class QuantMode(str, enum.Enum):
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
+SPECULATIVE_METHODS = ("draft_model", "ngram")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
@@ -225,6 +226,13 @@ class EngineConfig:
     assistant_model_name: str | None = attrs.field(default=None, validator=v.optional(_typed(str)))
     speculative_num_assistant_tokens: int = attrs.field(default=5, validator=[_int, _positive])
     speculative_confidence_threshold: float = attrs.field(default=0.4, validator=[_num, _non_negative])
+    #: How drafts are made: ``"draft_model"`` (``assistant_model_name``) or ``"ngram"`` (prompt lookup: drafts
+    #: copied from earlier in the sequence, no second model; :class:`~llminfer.backends.speculative.PromptLookupBackend`).
+    #: None: ``"draft_model"`` when ``assistant_model_name`` is set, else no speculation.
+    speculative_method: str | None = attrs.field(default=None, validator=v.optional(_one_of(SPECULATIVE_METHODS)))
+    #: Prompt lookup: the longest and shortest suffix n-grams matched (tokens).
+    speculative_prompt_lookup_max: int = attrs.field(default=4, validator=[_int, _positive])
+    speculative_prompt_lookup_min: int = attrs.field(default=2, validator=[_int, _positive])
 
     compile_mode: str = attrs.field(default="default", validator=_one_of(COMPILE_MODES))
     compile_cudagraphs: bool = attrs.field(default=False, validator=_bool)
@@ -269,6 +277,12 @@ class EngineConfig:
             )
         if self.speculative_confidence_threshold > 1.0:
             raise ConfigError("speculative_confidence_threshold must be in [0, 1]")
+        if self.speculative_method == "ngram" and self.assistant_model_name:
+            raise ConfigError("speculative_method 'ngram' drafts without a model: drop assistant_model_name")
+        if self.speculative_method == "draft_model" and not self.assistant_model_name:
+            raise ConfigError("speculative_method 'draft_model' needs assistant_model_name")
+        if self.speculative_prompt_lookup_min > self.speculative_prompt_lookup_max:
+            raise ConfigError("speculative_prompt_lookup_min must be <= speculative_prompt_lookup_max")
         return self
 
     def to_dict(self) -> dict[str, Any]:

@@ -110,6 +110,9 @@ def load_runtime(cfg: EngineConfig) -> Runtime:
     if cfg.backend is not Backend.EAGER and cfg.assistant_model_name:
         raise ConfigError("assistant_model_name (speculative decoding) runs on the eager backend only; "
                           "drop --assistant-model or use --backend eager")
+    if cfg.backend is not Backend.EAGER and cfg.speculative_method == "ngram":
+        raise ConfigError("speculative_method 'ngram' (prompt lookup) runs on the eager backend only; "
+                          "drop --spec-method or use --backend eager")
     if cfg.backend is Backend.VLLM:
         from llminfer.backends.vllm import require_vllm
 

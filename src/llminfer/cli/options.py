@@ -87,6 +87,13 @@ Assistant = Annotated[str | None, typer.Option("--assistant-model", help="Draft 
 SpecK = Annotated[int, typer.Option("--spec-num-assistant-tokens", help="Draft tokens verified per step.")]
 SpecC = Annotated[float, typer.Option("--spec-confidence-threshold",
                                       help="Stop drafting when the draft's top probability is below this.")]
+SpecMethod = Annotated[str | None, typer.Option("--spec-method", help="Speculative drafts: draft_model (needs "
+                                                "--assistant-model) or ngram (prompt lookup: copied from earlier "
+                                                "in the prompt and output, no second model).")]
+SpecLookupMax = Annotated[int, typer.Option("--spec-prompt-lookup-max", help="--spec-method ngram: longest "
+                                            "suffix n-gram matched.")]
+SpecLookupMin = Annotated[int, typer.Option("--spec-prompt-lookup-min", help="--spec-method ngram: shortest "
+                                            "suffix n-gram matched.")]
 QuantOpt = Annotated[QuantMode, typer.Option("--quant", help="Weight quantization: bitsandbytes (nf4, fp4, "
                                              "int8) or weight-only int8/int4 on torch's CPU kernels "
                                              "(int8-wo, int4-wo); from-gguf (a .gguf model: Q8_0 -> int8-wo, "
@@ -165,7 +172,10 @@ CONFIG_FLAGS: dict[str, str] = {
     "page_size_tokens": "--page-size", "kv_cache_memory_bytes": "--kv-cache-bytes",
     "max_model_len": "--max-model-len", "tp_size": "--tp-size", "pp_size": "--pp-size",
     "attention_backend": "--attention-backend", "speculative_num_assistant_tokens": "--spec-num-assistant-tokens",
-    "speculative_confidence_threshold": "--spec-confidence-threshold", "num_threads": "--threads",
+    "speculative_confidence_threshold": "--spec-confidence-threshold", "speculative_method": "--spec-method",
+    "num_threads": "--threads",
+    "speculative_prompt_lookup_max": "--spec-prompt-lookup-max",
+    "speculative_prompt_lookup_min": "--spec-prompt-lookup-min",
 }
 """``EngineConfig`` field → the flag that sets it, for error messages."""
 
