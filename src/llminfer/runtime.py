@@ -310,7 +310,7 @@ def resolve_quant(cfg: EngineConfig) -> EngineConfig:
 
     name = cfg.model_name or ""
     if name == TRAINED_MODEL_NAME:
-        file = str(trained_gguf_path())
+        file = str(trained_gguf_path(fetch=not cfg.hf_local_files_only))
     elif is_gguf_name(name):
         file = name
     else:

@@ -40,7 +40,7 @@ def resolve_model_path(cfg: EngineConfig) -> str:
     if cfg.model_name in (None, "", "builtin", BUILTIN_MODEL_NAME):
         return str(builtin_model_path())
     if cfg.model_name == TRAINED_MODEL_NAME:
-        return str(converted_path(trained_gguf_path()))
+        return str(converted_path(trained_gguf_path(fetch=not cfg.hf_local_files_only)))
     if is_gguf_name(cfg.model_name):
         return str(converted_path(Path(cfg.model_name).expanduser()))
     return cfg.model_name

