@@ -1,0 +1,47 @@
+"""The compiled backend held to eager: compare's note where it is slower, and its CPU LM head."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from llminfer.benchmark.runner import ComparisonResult, slower_than_eager
+
+
+def _result(tps: dict[int, float]) -> SimpleNamespace:
+    return SimpleNamespace(configs=[{"batch_size": b, "output_tokens_per_s": v} for b, v in tps.items()])
+
+
+def test_a_note_for_each_batch_where_compiled_is_slower():
+    res = ComparisonResult({"eager": _result({1: 40.0, 8: 280.0, 32: 550.0}),
+                            "compiled": _result({1: 50.0, 8: 30.0, 32: 549.0})}, {}, {})
+    notes = slower_than_eager(res)
+    assert len(notes) == 2
+    assert notes[0].startswith("compiled is slower than eager at batch 8 (30.0 vs 280.0") and "x0.11" in notes[0]
+    assert "batch 32" in notes[1]
+    assert slower_than_eager(ComparisonResult({"compiled": _result({1: 1.0})}, {}, {})) == []
+
+
+def test_the_compiled_backends_cpu_head_takes_the_kernel_for_one_row_and_the_packed_gemm_beyond():
+    import pytest
+    import torch
+
+    from llminfer.backends.compiled import _RowSplitHead, cpu_head
+    from llminfer.backends.cpu_kernels import SkinnyLinear, skinny_linear_available
+    from llminfer.backends.prepack import prepack_supported
+
+    if not (skinny_linear_available() and prepack_supported(torch.float32, torch.device("cpu"))):
+        pytest.skip("needs llminfer's CPU kernel and oneDNN")
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(64, 96, bias=False)
+    head = cpu_head(SkinnyLinear(plain))
+    assert isinstance(head, _RowSplitHead) and head.small_rows == 1
+    calls = []
+    head.small.register_forward_hook(lambda *a: calls.append("small"))
+    head.packed.register_forward_hook(lambda *a: calls.append("packed"))
+    with torch.inference_mode():
+        for rows in (1, 8):
+            x = torch.randn(rows, 64)
+            torch.testing.assert_close(head(x), x @ plain.weight.T, rtol=1e-4, atol=1e-4)
+    assert calls == ["small", "packed"]
+    assert head.packed.weight is plain.weight  # no second plain copy of the weight
+    assert cpu_head(torch.nn.Identity()).__class__ is torch.nn.Identity  # not a linear head: unchanged
