@@ -377,6 +377,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return payload
 
 
+def _plain_folder(model: Path, work: Path) -> Path:
+    """``model`` as convert_hf_to_gguf.py reads it: a folder saved from a dequantized GGUF keeps transformers'
+    ``quantization_config`` (``quant_method: gguf``) in config.json, which the converter refuses although the
+    weights are plain floats; this links the other files into ``work`` beside a config.json without it."""
+    config = json.loads((model / "config.json").read_text())
+    if "quantization_config" not in config:
+        return model
+    plain = work / f"{model.name}-plain"
+    plain.mkdir(parents=True, exist_ok=True)
+    for f in model.iterdir():
+        if f.name != "config.json" and not (plain / f.name).exists():
+            (plain / f.name).symlink_to(f.resolve())
+    config.pop("quantization_config")
+    (plain / "config.json").write_text(json.dumps(config, indent=2))
+    return plain
+
+
 def gguf_main(args: argparse.Namespace, payload: dict[str, Any]) -> dict[str, Any]:
     """``--gguf``: llama.cpp on the file as it is, llminfer on what it loads from it (module docstring)."""
     from common import ENGLISH_PASSAGES, environment
@@ -402,7 +419,8 @@ def gguf_main(args: argparse.Namespace, payload: dict[str, Any]) -> dict[str, An
         f32 = work / f"{Path(model).name}-f32.gguf"
         if not f32.exists():
             env = {**os.environ, "PYTHONPATH": str(CACHE / "llama.cpp" / "gguf-py")}
-            subprocess.run([sys.executable, str(CACHE / "llama.cpp" / "convert_hf_to_gguf.py"), model,
+            subprocess.run([sys.executable, str(CACHE / "llama.cpp" / "convert_hf_to_gguf.py"),
+                            str(_plain_folder(Path(model), work)),
                             "--outtype", "f32", "--outfile", str(f32)], check=True, env=env,
                            stdout=subprocess.DEVNULL)
         files = {gguf.name: gguf}
