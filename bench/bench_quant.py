@@ -251,7 +251,8 @@ def main() -> dict:
               f"rel err {a['rel_err']:.3f}")
     print(f"[quant] load average before {load_before[0]:.2f}, after {payload['load_average_after'][0]:.2f}; "
           f"{payload['torch_threads']} torch threads, {payload['cpu_capability']}")
-    print(f"-> {save('quant_trained' if args.model else 'quant', payload)}")
+    saved = save("quant_trained", payload) if args.model else save("quant", payload)
+    print(f"-> {saved}")
     return payload
 
 

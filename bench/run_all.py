@@ -30,6 +30,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
+#: The trained model of the quality suites, as bench/common.py names it (not imported: run_all.py stays light).
+TRAINED_MODEL = os.environ.get("LLMINFER_BENCH_TRAINED_MODEL", "llminfer/smollm2-135m-instruct")
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,11 @@ SUITES: list[Suite] = [
     Suite("step_metadata", "bench_step_metadata.py", quick_args=("--quick", "--reps", "1")),
     Suite("step_profile", "bench_step_profile.py", args=("--json-out",), quick_args=("--quick", "--reps", "1")),
     Suite("cpu_kernels", "bench_cpu_kernels.py"),
+    # On the trained model (common.TRAINED_MODEL): prompt lookup, quantization accuracy, API quality.
+    Suite("speculative_lookup", "bench_speculative.py", args=("--model", TRAINED_MODEL),
+          quick_args=("--quick", "--new-tokens", "32")),
+    Suite("quant_trained", "bench_quant.py", args=("--model", TRAINED_MODEL)),
+    Suite("quality", "bench_quality.py"),
 ]
 
 
@@ -129,6 +136,16 @@ RATIOS: list[Ratio] = [
           "<= 1.0"),
     Ratio("batch-1 fp32 decode step / memory-bandwidth floor", "step_profile.json",
           ("cases", 0, "plain_over_floor"), "report"),
+    Ratio("prompt lookup / plain, summarise workload (trained)", "speculative_lookup.json",
+          ("speed_ratio_vs_plain", "prompt-lookup"), ">= 1.3"),
+    Ratio("int8-wo top-1 agreement with fp32 (trained model)", "quant_trained.json",
+          ("accuracy_teacher_forced", "int8-wo", "top1_agreement"), ">= 0.99"),
+    Ratio("  same, unquantized bf16 (yardstick)", "quant_trained.json",
+          ("accuracy_teacher_forced", "bf16", "top1_agreement"), "report"),
+    Ratio("tool calls right, tool_choice required (trained)", "quality.json", ("tool_calls_right", "required"),
+          "report"),
+    Ratio("JSON Schema capitals right (trained)", "quality.json", ("json_schema", "capital_right"), "report"),
+    Ratio("lm-eval local multiple choice acc (trained)", "quality.json", ("lm_eval", "acc,none"), "> 0.33"),
     Ratio("torch / CPU kernel: 56 fp32 layers, 1 row", "cpu_kernels.json",
           ("products", _kernel_case("layers_fp32", 1), "torch_over_kernel"), "> 1.0"),
     Ratio("torch / CPU kernel: int8 LM head, 1 row", "cpu_kernels.json",

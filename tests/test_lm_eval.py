@@ -77,3 +77,52 @@ def test_lm_eval_local_completions(tmp_path):
             body = {"prompt": tok.encode(prompt), "max_tokens": 8, "temperature": 0, "stop": ["\n"]}
             text = http.post("/completions", json=body).json()["choices"][0]["text"]
             assert sample["resps"][0][0] == text
+
+
+def run_lm_eval(url: str, tokenizer_dir: Path, model: str, tasks: str, out: Path) -> dict:
+    """``lm_eval run --model local-completions`` on the local tasks against ``url``; its ``results``."""
+    args = (f"model={model},base_url={url}/v1/completions,tokenizer_backend=huggingface,"
+            f"tokenizer={tokenizer_dir},num_concurrent=2,max_retries=1")
+    cmd = [*_lm_eval(), "run", "--model", "local-completions", "--model_args", args, "--tasks", tasks,
+           "--include_path", ".", "--output_path", str(out), "--log_samples"]
+    proc = subprocess.run(cmd, cwd=TASKS, env={**os.environ, **OFFLINE}, capture_output=True, text=True,
+                          timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (results_file,) = out.rglob("results_*.json")
+    return json.loads(results_file.read_text())["results"]
+
+
+@pytest.mark.slow
+def test_lm_eval_trained_model(tmp_path, trained_model):
+    """On trained weights: accuracy on the local 32-question set well above chance (1/3), and every
+    log-likelihood lm-eval got from ``/v1/completions`` (echo, max_tokens 0) equal to transformers' own
+    fp32 log-likelihood of the same tokens within 1e-3."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    engine = InferenceEngine(EngineConfig(model_name=trained_model, dtype="float32", device="cpu",
+                                          max_batch_size=8, batch_timeout_ms=1))
+    with serve_in_thread(create_app(engine)) as url:
+        tok = engine.tokenizer
+        tok.save_pretrained(tmp_path / "tokenizer")
+        model_name = engine.cfg.served_model_name or trained_model
+        results = run_lm_eval(url, tmp_path / "tokenizer", model_name, "llminfer_trained_mc", tmp_path / "out")
+    engine.close()
+    assert results["llminfer_trained_mc"]["acc,none"] >= 0.6  # chance: 1/3
+
+    hf = AutoModelForCausalLM.from_pretrained(trained_model, dtype=torch.float32).eval()
+    samples = _samples(tmp_path / "out", "llminfer_trained_mc")
+    assert len(samples) == 32
+    checked = 0
+    for sample in samples[:8]:
+        for i, resp in enumerate(sample["resps"]):
+            context = sample["arguments"][f"gen_args_{i}"]["arg_0"]
+            continuation = sample["arguments"][f"gen_args_{i}"]["arg_1"]
+            ctxlen = len(tok.encode(context))
+            whole = tok.encode(context + continuation)
+            with torch.inference_mode():
+                logp = hf(torch.tensor([whole])).logits[0].float().log_softmax(-1)
+            want = sum(float(logp[j - 1, whole[j]]) for j in range(ctxlen, len(whole)))
+            assert float(resp[0][0]) == pytest.approx(want, abs=1e-3)
+            checked += 1
+    assert checked == 24

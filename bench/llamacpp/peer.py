@@ -17,7 +17,17 @@ Threads: the idle cores (measured from ``/proc/stat`` over one second, at least 
 spin-waits at every op and collapses when its threads are oversubscribed. The load average is recorded
 before and after: figures from a loaded machine are not figures from a quiet one.
 
+With ``--gguf PATH`` (a trained model's GGUF, e.g. the built-in SmolLM2-135M-Instruct Q4_1), no conversion of
+the bench model: llama.cpp runs that file as it is, and llminfer runs what it loads from it (``--model``: the
+same file by default, or the folder it was dequantized to). Rows: batch-1 decode of llama.cpp on the file
+against llminfer fp32, int8-wo and int4-wo; top-1 agreement, where ``--model`` is a folder: the folder
+converted to an f32 GGUF is the reference (it holds the GGUF's weights dequantized), llama.cpp's agreement
+of the file itself with it (what llama.cpp's own quantized matmuls, with 8-bit activations, change), and of
+Q8_0 / Q4_0 made from it with ``llama-quantize`` where built, over ``ENGLISH_PASSAGES`` of bench/common.py (the
+text of ``bench_quant.py --model``'s agreement, but windowed as llama-perplexity does).
+
     python bench/llamacpp/peer.py [--tokens 64] [--backends eager,compiled] [--serve] [--json-out PATH]
+    python bench/llamacpp/peer.py --gguf model.Q4_1.gguf [--model dequantized-folder] [--tokens 64]
 """
 
 from __future__ import annotations
@@ -159,10 +169,12 @@ def _no_repack(gguf: Path) -> list[str]:
 _AGREEMENT_CHUNKS, _AGREEMENT_CTX = 8, 128  # llama-perplexity scores the second half of each chunk
 
 
-def llamacpp_top1_agreement(base: Path, quant: Path, threads: int, work: Path) -> dict[str, Any] | None:
+def llamacpp_top1_agreement(base: Path, quant: Path, threads: int, work: Path,
+                            text_body: str | None = None) -> dict[str, Any] | None:
     """llama.cpp's own accuracy yardstick for a quantized GGUF: ``llama-perplexity --kl-divergence`` against
     the f32 GGUF over this repository's README (8 chunks of 128 tokens; each chunk scores its second half,
-    512 positions). ``same_top1_pct`` is its "Same top p" (the share of positions whose argmax matches f32),
+    512 positions; ``text_body`` replaces the README). ``same_top1_pct`` is its "Same top p" (the share of
+    positions whose argmax matches f32),
     with the standard error it prints. None (after one ``SKIP:`` line) where ``llama-perplexity`` was not built
     or failed."""
     exe = BIN / "llama-perplexity"
@@ -170,7 +182,7 @@ def llamacpp_top1_agreement(base: Path, quant: Path, threads: int, work: Path) -
         print("SKIP: llama.cpp top-1 agreement: llama-perplexity is not built (rerun build.sh)")
         return None
     text = work / "agreement_text.txt"
-    text.write_text((HERE.parent.parent / "README.md").read_text() * 2)
+    text.write_text(text_body if text_body is not None else (HERE.parent.parent / "README.md").read_text() * 2)
     base_kld = work / f"{base.stem}.kld"
     common = ["-f", str(text), "-c", str(_AGREEMENT_CTX), "--chunks", str(_AGREEMENT_CHUNKS), "-t", str(threads),
               "--kl-divergence-base", str(base_kld)]
@@ -214,7 +226,8 @@ def llminfer_decode(model_dir: Path, quant: str, tokens: int, threads: int, back
                        batch_timeout_ms=0, quant=QuantConfig(mode=QuantMode(quant)), backend=backend)
     tpot = []
     with InferenceEngine(cfg) as engine:
-        prompt = random_prompts(1, 8, BENCH_VOCAB, seed=1)[0]
+        # Within the model's vocabulary (a --gguf model's may be smaller than the bench model's).
+        prompt = random_prompts(1, 8, min(BENCH_VOCAB, len(engine.tokenizer)), seed=1)[0]
         engine.run(prompt, max_new_tokens=4, ignore_eos=True)  # warm-up
         for _ in range(3):
             st = engine.run(prompt, max_new_tokens=tokens, ignore_eos=True).stats
@@ -295,6 +308,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="llminfer backends for the batch-1 rows, comma-separated (default eager,compiled)")
     ap.add_argument("--serve", action="store_true", help="also the 64-request serving workload on both servers")
     ap.add_argument("--json-out", type=Path, default=None)
+    ap.add_argument("--gguf", type=Path, default=None, help="a trained model's GGUF: llama.cpp runs this file, "
+                    "llminfer what it loads from it (see --model)")
+    ap.add_argument("--model", default=None, help="with --gguf: what llminfer loads (default: the GGUF itself; "
+                    "a folder of the same weights dequantized also enables the agreement rows)")
     args = ap.parse_args(argv)
     from llminfer.benchmark.environment import StealMeter
 
@@ -305,6 +322,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return {"skipped": "no cmake/compiler"}
     if not build():
         return {"skipped": "build failed"}
+    if args.gguf is not None:
+        return gguf_main(args, payload)
     from common import bench_model_path, environment
 
     model_dir = bench_model_path()
@@ -352,6 +371,77 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     "build_seconds": _build_seconds(), "steal_pct": whole_run.pct()})
     print(f"load average before {payload['loadavg_before']}, after {payload['loadavg_after']}; CPU time stolen "
           f"by the hypervisor over the run: {_fmt_pct(payload['steal_pct'])}")
+    if args.json_out:
+        args.json_out.write_text(json.dumps(payload, indent=2, default=str))
+        print(f"-> {args.json_out}")
+    return payload
+
+
+def _plain_folder(model: Path, work: Path) -> Path:
+    """``model`` as convert_hf_to_gguf.py reads it: a folder saved from a dequantized GGUF keeps transformers'
+    ``quantization_config`` (``quant_method: gguf``) in config.json, which the converter refuses although the
+    weights are plain floats; this links the other files into ``work`` beside a config.json without it."""
+    config = json.loads((model / "config.json").read_text())
+    if "quantization_config" not in config:
+        return model
+    plain = work / f"{model.name}-plain"
+    plain.mkdir(parents=True, exist_ok=True)
+    for f in model.iterdir():
+        if f.name != "config.json" and not (plain / f.name).exists():
+            (plain / f.name).symlink_to(f.resolve())
+    config.pop("quantization_config")
+    (plain / "config.json").write_text(json.dumps(config, indent=2))
+    return plain
+
+
+def gguf_main(args: argparse.Namespace, payload: dict[str, Any]) -> dict[str, Any]:
+    """``--gguf``: llama.cpp on the file as it is, llminfer on what it loads from it (module docstring)."""
+    from common import ENGLISH_PASSAGES, environment
+
+    gguf = args.gguf.resolve()
+    if not gguf.is_file():
+        raise SystemExit(f"--gguf: {gguf} is not a file")
+    model = args.model or str(gguf)
+    threads = idle_cores()
+    peer = llama_bench(gguf, args.tokens, threads)
+    rows = []
+    for quant in ("none", "int8-wo", "int4-wo"):
+        ours = llminfer_decode(Path(model), quant, args.tokens, threads, "eager")
+        rows.append({"llminfer": ours, "llamacpp": peer, "kind": gguf.name,
+                     "ratio_llminfer_over_llamacpp_ms": ours["ms_per_token"] / peer["ms_per_token"]})
+        print(f"batch-1 decode llminfer {quant} vs llama.cpp on {gguf.name}: {ours['ms_per_token']:.1f} vs "
+              f"{peer['ms_per_token']:.1f} ms/token ({threads} threads, load {loadavg()})")
+    payload["batch1_decode"] = rows
+    agreement: dict[str, Any] = {}
+    if Path(model).is_dir():
+        work = CACHE / "gguf"
+        work.mkdir(parents=True, exist_ok=True)
+        f32 = work / f"{Path(model).name}-f32.gguf"
+        if not f32.exists():
+            env = {**os.environ, "PYTHONPATH": str(CACHE / "llama.cpp" / "gguf-py")}
+            subprocess.run([sys.executable, str(CACHE / "llama.cpp" / "convert_hf_to_gguf.py"),
+                            str(_plain_folder(Path(model), work)),
+                            "--outtype", "f32", "--outfile", str(f32)], check=True, env=env,
+                           stdout=subprocess.DEVNULL)
+        files = {gguf.name: gguf}
+        for kind, qtype in (("q8_0", "Q8_0"), ("q4_0", "Q4_0")):
+            dest = work / f"{Path(model).name}-{kind}.gguf"
+            if not dest.exists() and (BIN / "llama-quantize").exists():
+                subprocess.run([str(BIN / "llama-quantize"), str(f32), str(dest), qtype], check=True,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            if dest.exists():
+                files[kind] = dest
+        text = "\n\n".join(ENGLISH_PASSAGES) * 3
+        for name, file in files.items():
+            agreement[name] = llamacpp_top1_agreement(f32, file, threads, work, text)
+            if agreement[name]:
+                print(f"llama.cpp {name} vs the f32 GGUF of {Path(model).name}: top-1 agreement "
+                      f"{agreement[name]['same_top1_pct']:.1f} ± {agreement[name]['stderr_pct']:.1f} % "
+                      "(compare bench_quant.py --model's rows)")
+    else:
+        print("SKIP: llama.cpp top-1 agreement: --model is not a folder of the dequantized weights")
+    payload.update({"gguf": str(gguf), "llminfer_model": model, "llamacpp_top1_agreement": agreement,
+                    "loadavg_after": loadavg(), "threads": threads, "environment": environment()})
     if args.json_out:
         args.json_out.write_text(json.dumps(payload, indent=2, default=str))
         print(f"-> {args.json_out}")
