@@ -31,7 +31,7 @@ from llminfer.errors import ConfigError, ModelLoadError
 
 GGUF_SUFFIX = ".gguf"
 CACHE_SUBDIR = "gguf"
-_CONVERTED_TAG = "v1"  # bump when the conversion recipe below changes: old folders are then rebuilt
+_CONVERTED_TAG = "v2"  # bump when the conversion recipe below changes: old folders are then rebuilt
 _REQUIRED_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "llminfer_gguf.json")
 
 #: GGUF tensor types that llminfer's weight-only modes reproduce (``--quant from-gguf``): Q8_0 (blocks of
@@ -158,7 +158,7 @@ def converted_path(gguf_file: str | os.PathLike, cache_dir: Path | None = None) 
         cache_dir: llminfer's cache folder (default ``$LLMINFER_CACHE_DIR`` or ``~/.cache/llminfer``).
 
     Returns:
-        ``<cache_dir>/gguf/<first 20 hex digits of the file's sha256>-v1``, holding float32 safetensors,
+        ``<cache_dir>/gguf/<first 20 hex digits of the file's sha256>-v2``, holding float32 safetensors,
         ``config.json``, ``generation_config.json`` (the file's EOS), the tokenizer with its chat template,
         and ``llminfer_gguf.json`` (what it was made from: :func:`read_gguf_info`'s facts).
 
@@ -218,6 +218,10 @@ def convert_gguf(info: dict[str, Any], dest: Path) -> Path:
             config = gguf_model.config
             config.architectures = [type(gguf_model).__name__]
             config.dtype = torch.float32
+            # The weights saved are plain floats: a leftover GgufConfig would make transformers refuse another
+            # quantization of the folder (bitsandbytes) and llama.cpp's converter refuse the folder.
+            if getattr(config, "quantization_config", None) is not None:
+                del config.quantization_config
             with torch.device("meta"):
                 plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
             plain.load_state_dict(gguf_model.state_dict(), assign=True)
