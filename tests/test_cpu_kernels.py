@@ -880,3 +880,20 @@ def test_bf16_engine_with_a_head_the_kernel_cannot_take(tmp_path):
         head = engine.runtime.model.get_output_embeddings()
         assert isinstance(head, PrepackedLinear) and head.bf16_kernel_rows == 0
         assert len(engine.run("Hello there", max_new_tokens=5, ignore_eos=True).token_ids) == 5
+
+
+def test_a_dead_builds_lock_file_does_not_block_the_next_build(tmp_path):
+    """torch's build lock is a plain file that a killed build leaves behind (every later process then
+    waited for it forever); under llminfer's OS lock it is known stale and removed."""
+    (tmp_path / "lock").touch()
+    with cpu_kernels._build_lock(tmp_path):
+        assert not (tmp_path / "lock").exists()
+
+
+def test_two_checkouts_of_the_same_source_build_in_two_folders(monkeypatch, tmp_path):
+    first = cpu_kernels._cache_dir("avx2")
+    copies = [tmp_path / src.name for src in cpu_kernels.SOURCES]
+    for src, copy in zip(cpu_kernels.SOURCES, copies):
+        copy.write_bytes(src.read_bytes())
+    monkeypatch.setattr(cpu_kernels, "SOURCES", tuple(copies))
+    assert cpu_kernels._cache_dir("avx2") != first

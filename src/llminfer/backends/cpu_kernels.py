@@ -49,10 +49,12 @@ logged, and the callers keep torch's kernels. ``LLMINFER_CPU_KERNELS=0`` turns i
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import platform
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -134,7 +136,11 @@ def _cache_dir(isa: str = "avx2") -> Path:
 
     root = default_cache_dir()
     flags = " ".join(build_cflags(isa)).encode()
-    key = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES) + flags + torch.__version__.encode()).hexdigest()
+    # The sources' folder is part of the key: ninja's build file names them by absolute path, so two checkouts
+    # sharing one folder would rebuild it in turn.
+    where = str(SOURCES[0].resolve().parent).encode()
+    key = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES) + flags + torch.__version__.encode()
+                         + where).hexdigest()
     return root / "cpu_kernels" / key[:16]
 
 
@@ -149,6 +155,22 @@ def _why_not_here() -> str | None:
     return None
 
 
+@contextlib.contextmanager
+def _build_lock(build: Path) -> Iterator[None]:
+    """Hold an OS file lock on ``build`` while torch builds or loads the kernels there. torch's own lock is
+    a file that a killed build leaves behind, after which every later process waits for it forever; the OS
+    releases ours when its holder dies, so holding it proves torch's leftover file stale, and it is removed."""
+    import fcntl  # POSIX; the kernels build only on x86-64 Linux-like systems anyway
+
+    with open(build / "llminfer.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # waits only for a live build in another process
+        try:
+            (build / "lock").unlink(missing_ok=True)  # torch's FileBaton of a build that died
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def _load() -> bool:
     with _lock:
         if _state["loaded"] is not None:
@@ -161,10 +183,10 @@ def _load() -> bool:
                 isa = target_isa()
                 build = _cache_dir(isa)
                 build.mkdir(parents=True, exist_ok=True)
-                cpp_extension.load(name="llminfer_cpu_kernels", sources=[str(src) for src in SOURCES],
-                                   extra_cflags=list(build_cflags(isa)),
-                                   extra_ldflags=["-fopenmp"], build_directory=str(build), is_python_module=False,
-                                   verbose=False)
+                with _build_lock(build):
+                    cpp_extension.load(name="llminfer_cpu_kernels", sources=[str(src) for src in SOURCES],
+                                       extra_cflags=list(build_cflags(isa)), extra_ldflags=["-fopenmp"],
+                                       build_directory=str(build), is_python_module=False, verbose=False)
                 torch.ops.llminfer_cpu.skinny_linear  # noqa: B018 - raises if the library did not register
                 _register_fake_impls()
             except Exception as exc:  # noqa: BLE001 - compiler, ninja, loader: any failure means "use torch"
