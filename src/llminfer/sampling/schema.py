@@ -226,6 +226,10 @@ class _Normalizer:
         for key in node:
             if key in _REFUSED:
                 self._check_refused(node, key, where)
+        unevaluated = [k for k in ("unevaluatedProperties", "unevaluatedItems") if k in node]
+        if unevaluated and set(node) & {"allOf", "anyOf", "oneOf", "$ref", "if", "dependentSchemas"}:
+            raise _refuse(unevaluated[0], where, "next to applicators (allOf, anyOf, oneOf, $ref) it depends on "
+                                                 "what they evaluate, which xgrammar ignores")
         if "$id" in node and where:
             raise _refuse("$id", where, "an $id below the root changes what references resolve to")
         work = {k: v for k, v in node.items() if k in _KNOWN}
@@ -617,9 +621,31 @@ def normalize_schema(schema: Any, *, strict: bool = False, prefix: str = "",
         raise SchemaError("the schema is false: it matches no value", keyword="false", param=param)
     for schema in (root, *normalizer.defs.values()):
         _close_objects(schema, listed_only=not strict)
+    root = _canonical(root)
     if normalizer.defs:
-        root = {**root, "$defs": normalizer.defs}
+        root["$defs"] = {name: _canonical(d) for name, d in normalizer.defs.items()}
     return root
+
+
+def _canonical(schema: Any) -> Any:
+    """``schema`` with each schema's keywords sorted (so two spellings of a schema are one cache key), the
+    order of properties kept (it is the order they are generated in)."""
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key in sorted(schema):
+        value = schema[key]
+        if key in _SUBSCHEMA_MAPS:
+            out[key] = {n: _canonical(v) for n, v in value.items()}
+        elif key in ("enum", "const", "required"):
+            out[key] = value
+        elif isinstance(value, dict):
+            out[key] = _canonical(value)
+        elif isinstance(value, list):
+            out[key] = [_canonical(v) for v in value]
+        else:
+            out[key] = value
+    return out
 
 
 def _close_objects(schema: Any, *, listed_only: bool) -> None:
