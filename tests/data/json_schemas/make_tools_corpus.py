@@ -180,9 +180,9 @@ ZOD = [
                                                                           "maximum": 9}],
                                                "minItems": 2, "maxItems": 2}},
      "required": ["pair"], "additionalProperties": False, "$schema": "http://json-schema.org/draft-07/schema#"},
-    # z.record(z.string(), z.number())
+    # z.record(z.string().max(6), z.number().int())
     {"type": "object", "properties": {"scores": {"type": "object", "additionalProperties": {
-        "type": "integer", "minimum": 0, "maximum": 10}, "maxProperties": 3}},
+        "type": "integer", "minimum": 0, "maximum": 10}, "propertyNames": {"maxLength": 6}, "maxProperties": 3}},
      "required": ["scores"], "additionalProperties": False, "$schema": "http://json-schema.org/draft-07/schema#"},
 ]
 
