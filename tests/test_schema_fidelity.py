@@ -347,15 +347,16 @@ def _object(children: st.SearchStrategy[Any]) -> st.SearchStrategy[dict[str, Any
                      st.booleans(), st.lists(st.sampled_from(["req_a", "req_b"]), max_size=1, unique=True))
 
 
-SCHEMAS = st.recursive(LEAVES, lambda children: st.one_of(
+TREES = st.recursive(LEAVES, lambda children: st.one_of(
     _object(children),
     children.map(lambda c: {"type": "array", "items": c, "maxItems": 3}),
     st.lists(_object(children), min_size=2, max_size=3).map(lambda objs: {"anyOf": objs}),
     st.tuples(_object(children), _object(children)).map(lambda t: {"allOf": list(t)}),
-    children.map(lambda c: {"$defs": {"node": {"type": "object", "properties": {
-        "v": c, "next": {"anyOf": [{"$ref": "#/$defs/node"}, {"type": "null"}]}}, "required": ["v", "next"],
-        "additionalProperties": False}}, "$ref": "#/$defs/node"}),
 ), max_leaves=5)
+# Recursive $ref at the root (its $defs must be the document's): a linked list of generated values.
+SCHEMAS = st.one_of(TREES, TREES.map(lambda c: {"$defs": {"node": {"type": "object", "properties": {
+    "v": c, "next": {"anyOf": [{"$ref": "#/$defs/node"}, {"type": "null"}]}}, "required": ["v", "next"],
+    "additionalProperties": False}}, "$ref": "#/$defs/node"}))
 
 PROPERTY_EXAMPLES = 40
 PROPERTY_SEEDS = (11, 12, 13)
@@ -378,9 +379,7 @@ def test_generated_schemas_are_honoured_or_refused(engine) -> None:
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(SCHEMAS)
     def check(schema: Any) -> None:
-        if not isinstance(schema, dict) or schema.get("type") in (None, "array") and "items" not in schema \
-                and "$ref" not in schema and "anyOf" not in schema and "allOf" not in schema:
-            schema = {"type": "object", "properties": {"v": schema}, "required": ["v"]}
+
         counts["schemas"] += 1
         body = _chat_body(response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
         try:
@@ -411,7 +410,8 @@ def test_generated_schemas_are_honoured_or_refused(engine) -> None:
           f"{counts['outputs']} outputs, {counts['cut_off']} cut off at {PROPERTY_TOKENS} tokens")
     assert counts["schemas"] == PROPERTY_EXAMPLES
     assert 0.05 <= share <= 0.7  # both kinds exercised
-    assert counts["cut_off"] <= counts["outputs"] // 4
+    # Values a schema leaves free (a required name outside properties) can run on with a random model.
+    assert counts["cut_off"] <= counts["outputs"] // 2
 
 
 # ---------------------------------------------------------------------------- the keyword table
