@@ -580,7 +580,7 @@ class _CompileServer:
                 if job is not None:
                     job.reply = reply
                     job.done.set()
-        except (EOFError, OSError):
+        except Exception:  # noqa: BLE001 - the server died, or this process is exiting (a CLI error): stop
             pass
         self.failed = True
         with self._lock:
