@@ -65,8 +65,9 @@ KEYWORDS: dict[str, tuple[str, str]] = {
                             "pattern's or format's own lengths are within the bounds, refused otherwise"),
     "maxLength": (ENFORCED, "as minLength"),
     "pattern": (ENFORCED, "the whole string matches it (a subset of what the unanchored pattern allows)"),
-    "format": (ENFORCED, "xgrammar's rules for date-time, date, time, duration, email, hostname, ipv4, ipv6, "
-                         "uri, uri-reference, uuid...; 'date' bounds the day at 31 whatever the month"),
+    "format": (ENFORCED, "xgrammar's rules for date-time, date, time, duration, email, hostname, ipv6, uri, "
+                         "uri-reference, uuid...; 'date' bounds the day at 31 whatever the month; 'ipv4' is "
+                         "rewritten to an exact pattern (xgrammar's allows leading zeros, '055')"),
     "minimum": (ENFORCED, ""),
     "maximum": (ENFORCED, ""),
     "exclusiveMinimum": (ENFORCED, "draft-4 boolean form rewritten to the number form"),
@@ -349,6 +350,9 @@ class _Normalizer:
             out["items"] = value
         if "multipleOf" in out:
             self._check_multiple_of(out, where)
+        if out.get("format") == "ipv4" and "pattern" not in out:
+            del out["format"]
+            out["pattern"] = _IPV4
         if ("minLength" in out or "maxLength" in out) and ("pattern" in out or "format" in out):
             self._check_lengths(out, where)
         self._objects(out, where)
@@ -571,6 +575,8 @@ class _Normalizer:
 
 
 _FORMAT_WIDTHS = {"date": (10, 10), "uuid": (36, 36), "ipv4": (7, 15)}
+_OCTET = "(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+_IPV4 = rf"^{_OCTET}(\.{_OCTET}){{3}}$"  # RFC 2673 dotted quad, no leading zeros (Python's ipaddress)
 
 
 def _string_width(schema: dict[str, Any]) -> tuple[int | None, int | None]:
