@@ -152,9 +152,10 @@ def parse_tools(tools: Sequence[Any] | None, *, param: str = "tools") -> tuple[T
 def arguments_schema(tool: Tool, *, param: str = "tools[0].function.parameters", prefix: str = "") -> dict[str, Any]:
     """The normalized JSON Schema of ``tool``'s arguments (:func:`~llminfer.sampling.schema.normalize_schema`).
 
-    Arguments are always a JSON object: empty or missing ``parameters`` (``{}``, or only annotations such
-    as a title) mean an object with no properties (closed: the tool takes none); a schema without a
-    ``type`` is read as an object; one whose ``type`` excludes ``"object"`` is refused.
+    Arguments are always a JSON object: empty or missing ``parameters`` (``{}``, only annotations such as
+    a title, or ``{"type": "object"}`` with no properties) mean an object with no properties, closed: the
+    tool takes none. A schema without a ``type`` is read as an object; one whose ``type`` excludes
+    ``"object"`` is refused.
 
     Args:
         tool: the tool.
@@ -165,15 +166,16 @@ def arguments_schema(tool: Tool, *, param: str = "tools[0].function.parameters",
         SchemaError: a schema that cannot be enforced, or not an object (``param``, keyword named).
     """
     params = tool.parameters
-    if not any(k in KEYWORDS and KEYWORDS[k][0] != "annotation" for k in params):
+    asserted = {k: v for k, v in params.items() if k in KEYWORDS and KEYWORDS[k][0] != "annotation"}
+    if asserted in ({}, {"type": "object"}, {"type": "object", "properties": {}}, {"properties": {}}):
         return dict(_EMPTY_PARAMETERS, additionalProperties=False)
     types = params.get("type")
     if types is None:
         params = {"type": "object", **params}
     elif types != "object":
         if not isinstance(types, list) or "object" not in types:
-            raise SchemaError(f"a tool's arguments are a JSON object, but its parameters have type {types!r}",
-                              keyword="type", param=param)
+            raise SchemaError(f"JSON Schema keyword 'type': a tool's arguments are a JSON object, but its "
+                              f"parameters have type {types!r}", keyword="type", param=param)
         params = {**params, "type": "object"}
     return normalize_schema(params, strict=bool(tool.strict), prefix=prefix, param=param)
 

@@ -36,13 +36,18 @@ def _compile_child(compiler: Any, spec: Any, out: Connection) -> None:
 
 def serve() -> None:
     """Run the server on stdin / stdout until stdin closes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent; this ends when its stdin closes
     protocol_out = os.dup(1)
     os.dup2(2, 1)  # stray prints (a library's warning) must not corrupt the protocol
     inbox = Connection(0, writable=False)
     outbox = Connection(protocol_out, readable=False)
     import xgrammar
 
-    info = xgrammar.TokenizerInfo.deserialize_json(inbox.recv())
+    try:
+        info_json = inbox.recv()
+    except (EOFError, OSError):  # the parent exited before it was up (a CLI that failed early)
+        return
+    info = xgrammar.TokenizerInfo.deserialize_json(info_json)
     compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
     outbox.send(("ready", None))
     jobs: dict[int, tuple[int, int, Connection]] = {}  # read fd -> (job id, pid, connection)
@@ -86,7 +91,10 @@ def serve() -> None:
                 reply = ("error", "the compile process died (out of memory?)")
             conn.close()
             os.waitpid(pid, 0)
-            outbox.send((job_id, reply))
+            try:
+                outbox.send((job_id, reply))
+            except OSError:  # the parent is gone
+                return
 
 
 if __name__ == "__main__":

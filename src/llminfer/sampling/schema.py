@@ -65,8 +65,9 @@ KEYWORDS: dict[str, tuple[str, str]] = {
                             "pattern's or format's own lengths are within the bounds, refused otherwise"),
     "maxLength": (ENFORCED, "as minLength"),
     "pattern": (ENFORCED, "the whole string matches it (a subset of what the unanchored pattern allows)"),
-    "format": (ENFORCED, "xgrammar's rules for date-time, date, time, duration, email, hostname, ipv4, ipv6, "
-                         "uri, uri-reference, uuid...; 'date' bounds the day at 31 whatever the month"),
+    "format": (ENFORCED, "xgrammar's rules for date-time, date, time, duration, email, hostname, ipv6, uri, "
+                         "uri-reference, uuid...; 'date' bounds the day at 31 whatever the month; 'ipv4' is "
+                         "rewritten to an exact pattern (xgrammar's allows leading zeros, '055')"),
     "minimum": (ENFORCED, ""),
     "maximum": (ENFORCED, ""),
     "exclusiveMinimum": (ENFORCED, "draft-4 boolean form rewritten to the number form"),
@@ -226,6 +227,10 @@ class _Normalizer:
         for key in node:
             if key in _REFUSED:
                 self._check_refused(node, key, where)
+        unevaluated = [k for k in ("unevaluatedProperties", "unevaluatedItems") if k in node]
+        if unevaluated and set(node) & {"allOf", "anyOf", "oneOf", "$ref", "if", "dependentSchemas"}:
+            raise _refuse(unevaluated[0], where, "next to applicators (allOf, anyOf, oneOf, $ref) it depends on "
+                                                 "what they evaluate, which xgrammar ignores")
         if "$id" in node and where:
             raise _refuse("$id", where, "an $id below the root changes what references resolve to")
         work = {k: v for k, v in node.items() if k in _KNOWN}
@@ -345,6 +350,9 @@ class _Normalizer:
             out["items"] = value
         if "multipleOf" in out:
             self._check_multiple_of(out, where)
+        if out.get("format") == "ipv4" and "pattern" not in out:
+            del out["format"]
+            out["pattern"] = _IPV4
         if ("minLength" in out or "maxLength" in out) and ("pattern" in out or "format" in out):
             self._check_lengths(out, where)
         self._objects(out, where)
@@ -567,6 +575,8 @@ class _Normalizer:
 
 
 _FORMAT_WIDTHS = {"date": (10, 10), "uuid": (36, 36), "ipv4": (7, 15)}
+_OCTET = "(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+_IPV4 = rf"^{_OCTET}(\.{_OCTET}){{3}}$"  # RFC 2673 dotted quad, no leading zeros (Python's ipaddress)
 
 
 def _string_width(schema: dict[str, Any]) -> tuple[int | None, int | None]:
@@ -617,9 +627,31 @@ def normalize_schema(schema: Any, *, strict: bool = False, prefix: str = "",
         raise SchemaError("the schema is false: it matches no value", keyword="false", param=param)
     for schema in (root, *normalizer.defs.values()):
         _close_objects(schema, listed_only=not strict)
+    root = _canonical(root)
     if normalizer.defs:
-        root = {**root, "$defs": normalizer.defs}
+        root["$defs"] = {name: _canonical(d) for name, d in normalizer.defs.items()}
     return root
+
+
+def _canonical(schema: Any) -> Any:
+    """``schema`` with each schema's keywords sorted (so two spellings of a schema are one cache key), the
+    order of properties kept (it is the order they are generated in)."""
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key in sorted(schema):
+        value = schema[key]
+        if key in _SUBSCHEMA_MAPS:
+            out[key] = {n: _canonical(v) for n, v in value.items()}
+        elif key in ("enum", "const", "required"):
+            out[key] = value
+        elif isinstance(value, dict):
+            out[key] = _canonical(value)
+        elif isinstance(value, list):
+            out[key] = [_canonical(v) for v in value]
+        else:
+            out[key] = value
+    return out
 
 
 def _close_objects(schema: Any, *, listed_only: bool) -> None:

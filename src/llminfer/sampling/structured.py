@@ -104,8 +104,8 @@ def _schema_text(value: Any) -> str | None:
                                   param=PARAM)
     external = _external_ref(value)
     if external is not None:  # xgrammar only warns and leaves that part unconstrained
-        raise InvalidRequestError(f"json_schema: $ref {external!r} is not supported; only references inside the "
-                                  "schema ('#/...') are", param=PARAM)
+        raise InvalidRequestError(f"JSON Schema keyword '$ref': {external!r} is not supported; only references "
+                                  "inside the schema ('#/...') are", param=PARAM)
     try:
         return json.dumps(value, separators=(",", ":"))
     except (TypeError, ValueError) as exc:  # a value JSON cannot hold (a set, an object), or a cycle
@@ -123,13 +123,13 @@ them: a 20,000-value enum takes ~9 s on this project's 2-core CI box, a 150,000-
 
 def _check_size(text: str) -> None:
     """Refuse a schema whose size alone makes it too slow to compile (before it takes a compile slot)."""
+    if '"enum":' in text and _enum_values(json.loads(text)) > MAX_ENUM_VALUES:
+        raise InvalidRequestError(f"json_schema has more than {MAX_ENUM_VALUES:,} enum values in all; compiling "
+                                  "it would take too long (use a pattern, or fewer values)", param=PARAM,
+                                  code="schema_too_large")
     if len(text) > MAX_SCHEMA_CHARS:
         raise InvalidRequestError(f"json_schema is {len(text):,} characters of JSON; at most {MAX_SCHEMA_CHARS:,} "
                                   "are accepted (compiling it would take too long)", param=PARAM,
-                                  code="schema_too_large")
-    if text.count('"enum":') and _enum_values(json.loads(text)) > MAX_ENUM_VALUES:
-        raise InvalidRequestError(f"json_schema has more than {MAX_ENUM_VALUES:,} enum values in all; compiling "
-                                  "it would take too long (use a pattern, or fewer values)", param=PARAM,
                                   code="schema_too_large")
 
 
@@ -578,7 +578,7 @@ class _CompileServer:
                 if job is not None:
                     job.reply = reply
                     job.done.set()
-        except (EOFError, OSError):
+        except Exception:  # noqa: BLE001 - the server died, or this process is exiting (a CLI error): stop
             pass
         self.failed = True
         with self._lock:

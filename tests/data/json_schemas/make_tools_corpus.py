@@ -180,9 +180,9 @@ ZOD = [
                                                                           "maximum": 9}],
                                                "minItems": 2, "maxItems": 2}},
      "required": ["pair"], "additionalProperties": False, "$schema": "http://json-schema.org/draft-07/schema#"},
-    # z.record(z.string(), z.number())
+    # z.record(z.string().max(6), z.number().int())
     {"type": "object", "properties": {"scores": {"type": "object", "additionalProperties": {
-        "type": "integer", "minimum": 0, "maximum": 10}, "maxProperties": 3}},
+        "type": "integer", "minimum": 0, "maximum": 10}, "propertyNames": {"maxLength": 6}, "maxProperties": 3}},
      "required": ["scores"], "additionalProperties": False, "$schema": "http://json-schema.org/draft-07/schema#"},
 ]
 
@@ -200,9 +200,12 @@ MCP = [
     [tool("get_time", {"type": "object", "properties": {}}), tool("ping", None),
      tool("list_files", {"type": "object", "properties": {"path": {"type": "string", "maxLength": 30}},
                          "required": ["path"]})],
-    [tool("read_resource", {"type": "object", "required": ["uri"]}),
+    # required names not under properties (bounded here: a random model fills free values to max_tokens)
+    [tool("read_resource", {"type": "object", "required": ["uri"], "maxProperties": 1,
+                            "additionalProperties": {"type": "string", "maxLength": 40}}),
      tool("set_config", {"type": "object", "properties": {"key": {"type": "string", "maxLength": 10}},
-                         "required": ["key", "value"], "additionalProperties": {"type": "string", "maxLength": 10}})],
+                         "required": ["key", "value"], "additionalProperties": {"type": "string", "maxLength": 10},
+                         "propertyNames": {"maxLength": 8}, "maxProperties": 3})],
     [tool("search_issues", {"type": "object", "$schema": "http://json-schema.org/draft-07/schema#",
                             "properties": {"repo": {"type": "string", "pattern": "^[a-z]{1,9}/[a-z]{1,9}$",
                                                     "maxLength": 20},
