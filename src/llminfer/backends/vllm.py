@@ -313,6 +313,8 @@ def engine_args_kwargs(cfg: EngineConfig, model_path: str, max_model_len: int | 
         kw["download_dir"] = cfg.hf_cache_dir
     if cfg.cache.num_blocks is not None:
         kw["num_gpu_blocks_override"] = cfg.cache.num_blocks
+    if cfg.cache.kv_cache_memory_bytes is not None:
+        kw["kv_cache_memory_bytes"] = cfg.cache.kv_cache_memory_bytes
     if cfg.quant.mode is QuantMode.NF4:
         kw["quantization"] = "bitsandbytes"
     elif cfg.quant.mode is not QuantMode.NONE:
@@ -515,6 +517,8 @@ def build_engine(cfg: EngineConfig, model_path: str, max_model_len: int | None) 
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     kw = engine_args_kwargs(cfg, model_path, max_model_len)
+    if _on_cpu() and "kv_cache_memory_bytes" not in kw and "num_gpu_blocks_override" not in kw:
+        kw["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(cfg, model_path, kw.get("max_model_len"))
     if cfg.hf_token:
         if "hf_token" in {f.name for f in dataclasses.fields(AsyncEngineArgs)}:
             kw["hf_token"] = cfg.hf_token
@@ -531,6 +535,21 @@ def build_engine(cfg: EngineConfig, model_path: str, max_model_len: int | None) 
         return vllm.AsyncLLMEngine.from_engine_args(AsyncEngineArgs(**kw))
     except Exception as exc:  # noqa: BLE001 - one clear line, the token scrubbed
         raise BackendUnavailableError(f"vLLM could not start: {one_line(exc, (cfg.hf_token,))}") from None
+
+
+def cpu_kv_cache_bytes(cfg: EngineConfig, model_path: str, max_model_len: int | None) -> int:
+    """vLLM's KV budget on CPU when none is given: llminfer's own CPU default, ``max_batch_size`` full
+    contexts, at most 2 GiB (:data:`llminfer.kv.sizing.CPU_DEFAULT_KV_BYTES_CAP`); 4 bytes per element
+    unless the dtype is a 2-byte one. Without it vLLM reserves ``gpu_memory_utilization`` (0.9) of the
+    machine's memory and refuses to start when less is free, as on any shared machine."""
+    from llminfer.backends.loading import load_config
+    from llminfer.kv.sizing import CPU_DEFAULT_KV_BYTES_CAP, kv_geometry
+
+    layers, kv_heads, head_dim = kv_geometry(load_config(model_path, cfg))
+    elem = 2 if cfg.dtype in ("float16", "bfloat16", "half") else 4
+    context = max_model_len or cfg.max_model_len or 2048
+    want = 2 * layers * kv_heads * head_dim * elem * context * cfg.max_batch_size
+    return int(min(want, CPU_DEFAULT_KV_BYTES_CAP))
 
 
 def _on_cpu() -> bool:
