@@ -88,7 +88,7 @@ def test_run_stream_and_batch(engine):
     assert len(one.token_ids) == 12 and one.finish_reason == "length" and one.generated_text
     chunks = list(engine.stream(PROMPTS[0], max_new_tokens=12, ignore_eos=True))
     assert chunks[-1].is_final and len(chunks) > 2
-    assert "".join(c.text for c in chunks if not c.is_final) == one.generated_text
+    assert "".join(c.token for c in chunks if not c.is_final) == one.generated_text
     batch = engine.run_batch_continuous(PROMPTS, max_new_tokens=10, ignore_eos=True)
     assert [len(r.token_ids) for r in batch] == [10] * len(PROMPTS)
     assert batch[0].token_ids == one.token_ids[:10]

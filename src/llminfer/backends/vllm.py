@@ -257,8 +257,11 @@ def sampling_kwargs(params: SamplingParams) -> dict[str, Any]:
     if so is not None:
         # The fields of vLLM's ``StructuredOutputsParams`` (``GuidedDecodingParams`` before 0.10.2).
         kw["structured_outputs"] = {
-            "json_schema": {"json": json.loads(so.json_schema) if so.json_schema is not None else None},
-            "json_object": {"json_object": True},
+            # compact JSON, as llminfer's own constraint makes it: vLLM's default lets whitespace run on
+            # (a weak model fills max_tokens with it and never closes the object)
+            "json_schema": {"json": json.loads(so.json_schema) if so.json_schema is not None else None,
+                            "disable_any_whitespace": True},
+            "json_object": {"json_object": True, "disable_any_whitespace": True},
             "regex": {"regex": so.regex},
             "grammar": {"grammar": so.grammar},
             "choice": {"choice": list(so.choice or ())},
