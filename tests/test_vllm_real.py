@@ -151,17 +151,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_cli_serve_with_openai_client(tiny):
+def test_cli_serve_with_openai_client(tiny, tmp_path):
+    """(Its output goes to a file, not a pipe: vLLM's engine process inherits it, and a pipe would stay open
+    for as long as that process lives.)"""
     openai = pytest.importorskip("openai")
     port = _free_port()
+    log_path = tmp_path / "serve.log"
+    log = log_path.open("w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "llminfer", "serve", "--backend", "vllm", "--model", tiny, "--dtype", "float32",
          "--max-model-len", str(MAX_MODEL_LEN), "--max-batch-size", "4", "--port", str(port),
          "--served-model-name", "tiny", "--log-level", "warning"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        stdout=log, stderr=subprocess.STDOUT, text=True)
     try:
         assert wait_until(lambda: _healthy(port) or proc.poll() is not None, timeout_s=600)
-        assert proc.poll() is None, proc.stdout.read()
+        assert proc.poll() is None, log_path.read_text()[-3000:]
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
         out = client.completions.create(model="tiny", prompt="Hello", max_tokens=6, temperature=0,
                                         extra_body={"ignore_eos": True})
@@ -183,10 +187,12 @@ def test_cli_serve_with_openai_client(tiny):
     finally:
         proc.terminate()
         try:
-            output, _ = proc.communicate(timeout=120)
+            proc.wait(timeout=120)
         except subprocess.TimeoutExpired:
             proc.kill()
-            output, _ = proc.communicate()
+            proc.wait()
+        log.close()
+    output = log_path.read_text()
     assert "Traceback" not in output and "Exception ignored" not in output, output[-3000:]
 
 
