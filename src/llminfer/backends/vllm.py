@@ -408,6 +408,10 @@ class VLLMBackend:
         shutdown = getattr(client, "shutdown", None)
         if shutdown is not None:
             shutdown()
+            # AsyncLLM.__del__ calls shutdown() again; at interpreter teardown (the object may live that long
+            # in a reference cycle) the module functions it calls are gone and it prints a traceback
+            with contextlib.suppress(Exception):
+                client.shutdown = lambda *args, **kwargs: None
 
     async def generate(self, request: TokenizedRequest) -> AsyncIterator[RequestDelta]:
         """Stream one request's deltas as vLLM produces them.
@@ -520,6 +524,8 @@ def build_engine(cfg: EngineConfig, model_path: str, max_model_len: int | None) 
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     kw = engine_args_kwargs(cfg, model_path, max_model_len)
+    if _on_cpu():
+        check_cpu_head_size(cfg, model_path)
     if _on_cpu() and "kv_cache_memory_bytes" not in kw and "num_gpu_blocks_override" not in kw:
         kw["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(cfg, model_path, kw.get("max_model_len"))
     if cfg.hf_token:
@@ -538,6 +544,28 @@ def build_engine(cfg: EngineConfig, model_path: str, max_model_len: int | None) 
         return vllm.AsyncLLMEngine.from_engine_args(AsyncEngineArgs(**kw))
     except Exception as exc:  # noqa: BLE001 - one clear line, the token scrubbed
         raise BackendUnavailableError(f"vLLM could not start: {one_line(exc, (cfg.hf_token,))}") from None
+
+
+def check_cpu_head_size(cfg: EngineConfig, model_path: str) -> None:
+    """Refuse, before vLLM starts, a model whose attention head size vLLM's CPU attention does not take
+    (vLLM 0.32 starts and then its engine dies at the first request).
+
+    Raises:
+        BackendUnavailableError: the head size is not one of ``get_supported_head_sizes()``.
+    """
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        sizes = list(CPUAttentionBackend.get_supported_head_sizes())
+    except Exception:  # noqa: BLE001 - this vLLM does not say
+        return
+    from llminfer.backends.loading import load_config
+    from llminfer.kv.sizing import kv_geometry
+
+    head_dim = kv_geometry(load_config(model_path, cfg))[2]
+    if head_dim not in sizes:
+        raise BackendUnavailableError(f"vLLM's CPU attention does not take this model's head size {head_dim} "
+                                      f"(it takes {', '.join(map(str, sizes))}); use another backend")
 
 
 def cpu_kv_cache_bytes(cfg: EngineConfig, model_path: str, max_model_len: int | None) -> int:
