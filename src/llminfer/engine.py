@@ -236,8 +236,8 @@ class InferenceEngine:
         """Stop the pipeline (in-flight requests finish first, up to 30 s) and refuse everything after:
         later calls that need the pipeline (``run``, ``stream``, ``start``, ``running``, ...) raise
         :class:`~llminfer.errors.EngineClosedError`, and so does a stream still being read. The loaded
-        model stays usable for :meth:`build_pipeline`. Idempotent and safe from any thread; a close that
-        another thread has under way is waited for."""
+        model stays usable for :meth:`build_pipeline` (except vLLM's, which is shut down). Idempotent and
+        safe from any thread; a close that another thread has under way is waited for."""
         self._closed = True  # first, without the lock: submitting threads stop at once
         with self._lifecycle:
             self._stop_background()
@@ -246,6 +246,9 @@ class InferenceEngine:
             compiler = getattr(self.runtime, "grammar_compiler", None)
             if compiler is not None:
                 compiler.stop_workers()  # the compile server process; a rebuilt pipeline starts another
+            close_backend = getattr(self.backend, "close", None)
+            if close_backend is not None:  # vLLM's engine: its worker processes exit now, not at teardown
+                close_backend()
 
     def warmup(self) -> int:
         """Compile the compiled backend's graph for every step shape now, on the model thread (where the

@@ -63,7 +63,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llminfer.backends.cpu_info import cpu_flags
+from llminfer.backends.cpu_info import cpu_flags, cpu_model
 
 log = structlog.get_logger("llminfer.cpu_kernels")
 
@@ -548,7 +548,7 @@ def quant_paths() -> dict[str, dict]:
     with _lock:
         measured = _state.get("paths")
         if measured is None and not all(forced.values()):
-            cpu = _cpu_model()
+            cpu = cpu_model()
             path = _cache_dir(target_isa()) / PATHS_FILE
             try:
                 kept = json.loads(path.read_text())
@@ -586,16 +586,6 @@ def quant_path_note(kind: str) -> str:
     if p["how"] == "forced":
         return f"{what}, forced by {INT8_PATH_ENV if kind == 'int8' else INT4_PATH_ENV}"
     return f"{what}, measured here: q8 {p['q8_ms']:.2f} ms, wide ({p['wide']}) {p['wide_ms']:.2f} ms"
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 class SkinnyLinear(nn.Linear):

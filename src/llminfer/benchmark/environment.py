@@ -32,7 +32,27 @@ MEMORY_KINDS = {
                              "resident memory when the benchmark started (the engine already loaded)",
     "rss_lifetime_peak": "peak resident memory of the process since it started (this system cannot reset "
                          "the high-water mark, so configurations are not separated)",
+    "rss_workers": "resident memory of the engine's worker processes (vLLM on CPU: the model, the KV cache and "
+                   "the steps live there), the sum of each child process's peak resident memory (VmHWM, its "
+                   "whole life, loading included) or, where that cannot be read, its resident memory at the end",
 }
+
+
+def children_rss_bytes() -> int | None:
+    """Sum over this process's child processes (recursively) of each one's peak resident memory (VmHWM from
+    ``/proc/<pid>/status``), or its current resident memory where the peak cannot be read; None when psutil
+    is missing or there are no children."""
+    try:
+        import psutil
+    except ImportError:
+        return None
+    total, seen = 0, 0
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            hwm = _status_kib("VmHWM", child.pid)
+            total += hwm * 1024 if hwm is not None else child.memory_info().rss
+            seen += 1
+    return total if seen else None
 
 
 def git_revision() -> str | None:
@@ -108,10 +128,10 @@ def peak_memory_bytes(device: Any = None) -> dict[str, int | None]:
     return {"peak_rss_bytes": rss, "peak_device_bytes": dev}
 
 
-def _status_kib(field: str) -> int | None:
-    """A ``kB`` field of ``/proc/self/status`` (``VmRSS``, ``VmHWM``) in KiB, None where there is none."""
+def _status_kib(field: str, pid: int | str = "self") -> int | None:
+    """A ``kB`` field of ``/proc/<pid>/status`` (``VmRSS``, ``VmHWM``) in KiB, None where there is none."""
     try:
-        text = Path("/proc/self/status").read_text()
+        text = Path(f"/proc/{pid}/status").read_text()
     except OSError:
         return None
     m = re.search(rf"^{field}:\s+(\d+)\s+kB", text, re.MULTILINE)
@@ -158,8 +178,9 @@ class MemoryProbe:
         device: the engine's device (``"cpu"``, ``"cuda:0"``, a ``torch.device``).
         baseline_rss_bytes: resident memory before the engine was loaded (see :func:`current_rss_bytes`);
             None: the resident memory at :meth:`start` is the baseline (kind ``rss_peak_minus_loaded``).
-        device_wide: on CUDA, measure the whole device's used memory (for backends such as vLLM that
-            allocate in other processes) instead of this process's torch allocations.
+        device_wide: the engine allocates in other processes (vLLM): on CUDA, measure the whole device's used
+            memory instead of this process's torch allocations; on CPU, the resident memory of this
+            process's children (``rss_workers``, see :func:`children_rss_bytes`).
     """
 
     def __init__(self, device: Any, baseline_rss_bytes: int | None = None, device_wide: bool = False) -> None:
@@ -207,6 +228,8 @@ class MemoryProbe:
         baseline = self.baseline_rss_bytes if self.baseline_rss_bytes is not None else self._start_rss
         if self.cuda:
             kind, peak = ("cuda_device_used" if self.device_wide else "cuda_peak_allocated"), device_mb
+        elif self.device_wide and (workers := children_rss_bytes()) is not None:
+            kind, peak = "rss_workers", workers / mib
         elif hwm is not None and baseline is not None:
             kind = "rss_peak_minus_preload" if self.baseline_rss_bytes is not None else "rss_peak_minus_loaded"
             peak = max(peak_rss - baseline, 0) / mib

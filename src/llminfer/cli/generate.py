@@ -477,7 +477,10 @@ def serve(
         limits = ServerLimits(read_timeout_s=read_timeout_s, keep_alive_timeout_s=keep_alive_timeout_s,
                               limit_concurrency=limit_concurrency or max_batch_size + max_queue_size + 64,
                               shutdown_grace_s=shutdown_grace_s)
-        run_server(asgi_app, host=host, port=port, log_level=log_level, limits=limits, sock=sock)
+        try:
+            run_server(asgi_app, host=host, port=port, log_level=log_level, limits=limits, sock=sock)
+        finally:
+            engine.close()  # vLLM's engine processes exit with the server, not at interpreter teardown
 
 
 def warm_up(engine) -> int:
