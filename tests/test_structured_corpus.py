@@ -52,6 +52,9 @@ FREE_TOKENS = 24
 @pytest.fixture(scope="module")
 def engine():
     eng = InferenceEngine(EngineConfig(device="cpu", dtype="float32")).load().start()
+    # The tokenizer info and the compile server, before 120 constraints arrive at once with a 10 s deadline
+    # (as the HTTP server does at start).
+    eng.runtime.grammar_compiler.prepare().result(timeout=300)
     yield eng
     eng.close()
 
