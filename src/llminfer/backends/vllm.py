@@ -543,7 +543,7 @@ def build_engine(cfg: EngineConfig, model_path: str, max_model_len: int | None) 
         # compact JSON (llminfer's own behaviour): vLLM's xgrammar backend takes this engine-wide only
         from vllm.config import StructuredOutputsConfig
 
-        kw["structured_outputs_config"] = StructuredOutputsConfig(disable_any_whitespace=True)
+        kw["structured_outputs_config"] = StructuredOutputsConfig(backend="xgrammar", disable_any_whitespace=True)
     log.info("starting vLLM", **{k: v for k, v in kw.items() if k != "hf_token"})
     try:
         return vllm.AsyncLLMEngine.from_engine_args(AsyncEngineArgs(**kw))
