@@ -539,6 +539,11 @@ def build_engine(cfg: EngineConfig, model_path: str, max_model_len: int | None) 
         # worker its share of the cores this process may use instead (the user's own setting wins).
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(world)
         log.info("vLLM CPU thread binding", VLLM_CPU_OMP_THREADS_BIND=os.environ["VLLM_CPU_OMP_THREADS_BIND"])
+    if "structured_outputs_config" in {f.name for f in dataclasses.fields(AsyncEngineArgs)}:
+        # compact JSON (llminfer's own behaviour): vLLM's xgrammar backend takes this engine-wide only
+        from vllm.config import StructuredOutputsConfig
+
+        kw["structured_outputs_config"] = StructuredOutputsConfig(backend="xgrammar", disable_any_whitespace=True)
     log.info("starting vLLM", **{k: v for k, v in kw.items() if k != "hf_token"})
     try:
         return vllm.AsyncLLMEngine.from_engine_args(AsyncEngineArgs(**kw))
