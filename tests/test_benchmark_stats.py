@@ -162,8 +162,18 @@ def test_compare_reports_each_backends_own_memory(fake_vllm, monkeypatch, tmp_pa
         return out
 
     monkeypatch.setattr(InferenceEngine, "load", load)
-    result = BackendComparison(None, ["eager", "vllm"]).run(batch_sizes=[1], num_runs=1, max_new_tokens=2,
-                                                           warmup=0, prompt_len=4)
+    # An unrelated child process (in a full test run: the grammar compile server) is no vLLM worker: the fake
+    # vLLM, which starts none, is measured in this process, not as the children's memory.
+    import subprocess
+    import sys
+
+    other = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        result = BackendComparison(None, ["eager", "vllm"]).run(batch_sizes=[1], num_runs=1, max_new_tokens=2,
+                                                               warmup=0, prompt_len=4)
+    finally:
+        other.stdin.close()
+        other.wait(timeout=30)
     assert result.skipped == {}
     eager, vllm = (result.results[b].summary().to_dicts()[0] for b in ("eager", "vllm"))
     assert eager["memory_kind"] == vllm["memory_kind"] == "rss_peak_minus_preload"

@@ -373,6 +373,8 @@ class VLLMBackend:
         self.num_requests = 0
         self.num_running = 0
         self.build: dict[str, str] = {"vllm": version}
+        #: the processes vLLM started for this engine (where its model and KV cache live); None: unknown
+        self.worker_pids: list[int] | None = None
 
     @classmethod
     def from_config(cls, cfg: EngineConfig, model_path: str, max_model_len: int | None) -> VLLMBackend:
@@ -386,7 +388,9 @@ class VLLMBackend:
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
+        before = _child_pids()
         client = build_engine(cfg, model_path, max_model_len)
+        started = sorted(_child_pids() - before)  # vLLM's engine-core and worker processes
 
         def make_params(**kw: Any) -> Any:
             fields = kw.pop("structured_outputs", None)
@@ -397,6 +401,7 @@ class VLLMBackend:
         backend = cls(client, make_params, lambda ids: TokensPrompt(prompt_token_ids=ids),
                       getattr(vllm, "__version__", "?"))
         backend.build = vllm_build(vllm)
+        backend.worker_pids = started
         _OPEN_BACKENDS.add(backend)
         return backend
 
@@ -748,3 +753,12 @@ def _stats(req: TokenizedRequest, seen: GenerationStats | None, first_ns: int, e
         throughput_tokens_per_sec=num_tokens / (total_ms / 1e3) if total_ms > 0 else 0.0,
         prompt_tokens=len(req.prompt_token_ids), completion_tokens=num_tokens, cache_hit=cached > 0,
         cached_tokens=cached)
+
+
+def _child_pids() -> set[int]:
+    """This process's child processes, recursively (empty without psutil)."""
+    try:
+        import psutil
+    except ImportError:
+        return set()
+    return {p.pid for p in psutil.Process().children(recursive=True)}

@@ -16,6 +16,7 @@ import os
 import platform
 import re
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,16 +39,24 @@ MEMORY_KINDS = {
 }
 
 
-def children_rss_bytes() -> int | None:
-    """Sum over this process's child processes (recursively) of each one's peak resident memory (VmHWM from
-    ``/proc/<pid>/status``), or its current resident memory where the peak cannot be read; None when psutil
-    is missing or there are no children."""
+def children_rss_bytes(pids: Sequence[int] | None = None) -> int | None:
+    """Sum over ``pids`` (None: every child process of this one, recursively) and their own children of
+    each one's peak resident memory (VmHWM from ``/proc/<pid>/status``), or its current resident memory where
+    the peak cannot be read; None when psutil is missing or none of them runs."""
     try:
         import psutil
     except ImportError:
         return None
+    if pids is None:
+        procs = psutil.Process().children(recursive=True)
+    else:
+        procs = []
+        for pid in pids:
+            with contextlib.suppress(psutil.Error):
+                proc = psutil.Process(pid)
+                procs += [proc, *proc.children(recursive=True)]
     total, seen = 0, 0
-    for child in psutil.Process().children(recursive=True):
+    for child in {p.pid: p for p in procs}.values():
         with contextlib.suppress(psutil.Error):
             hwm = _status_kib("VmHWM", child.pid)
             total += hwm * 1024 if hwm is not None else child.memory_info().rss
@@ -179,16 +188,19 @@ class MemoryProbe:
         baseline_rss_bytes: resident memory before the engine was loaded (see :func:`current_rss_bytes`);
             None: the resident memory at :meth:`start` is the baseline (kind ``rss_peak_minus_loaded``).
         device_wide: the engine allocates in other processes (vLLM): on CUDA, measure the whole device's used
-            memory instead of this process's torch allocations; on CPU, the resident memory of this
-            process's children (``rss_workers``, see :func:`children_rss_bytes`).
+            memory instead of this process's torch allocations; on CPU, the resident memory of the engine's
+            ``worker_pids`` (``rss_workers``, see :func:`children_rss_bytes`; every child process when None).
+        worker_pids: the engine's own worker processes (vLLM's ``backend.worker_pids``).
     """
 
-    def __init__(self, device: Any, baseline_rss_bytes: int | None = None, device_wide: bool = False) -> None:
+    def __init__(self, device: Any, baseline_rss_bytes: int | None = None, device_wide: bool = False,
+                 worker_pids: Sequence[int] | None = None) -> None:
         import torch
 
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.baseline_rss_bytes = baseline_rss_bytes
         self.device_wide = device_wide
+        self.worker_pids = worker_pids
         self._start_rss: int | None = None
         self._resettable = False
 
@@ -228,7 +240,7 @@ class MemoryProbe:
         baseline = self.baseline_rss_bytes if self.baseline_rss_bytes is not None else self._start_rss
         if self.cuda:
             kind, peak = ("cuda_device_used" if self.device_wide else "cuda_peak_allocated"), device_mb
-        elif self.device_wide and (workers := children_rss_bytes()) is not None:
+        elif self.device_wide and (workers := children_rss_bytes(self.worker_pids)) is not None:
             kind, peak = "rss_workers", workers / mib
         elif hwm is not None and baseline is not None:
             kind = "rss_peak_minus_preload" if self.baseline_rss_bytes is not None else "rss_peak_minus_loaded"

@@ -307,12 +307,17 @@ class Benchmarker:
         engine.start()
         go = engine.run_batch_continuous if continuous else engine.run_batch
         device_wide = getattr(engine.cfg, "backend", None) is Backend.VLLM
+        # vLLM on CPU: the processes it started; without any known (a stand-in), this process's own memory
+        worker_pids = getattr(getattr(engine, "backend", None), "worker_pids", None)
+        if device_wide and not worker_pids and str(engine.device) == "cpu":
+            device_wide = False
         runs: list[dict[str, Any]] = []
         requests: list[dict[str, Any]] = []
         configs: list[dict[str, Any]] = []
         seed = self.seed
         for size in batch_sizes:
-            probe = MemoryProbe(engine.device, self.baseline_rss_bytes, device_wide=device_wide)
+            probe = MemoryProbe(engine.device, self.baseline_rss_bytes, device_wide=device_wide,
+                                worker_pids=worker_pids)
             probe.start()
             itl: list[float] = []
             for i in range(warmup + num_runs):
