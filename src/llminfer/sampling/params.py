@@ -8,7 +8,6 @@ from typing import Any
 import attrs
 
 from llminfer.errors import InvalidRequestError
-from llminfer.sampling.processors import ROW_PROCESSORS
 from llminfer.sampling.structured import StructuredOutput
 
 GREEDY_TEMPERATURE = 1e-5
@@ -181,6 +180,9 @@ class SamplingParams:
     def needs_history(self) -> bool:
         """Some per-row logits processor runs (:data:`~llminfer.sampling.processors.ROW_PROCESSORS`): one
         reading the tokens so far (penalties, no-repeat n-gram, bad/forced words), or ``logit_bias``."""
+        # Imported here: the processors module imports torch, which the CLI's flag checks must not load.
+        from llminfer.sampling.processors import ROW_PROCESSORS
+
         return any(processor.applies(self) for processor in ROW_PROCESSORS)
 
     @property
