@@ -91,7 +91,9 @@ def test_ctrl_c_stops_generation_within_a_step(engine, how):
         engine.wait_drained()  # without the abort: after all 1500 tokens
     finally:
         engine.stat_loggers.remove(steps)
-    assert steps.count < 20, steps.count
+    # The interrupted thread notices within one poll of its wait (0.1 s): a bound far below the 1500 steps the
+    # request runs without the abort, and far above what a poll's worth of tiny-model steps can be.
+    assert steps.count < 300, steps.count
     assert engine.kv_manager.pool.num_free_blocks == engine.kv_manager.num_blocks or engine.is_idle()
 
 
