@@ -16,6 +16,7 @@ Each implements the semantics of the named Hugging Face processor or the cited d
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any, ClassVar
@@ -37,7 +38,7 @@ class RequestHistory:
         return len(self.token_ids) - self.num_prompt
 
 
-class RowProcessor:
+class RowProcessor(ABC):
     """Base of the per-row processors (see the module docstring). ``params`` is the request's
     :class:`~llminfer.sampling.params.SamplingParams`."""
 
@@ -45,8 +46,9 @@ class RowProcessor:
     can_ban_everything: ClassVar[bool] = False
 
     @staticmethod
+    @abstractmethod
     def applies(params: Any) -> bool:
-        raise NotImplementedError  # every processor says when it runs
+        """Whether a request with these sampling parameters uses this processor."""
 
     @classmethod
     def for_request(cls, params: Any, history: RequestHistory, context: dict[str, Any]) -> RowProcessor | None:
@@ -57,11 +59,12 @@ class RowProcessor:
     def __init__(self, params: Any, history: RequestHistory, context: dict[str, Any]) -> None:
         self.params = params
 
-    def update(self, history: RequestHistory, token: int) -> None:
+    def update(self, history: RequestHistory, token: int) -> None:  # noqa: B027 - most processors keep no state
         """``token`` was chosen (it is already the last of ``history.token_ids``)."""
 
+    @abstractmethod
     def __call__(self, row: torch.Tensor, history: RequestHistory) -> None:
-        raise NotImplementedError  # every processor changes the row
+        """Change the request's ``[V]`` float32 logits ``row`` in place."""
 
 
 class LogitBias(RowProcessor):
@@ -264,16 +267,18 @@ ROW_PROCESSORS: tuple[type[RowProcessor], ...] = (
 
 
 # ---------------------------------------------------------------------------- warpers (batched)
-class Warper:
+class Warper(ABC):
     """Base of the batched warpers: ``applies(params)`` for one request; ``__call__(logits, params)`` on
     the ``[S, V]`` float32 logits of the sampling rows (``params`` one per row), returning new logits."""
 
     @staticmethod
+    @abstractmethod
     def applies(params: Any) -> bool:
-        raise NotImplementedError  # every warper says when it runs
+        """Whether a request with these sampling parameters uses this warper."""
 
+    @abstractmethod
     def __call__(self, logits: torch.Tensor, params: Sequence[Any]) -> torch.Tensor:
-        raise NotImplementedError  # every warper changes the logits
+        """The warped ``[S, V]`` float32 logits of the sampling rows (``params``: one per row)."""
 
 
 class Temperature(Warper):
