@@ -56,10 +56,18 @@ def test_sampling_kwargs_mapping():
     assert greedy["logprobs"] is None and "bad_words" not in greedy
 
 
-@pytest.mark.parametrize("field", [{"no_repeat_ngram_size": 3}, {"force_words": ["x"]}])
+@pytest.mark.parametrize("field", [{"no_repeat_ngram_size": 3}, {"force_words": ["x"]}, {"typical_p": 0.5}])
 def test_sampling_kwargs_refuses_unmappable(field):
-    with pytest.raises(InvalidRequestError, match="not supported by the vLLM backend"):
+    with pytest.raises(InvalidRequestError, match="not supported by the vLLM backend") as exc:
         vb.sampling_kwargs(SamplingParams(**field))
+    assert exc.value.param == next(iter(field))
+
+
+def test_every_processor_names_its_sampling_params_field():
+    from llminfer.sampling.processors import ROW_PROCESSORS, WARPERS
+
+    fields = {a.name for a in SamplingParams.__attrs_attrs__}
+    assert all(p.field in fields for p in (*ROW_PROCESSORS, *WARPERS))
 
 
 def test_engine_args_mapping():

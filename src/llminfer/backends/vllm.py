@@ -219,13 +219,15 @@ def sampling_kwargs(params: SamplingParams) -> dict[str, Any]:
         A dict of vLLM ``SamplingParams`` keyword arguments.
 
     Raises:
-        InvalidRequestError: a setting vLLM has no equivalent for (``no_repeat_ngram_size``,
-            ``force_words``).
+        InvalidRequestError: a setting vLLM has no equivalent for: a processor or warper of
+            :mod:`llminfer.sampling.processors` with ``in_vllm = False`` (``no_repeat_ngram_size``,
+            ``force_words``, ``typical_p``), named in ``param``.
     """
-    if params.no_repeat_ngram_size:
-        raise InvalidRequestError("no_repeat_ngram_size is not supported by the vLLM backend")
-    if params.force_words:
-        raise InvalidRequestError("force_words is not supported by the vLLM backend")
+    from llminfer.sampling.processors import ROW_PROCESSORS, WARPERS
+
+    for processor in (*ROW_PROCESSORS, *WARPERS):
+        if not processor.in_vllm and processor.applies(params):
+            raise InvalidRequestError(f"{processor.field} is not supported by the vLLM backend", param=processor.field)
     kw: dict[str, Any] = {
         "n": 1,
         "max_tokens": params.max_new_tokens,

@@ -44,6 +44,10 @@ class RowProcessor(ABC):
 
     needs_history: ClassVar[bool] = True
     can_ban_everything: ClassVar[bool] = False
+    #: the SamplingParams field that turns it on (named in errors)
+    field: ClassVar[str] = ""
+    #: vLLM's SamplingParams has an equivalent (the vLLM backend refuses the others by this flag)
+    in_vllm: ClassVar[bool] = True
 
     @staticmethod
     @abstractmethod
@@ -70,6 +74,8 @@ class RowProcessor(ABC):
 class LogitBias(RowProcessor):
     """OpenAI's ``logit_bias``: add each token's bias, first of all processors."""
 
+    field = "logit_bias"
+
     needs_history = False
 
     @staticmethod
@@ -89,6 +95,8 @@ class LogitBias(RowProcessor):
 class RepetitionPenalty(RowProcessor):
     """Hugging Face ``RepetitionPenaltyLogitsProcessor`` (Keskar et al. 2019): the logit of every token in
     prompt + output is divided by the penalty when positive, multiplied when negative."""
+
+    field = "repetition_penalty"
 
     @staticmethod
     def applies(params: Any) -> bool:
@@ -115,6 +123,8 @@ class PresenceFrequencyPenalty(RowProcessor):
     """OpenAI's presence and frequency penalties over output tokens:
     ``logit -= presence * (count > 0) + frequency * count``."""
 
+    field = "presence_penalty"
+
     @staticmethod
     def applies(params: Any) -> bool:
         return bool(params.presence_penalty or params.frequency_penalty)
@@ -137,6 +147,9 @@ class PresenceFrequencyPenalty(RowProcessor):
 class NoRepeatNGram(RowProcessor):
     """Hugging Face ``NoRepeatNGramLogitsProcessor``: no n-gram of size ``no_repeat_ngram_size`` occurs
     twice in prompt + output (the tokens that would complete a seen n-gram are banned)."""
+
+    field = "no_repeat_ngram_size"
+    in_vllm = False
 
     can_ban_everything = True
 
@@ -169,6 +182,8 @@ class NoRepeatNGram(RowProcessor):
 class BadWords(RowProcessor):
     """Hugging Face ``NoBadWordsLogitsProcessor``: a one-token word is always banned; a longer one's last
     token is banned right after the rest of it."""
+
+    field = "bad_words"
 
     can_ban_everything = True
 
@@ -206,6 +221,9 @@ class ForcedWords(RowProcessor):
     its tokenizations) is in the output when ``max_new_tokens`` >= the sum of the phrases' token lengths,
     unless a stop string ends the text first. A phrase that appears naturally counts as satisfied.
     """
+
+    field = "force_words"
+    in_vllm = False
 
     @staticmethod
     def applies(params: Any) -> bool:
@@ -271,6 +289,9 @@ class Warper(ABC):
     """Base of the batched warpers: ``applies(params)`` for one request; ``__call__(logits, params)`` on
     the ``[S, V]`` float32 logits of the sampling rows (``params`` one per row), returning new logits."""
 
+    field: ClassVar[str] = ""  #: as :attr:`RowProcessor.field`
+    in_vllm: ClassVar[bool] = True  #: as :attr:`RowProcessor.in_vllm`
+
     @staticmethod
     @abstractmethod
     def applies(params: Any) -> bool:
@@ -284,6 +305,8 @@ class Warper(ABC):
 class Temperature(Warper):
     """Divide the logits by the temperature (greedy rows never reach the warpers)."""
 
+    field = "temperature"
+
     @staticmethod
     def applies(params: Any) -> bool:
         return params.temperature != 1.0
@@ -296,6 +319,8 @@ class TopK(Warper):
     """Keep each row's ``top_k`` largest logits (0 = off); ties at the k-th value are kept, as in Hugging
     Face's ``TopKLogitsWarper``."""
 
+    field = "top_k"
+
     @staticmethod
     def applies(params: Any) -> bool:
         return params.top_k > 0
@@ -306,6 +331,8 @@ class TopK(Warper):
 
 class TopP(Warper):
     """Nucleus filtering (Holtzman et al. 2019), see :func:`apply_top_p`."""
+
+    field = "top_p"
 
     @staticmethod
     def applies(params: Any) -> bool:
@@ -319,6 +346,8 @@ class TopP(Warper):
 class MinP(Warper):
     """Drop tokens whose probability is below ``min_p`` times the row's top probability (Nguyen et al.
     2024; Hugging Face ``MinPLogitsWarper``)."""
+
+    field = "min_p"
 
     @staticmethod
     def applies(params: Any) -> bool:
@@ -335,6 +364,9 @@ class TypicalP(Warper):
     """Locally typical sampling (Meister et al. 2022; Hugging Face ``TypicalLogitsWarper``): keep the
     tokens whose surprisal ``-log p`` is closest to the row's entropy, in that order, until their
     probability reaches ``typical_p`` (at least one token). Rows with ``typical_p`` 1 are unchanged."""
+
+    field = "typical_p"
+    in_vllm = False
 
     @staticmethod
     def applies(params: Any) -> bool:
