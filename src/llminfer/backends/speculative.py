@@ -30,6 +30,7 @@ KV written for rejected drafts lies beyond ``num_computed_tokens`` and is overwr
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 import torch
@@ -40,7 +41,7 @@ from llminfer.protocols.messages import ScheduledSequence, SchedulerOutput, Step
 from llminfer.sampling.sampler import SamplingState, argmax_rows, draw, sample, warp
 
 
-class _VerifyingBackend(HFBackend):
+class _VerifyingBackend(HFBackend, ABC):
     """The eager backend plus draft verification: subclasses propose drafts (:meth:`propose`), this class
     runs the target once over each sequence's ``[last token, d1 .. dm]`` and accepts a prefix of them."""
 
@@ -51,10 +52,10 @@ class _VerifyingBackend(HFBackend):
         self.total_proposed = 0
         self.total_accepted = 0
 
+    @abstractmethod
     def propose(self, plan: SchedulerOutput) -> dict[str, tuple[list[int], list[torch.Tensor | None]]]:
         """Drafts for the plan's sequences with ``num_lookahead > 0``: per request id, the proposed tokens
         and, per token, the draft distribution ``[V]`` (None for a point mass on the token)."""
-        raise NotImplementedError
 
     # ------------------------------------------------------------------ verification
     def verify(self, state: SamplingState, rows: torch.Tensor, proposed: list[int],
