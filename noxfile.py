@@ -66,7 +66,9 @@ def vllm(session: nox.Session) -> None:
     session is skipped with a ``SKIP:`` line (exit 0); a failing test fails it. pytest arguments after --.
     ``LLMINFER_WHEEL_CACHE=DIR`` keeps the downloaded wheels in DIR and installs from there next time."""
     cache = os.environ.get("LLMINFER_WHEEL_CACHE")
-    pip_env = {"PIP_FIND_LINKS": cache} if cache else {}
+    # Added to, not instead of, the find-links pip already has (where this machine keeps its torch CPU wheel).
+    links = " ".join(x for x in (cache, os.environ.get("PIP_FIND_LINKS", "")) if x)
+    pip_env = {"PIP_FIND_LINKS": links} if cache else {}
     started = time.perf_counter()
     try:
         if cache:

@@ -1,6 +1,6 @@
 """llminfer's CPU kernels against torch's, side by side in one run, on the bench model's shapes.
 
-Products (``llminfer.backends.cpu_kernels.skinny_linear``), at 1, 4, 8, 32 and 64 activation rows:
+Products (``llminfer.kernels.linear.skinny_linear``), at 1, 4, 8, 32 and 64 activation rows:
 
 * ``layers_fp32``: the 56 fp32 linear layers of the bench model's 8 decoder layers (q/k/v/o 512x512,
   128x512 twice, 512x512; gate/up 1536x512; down 512x1536), ``F.linear`` against the kernel;
@@ -49,9 +49,13 @@ import torch
 import torch.nn.functional as F
 
 from common import environment, save
-from llminfer.backends import cpu_kernels
 from llminfer.backends.attention import PagedKVCache, build_metadata, paged_attention_forward
 from llminfer.benchmark.environment import StealMeter
+from llminfer.kernels import build, path_choice
+from llminfer.kernels.bf16_linear import bf16_linear
+from llminfer.kernels.int4_linear import int4_linear
+from llminfer.kernels.linear import int8_linear, skinny_linear
+from llminfer.kernels.q8_linear import int4_linear_q8, int8_linear_q8
 
 LAYER_SHAPES = [(512, 512), (128, 512), (128, 512), (512, 512), (1536, 512), (1536, 512), (512, 1536)]
 VOCAB, HIDDEN, LAYERS = 151_646, 512, 8
@@ -74,8 +78,8 @@ class _Layer:
 
 def _product_cases(x, layers, layers8, head, packed, head8, head_scale) -> dict[str, tuple[Callable, Callable]]:
     """(torch, kernel) callables per case for the activations ``x`` (``{in_features: [rows, in_features]}``)."""
-    sk, i8, int8pack = cpu_kernels.skinny_linear, cpu_kernels.int8_linear, torch.ops.aten._weight_int8pack_mm
-    q8 = cpu_kernels.int8_linear_q8
+    sk, i8, int8pack = skinny_linear, int8_linear, torch.ops.aten._weight_int8pack_mm
+    q8 = int8_linear_q8
     xb = {k: v.bfloat16() for k, v in x.items()}
     scales_bf16 = [[s.bfloat16() for _, s in layer] for layer in layers8]
     head_scale_bf16 = head_scale.bfloat16()
@@ -98,7 +102,8 @@ def _product_cases(x, layers, layers8, head, packed, head8, head_scale) -> dict[
 def _int4(n: int, k: int, g: torch.Generator, group: int = 32) -> tuple[tuple, tuple]:
     """Random int4 codes for an ``[n, k]`` layer: (torch's packed weight, its scales and zeros), (the
     kernel's codes, scale, zero) and the same in the q8 path's layout: the same values in every layout."""
-    from llminfer.backends.weight_only import pack_int4_codes, pack_int4_codes_q8
+    from llminfer.kernels.int4_linear import pack_int4_codes
+    from llminfer.kernels.q8_linear import pack_int4_codes_q8
 
     n_pad = -(-n // 16) * 16  # torch's CPU packing needs N % 16 == 0
     q = torch.randint(0, 16, (n_pad, k), generator=g, dtype=torch.int32)
@@ -110,10 +115,10 @@ def _int4(n: int, k: int, g: torch.Generator, group: int = 32) -> tuple[tuple, t
 
 
 def _extra_weights(layers, head, g) -> dict[str, Any]:
-    """The bf16 (where :func:`~llminfer.backends.cpu_kernels.bf16_kernel_available`) and int4 (on the VNNI
+    """The bf16 (where :func:`~llminfer.kernels.build.bf16_kernel_available`) and int4 (on the VNNI
     build) weights of :func:`_extra_cases`, made once."""
     w: dict[str, Any] = {}
-    if cpu_kernels.bf16_kernel_available():
+    if build.bf16_kernel_available():
         w["lb"] = [[t.bfloat16() for t in layer] for layer in layers]
         w["hb"] = head.bfloat16()
         w["hb_packed"] = torch.ops.mkldnn._reorder_linear_weight(w["hb"], None)
@@ -128,17 +133,17 @@ def _extra_cases(x, w: dict[str, Any]) -> dict[str, tuple[Callable, Callable]]:
     cases: dict[str, tuple[Callable, Callable]] = {}
     xb = {k: v.bfloat16() for k, v in x.items()}
     if "lb" in w:
-        bf, lb = cpu_kernels.bf16_linear, w["lb"]
+        bf, lb = bf16_linear, w["lb"]
         cases["layers_bf16"] = (lambda: [F.linear(xb[t.shape[1]], t) for layer in lb for t in layer],
                                 lambda: [bf(xb[t.shape[1]], t) for layer in lb for t in layer])
         cases["head_bf16"] = (lambda: torch.ops.mkldnn._linear_pointwise(xb[512], w["hb_packed"], None, "none", [], ""),
                               lambda: bf(xb[512], w["hb"]))
-    mm4, i4, l4, h4 = torch.ops.aten._weight_int4pack_mm_for_cpu, cpu_kernels.int4_linear, w["l4"], w["h4"]
+    mm4, i4, l4, h4 = torch.ops.aten._weight_int4pack_mm_for_cpu, int4_linear, w["l4"], w["h4"]
     torch4 = lambda: [mm4(xb[o[0].shape[1] * 2], t[0], 32, t[1]) for layer in l4 for t, o, _ in layer]  # noqa: E731
-    if cpu_kernels.int8_activation_bits():
+    if build.int8_activation_bits():
         cases["layers_int4"] = (torch4, lambda: [i4(x[o[0].shape[1] * 2], *o, 32) for layer in l4 for _, o, _ in layer])
         cases["head_int4"] = (lambda: mm4(xb[512], h4[0][0], 32, h4[0][1]), lambda: i4(x[512], *h4[1], 32))
-    i4q = cpu_kernels.int4_linear_q8
+    i4q = int4_linear_q8
     cases["layers_int4_q8"] = (torch4, lambda: [i4q(x[o[0].shape[1] * 2], *o, 32) for layer in l4 for _, _, o in layer])
     cases["head_int4_q8"] = (lambda: mm4(xb[512], h4[0][0], 32, h4[0][1]), lambda: i4q(x[512], *h4[2], 32))
     return cases
@@ -217,14 +222,14 @@ def main() -> dict[str, Any]:
     ap.add_argument("--reps", type=int, default=None, help="timed loops per case, best kept (default 3; 1 with --quick)")
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("LLMINFER_BENCH_THREADS", "2")))
-    if not cpu_kernels.skinny_linear_available():
-        print(f"SKIP: llminfer's CPU kernel is unavailable here: {cpu_kernels.unavailable_reason()}")
-        return {"skipped": cpu_kernels.unavailable_reason()}
+    if not build.skinny_linear_available():
+        print(f"SKIP: llminfer's CPU kernel is unavailable here: {build.unavailable_reason()}")
+        return {"skipped": build.unavailable_reason()}
     reps = args.reps if args.reps is not None else (1 if args.quick else 3)
-    isa, int8_bits = cpu_kernels.vector_isa(), cpu_kernels.int8_activation_bits()
+    isa, int8_bits = build.vector_isa(), build.int8_activation_bits()
     int8_path = f"integer, {int8_bits}-bit activations (VNNI)" if int8_bits else "fp32 activations"
-    print(f"kernel build: {isa}; int8 products: {int8_path}; q8 path on {cpu_kernels.q8_instruction()}", flush=True)
-    chosen = {k: v["path"] for k, v in cpu_kernels.quant_paths().items()}
+    print(f"kernel build: {isa}; int8 products: {int8_path}; q8 path on {build.q8_instruction()}", flush=True)
+    chosen = {k: v["path"] for k, v in path_choice.quant_paths().items()}
     print(f"paths chosen here (quant_paths): {chosen}", flush=True)
     load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
     steal = StealMeter()
@@ -232,7 +237,7 @@ def main() -> dict[str, Any]:
         payload = {"benchmark": "cpu_kernels", "threads": torch.get_num_threads(), "kernel_isa": isa,
                    "int8_path": int8_path,
                    "products": products([1, 32] if args.quick else [1, 4, 8, 32, 64], reps),
-                   "q8_path": cpu_kernels.q8_instruction(), "quant_paths": cpu_kernels.quant_paths(),
+                   "q8_path": build.q8_instruction(), "quant_paths": path_choice.quant_paths(),
                    "attention": attention(reps), "reps": reps, "loadavg_before": load_before,
                    "loadavg_after": " ".join(f"{x:.2f}" for x in os.getloadavg()), "steal_pct": steal.pct(),
                    "environment": environment()}
@@ -243,8 +248,8 @@ def main() -> dict[str, Any]:
         print(f"CPU time stolen by the hypervisor during the run: {payload['steal_pct']:.1f} %")
     # The build this CPU gets by default saves as cpu_kernels (what run_all reads); a forced AVX2 build on an
     # AVX-512 CPU as cpu_kernels_avx2.
-    name = "cpu_kernels" if cpu_kernels.target_isa() == cpu_kernels.best_isa() else "cpu_kernels_avx2"
-    if isa == "AVX-512" and "avx512_vnni" in cpu_kernels.cpu_flags() and not int8_bits:
+    name = "cpu_kernels" if build.target_isa() == build.best_isa() else "cpu_kernels_avx2"
+    if isa == "AVX-512" and "avx512_vnni" in build.cpu_flags() and not int8_bits:
         name = "cpu_kernels_novnni"  # LLMINFER_CPU_KERNEL_VNNI=0: int8 on float32 activations, for comparison
     print(f"-> {save(name, payload)}")
     return payload

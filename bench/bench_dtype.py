@@ -47,7 +47,7 @@ def main() -> dict:
         # (skinny_linear, paged_decode_attention) serve fp32 only, so batch 1 may favour fp32 even there.
         engines["float32"] = _engine(path, "float32", args.batch)
     chosen = {k: str(e.runtime.dtype).replace("torch.", "") for k, e in engines.items()}
-    # auto settled by measurement where the flag rule picked a half type (llminfer.backends.dtype_probe)
+    # auto settled by measurement where the flag rule picked a half type (llminfer.models.dtype_probe)
     probe, auto_reason = engines["auto"].runtime.dtype_probe, engines["auto"].runtime.dtype_reason
     kw = dict(max_new_tokens=args.new_tokens, ignore_eos=True)
     for e in engines.values():  # warm-up, excluded

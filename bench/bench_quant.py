@@ -4,21 +4,23 @@ one run, with weight bytes and the accuracy against fp32.
 Model: the ~102M Qwen2-shaped benchmark model (random weights, tied embeddings: 78M parameters in the
 embedding, read every step as the LM head) loaded in float32; the quantized rows quantize every linear
 layer and the LM head (``quantize_lm_head``, the default; int4-wo's head in int8, ``QuantConfig.int4_lm_head``).
-int8-wo runs on llminfer's CPU kernel where it builds (:mod:`llminfer.backends.cpu_kernels`: fp32
+int8-wo runs on llminfer's CPU kernel where it builds (:mod:`llminfer.kernels.build`: fp32
 activations, or 14-bit integer ones on AVX-512 VNNI); int4-wo on llminfer's kernel where it has VNNI
 (14-bit activations), else on torch's (bf16 activations). The accuracy has one more row,
 ``int4-wo-int4-head``: every layer and the head in int4.
 
-Both kernel paths: each quantized mode runs twice, on the q8 path (``int8-wo:q8``, ``int4-wo:q8``: 8-bit
-activations per 32 columns, u8 x s8 dot products) and on the wide one (``int8-wo:wide``, ``int4-wo:wide``),
-forced with ``LLMINFER_CPU_KERNEL_INT8_PATH`` / ``_INT4_PATH`` at load; the rounds visit all of them in turn,
-and the plain ``int8-wo`` / ``int4-wo`` keys repeat the figures of the path ``quant_paths`` chose here.
+int8-wo runs in its default format (groups of 32, ``int8_group_size=32``: one kernel, ``int8_group_linear``)
+and per output channel (``int8-wo-channel``, ``int8_group_size=0``). Per channel and int4-wo each run on both
+kernel paths, the q8 path (``int8-wo-channel:q8``, ``int4-wo:q8``: 8-bit activations per 32 columns, u8 x s8
+dot products) and the wide one (``...:wide``), forced with ``LLMINFER_CPU_KERNEL_INT8_PATH`` / ``_INT4_PATH``
+at load; the rounds visit all of them in turn, and the plain ``int8-wo-channel`` / ``int4-wo`` keys repeat the
+figures of the path ``quant_paths`` chose here.
 
 Speed: one request at a time (batch 1), a 32-token prompt, greedy, EOS ignored; ms/token is the engine's
 time per output token after the first (``(total_latency_ms - ttft_ms) / (tokens - 1)``), the median over ``--reps`` rounds that
 visit the modes in turn (so a load change on the machine hits all of them alike).
 
-Accuracy (``llminfer.backends.weight_only.logit_agreement``): teacher-forced over the bench prompts, the
+Accuracy (``llminfer.models.agreement.logit_agreement``): teacher-forced over the bench prompts, the
 fraction of positions where the quantized model's argmax equals fp32's, and the logit error. Random
 weights give nearly flat logits, so top-1 flips wherever the fp32 top-1/top-2 margin is below the
 quantization error (``mean_ref_top2_margin`` against ``mean_abs_err`` shows how close that is); the
@@ -64,15 +66,18 @@ from common import (
     skip_payload,
 )
 from llminfer import CacheConfig, EngineConfig, InferenceEngine, QuantConfig
-from llminfer.backends import cpu_kernels
-from llminfer.backends.cpu_kernels import enable_cpu_kernels
-from llminfer.backends.weight_only import logit_agreement, quantize_model, sequence_logits
+from llminfer.kernels import build, path_choice
 from llminfer.logging import configure_logging
+from llminfer.models.agreement import logit_agreement, sequence_logits
+from llminfer.models.kernel_swap import enable_cpu_kernels
+from llminfer.models.weight_only import quantize_model
 
-MODES = ("none", "int8-wo", "int4-wo")
 #: (variant, mode, kernel path): every quantized mode on both paths of llminfer's CPU kernel.
-VARIANTS = (("none", "none", None), ("int8-wo:q8", "int8-wo", "q8"), ("int8-wo:wide", "int8-wo", "wide"),
-            ("int4-wo:q8", "int4-wo", "q8"), ("int4-wo:wide", "int4-wo", "wide"))
+#: (key, mode, forced kernel path, int8 group size): int8-wo in its default groups of 32 (one kernel, no
+#: path to choose), and per output channel (``int8_group_size=0``) on each of its two kernel paths.
+VARIANTS = (("none", "none", None, 32), ("int8-wo", "int8-wo", None, 32),
+            ("int8-wo-channel:q8", "int8-wo", "q8", 0), ("int8-wo-channel:wide", "int8-wo", "wide", 0),
+            ("int4-wo:q8", "int4-wo", "q8", 32), ("int4-wo:wide", "int4-wo", "wide", 32))
 
 
 class _forced_paths:
@@ -82,7 +87,7 @@ class _forced_paths:
         self.path = path
 
     def __enter__(self) -> None:
-        self.saved = {k: os.environ.get(k) for k in (cpu_kernels.INT8_PATH_ENV, cpu_kernels.INT4_PATH_ENV)}
+        self.saved = {k: os.environ.get(k) for k in (path_choice.INT8_PATH_ENV, path_choice.INT4_PATH_ENV)}
         for k in self.saved:
             os.environ[k] = self.path or "auto"
 
@@ -94,15 +99,16 @@ class _forced_paths:
                 os.environ[k] = v
 
 
-def _engine(path, mode: str, group_size: int, kernel_path: str | None = None) -> InferenceEngine:
+def _engine(path, mode: str, group_size: int, kernel_path: str | None = None, int8_group_size: int = 32
+            ) -> InferenceEngine:
     with _forced_paths(kernel_path):
-        return _engine_now(path, mode, group_size)
+        return _engine_now(path, mode, group_size, int8_group_size)
 
 
-def _engine_now(path, mode: str, group_size: int) -> InferenceEngine:
+def _engine_now(path, mode: str, group_size: int, int8_group_size: int = 32) -> InferenceEngine:
     cfg = EngineConfig(model_name=str(path), dtype="float32", device="cpu", max_batch_size=1, batch_timeout_ms=0,
                        cache=CacheConfig(page_size_tokens=16, kv_cache_memory_bytes=64 << 20),
-                       quant=QuantConfig(mode=mode, int4_group_size=group_size))
+                       quant=QuantConfig(mode=mode, int4_group_size=group_size, int8_group_size=int8_group_size))
     return InferenceEngine(cfg).load()
 
 
@@ -118,11 +124,11 @@ def step_weight_bytes(model, weight_bytes: int) -> int:
 
 def bnb_accuracy(path, ref_logits: list[torch.Tensor], prompts: list[list[int]]) -> dict[str, dict[str, float]]:
     """bitsandbytes ``nf4`` and ``int8`` (LLM.int8) against fp32 logits, loaded as llminfer loads them
-    (:func:`llminfer.backends.quant.bnb_config`, fp32 compute); one ``SKIP:`` line per mode that cannot run."""
+    (:func:`llminfer.models.quant.bnb_config`, fp32 compute); one ``SKIP:`` line per mode that cannot run."""
     from transformers import AutoConfig
 
-    from llminfer.backends.quant import bnb_config
     from llminfer.errors import LLMInferError
+    from llminfer.models.quant import bnb_config
 
     config = AutoConfig.from_pretrained(str(path)) if path.is_dir() else None
     if config is not None and getattr(config, "quantization_config", None) is not None:
@@ -150,10 +156,10 @@ def accuracy(path, prompts: list[list[int]], group_size: int, bnb: bool = False)
     ref = load_hf_model(path, dtype=torch.float32, attn_implementation="sdpa")
     ref_logits = sequence_logits(ref, prompts)
     out = {"bf16": logit_agreement(ref_logits, copy.deepcopy(ref).to(torch.bfloat16), prompts)}
-    runs = [(v, m, "int8", p) for v, m, p in VARIANTS[1:]] + [("int4-wo-int4-head", "int4-wo", "int4", None)]
-    for name, mode, head, kernel_path in runs:
+    runs = [(v, m, "int8", p, g) for v, m, p, g in VARIANTS[1:]] + [("int4-wo-int4-head", "int4-wo", "int4", None, 32)]
+    for name, mode, head, kernel_path, int8_group_size in runs:
         model = copy.deepcopy(ref)
-        quantize_model(model, mode, group_size=group_size, int4_lm_head=head)
+        quantize_model(model, mode, group_size=group_size, int4_lm_head=head, int8_group_size=int8_group_size)
         with _forced_paths(kernel_path):
             enable_cpu_kernels(model)  # as the engine runs them: llminfer's CPU kernels where they build
         out[name] = logit_agreement(ref_logits, model, prompts)
@@ -185,7 +191,7 @@ def main() -> dict:
             return skip_payload("quant_trained", str(exc))
     else:
         path = bench_model_path()
-    engines = {v: _engine(path, m, args.group_size, p) for v, m, p in VARIANTS}
+    engines = {v: _engine(path, m, args.group_size, p, g) for v, m, p, g in VARIANTS}
     facts = {v: e.info() for v, e in engines.items()}
     if args.model:
         tok = engines["none"].tokenizer
@@ -209,9 +215,9 @@ def main() -> dict:
     for e in engines.values():
         e.close()
     acc = accuracy(path, acc_prompts, args.group_size, bnb=bool(args.model))
-    chosen = {k: v["path"] for k, v in cpu_kernels.quant_paths().items()} if cpu_kernels.skinny_linear_available() \
+    chosen = {k: v["path"] for k, v in path_choice.quant_paths().items()} if build.skinny_linear_available() \
         else {"int8": "wide", "int4": "wide"}
-    for m in MODES[1:]:  # the plain keys: the path chosen here
+    for m in ("int8-wo-channel", "int4-wo"):  # the plain keys: the path chosen here
         v = f"{m}:{chosen[m.split('-')[0]]}"
         for d in (tpot, tokens, facts, read_bytes, acc):
             d[m] = d[v]
@@ -238,11 +244,11 @@ def main() -> dict:
     b = acc["bf16"]
     print(f"[quant] (unquantized bf16 vs fp32: top-1 agree {b['top1_agreement']:.1%}, rel err {b['rel_err']:.3f}; "
           f"fp32 mean top-1/top-2 margin {b['mean_ref_top2_margin']:.3f})")
-    for m in [v for v, _, _ in VARIANTS]:
+    for m in [v for v, *_ in VARIANTS]:
         a = acc.get(m)
         extra = (f"  top-1 agree {a['top1_agreement']:.1%} over {a['positions']}  rel err {a['rel_err']:.3f}  "
                  f"greedy same for {payload['greedy_tokens_identical_to_fp32'][m]}/{new}") if a else ""
-        print(f"[quant] {m:12s} {ms[m]:7.2f} ms/token  x{payload['speedup_vs_fp32'][m]:.2f}  "
+        print(f"[quant] {m:20s} {ms[m]:7.2f} ms/token  x{payload['speedup_vs_fp32'][m]:.2f}  "
               f"weights {facts[m]['weight_bytes'] / 1e6:6.1f} MB (read per step {read_bytes[m] / 1e6:6.1f} MB){extra}")
     print(f"[quant] paths chosen here: {chosen}")
     for name in ["int4-wo-int4-head", *(k for k in acc if k.startswith("bnb-"))]:

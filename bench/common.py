@@ -186,7 +186,7 @@ def resolve_trained(name: str) -> Path:
         FileNotFoundError: nothing local of that name (the message says what was tried).
     """
     from llminfer import EngineConfig
-    from llminfer.backends.loading import resolve_model_path
+    from llminfer.models.loading import resolve_model_path
 
     path = Path(name)
     if not path.exists():

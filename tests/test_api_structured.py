@@ -373,12 +373,12 @@ def test_compile_timeout_is_a_400(http, served, monkeypatch):
 def test_engine_side_constraint_errors_name_the_field(http, monkeypatch, stream):
     # Without the server's pre-check, the engine itself fails the request (param "structured_output"):
     # the client still gets a 400 naming the field it used.
-    import llminfer.api.chat as chat_route
+    import llminfer.api.jobs as jobs
 
-    async def no_check(engine, spec, param):
+    async def no_check(grammar, param):
         return None
 
-    monkeypatch.setattr(chat_route, "check_structured_output", no_check)
+    monkeypatch.setattr(jobs, "check_structured_output", no_check)
     _error(http.post(CHAT, json=_body(stream=stream, guided_regex="[unclosed")), "guided_regex")
 
 

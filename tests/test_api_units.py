@@ -9,7 +9,7 @@ from llminfer.api import protocol as s
 from llminfer.api.errors import APIError, from_engine_error
 from llminfer.api.logprobs import TokenText
 from llminfer.api.sampling import sampling_kwargs
-from llminfer.api.translate import PromptBuilder, check_context, max_new_tokens
+from llminfer.api.translate import PromptBuilder, max_new_tokens
 from llminfer.errors import CapacityError, EngineError, InvalidRequestError, RequestAbortedError
 from llminfer.frontend.input import InputProcessor
 
@@ -80,12 +80,13 @@ def test_completion_prompt_forms():
 
 def test_context_checks():
     inputs = InputProcessor(CharTokenizer(), 16)
-    check_context(inputs, [5] * 10, 5, param="prompt")
-    check_context(inputs, [5] * 10, None, param="prompt")
+    inputs.check_prompt_ids([5] * 10, max_new_tokens=5, param="messages")
+    inputs.check_prompt_ids([5] * 10, param="messages")
     for prompt_len, max_new in ((16, None), (10, 7)):
-        with pytest.raises(APIError) as err:
-            check_context(inputs, [5] * prompt_len, max_new, param="prompt")
-        assert err.value.code == "context_length_exceeded" and err.value.param == "prompt"
+        with pytest.raises(InvalidRequestError) as err:
+            inputs.check_prompt_ids([5] * prompt_len, max_new_tokens=max_new, param="messages")
+        api = from_engine_error(err.value, prompt_param="messages")
+        assert api.code == "context_length_exceeded" and api.param == "messages"
 
 
 def test_token_text_bytes_of_partial_characters():
@@ -173,3 +174,13 @@ def test_engine_errors_map_to_openai_errors():
     assert (e.param, e.code) == ("seed", "invalid_value")
     assert from_engine_error(EngineError("backend step failed")).status == 500
     assert from_engine_error(RequestAbortedError("the engine shut down")).status == 503
+
+
+def test_the_request_schema_imports_without_the_engine():
+    import subprocess
+    import sys
+
+    code = ("import sys, llminfer.api.protocol, llminfer.api; "
+            "print(sorted(m for m in ('torch', 'llminfer.engine', 'llminfer.api.app') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == "[]"

@@ -78,7 +78,8 @@ def test_decode_attention_is_batch_invariant(dtype):
 
 
 def test_decode_metadata_pads_to_whole_chunks():
-    from llminfer.backends.attention import PagedKVCache, build_metadata, decode_chunk_blocks
+    from llminfer.backends.attention_metadata import build_metadata, decode_chunk_blocks
+    from llminfer.backends.paged_kv_cache import PagedKVCache
 
     cache = PagedKVCache(1, 64, 16, 2, 8, torch.float32, "cpu")
     meta, positions = build_metadata(cache, [5, 130, 3], [1, 1, 4], [[7], list(range(9, 18)), [2]], "cpu")

@@ -13,9 +13,9 @@ import structlog
 
 from helpers import make_engine, random_prompts
 from llminfer import Backend, ConfigError, EngineConfig, EngineError
-from llminfer.backends import compiled as compiled_mod
+from llminfer.backends import compiled_attention
 from llminfer.backends.compiled import COMPILE_BACKEND_ENV, CompiledBackend, bucket_for, token_buckets
-from llminfer.cli.generate import warm_up
+from llminfer.cli.serve import warm_up
 from llminfer.logging import configure_logging, reset_logging
 
 VOCAB = 151_000
@@ -129,7 +129,7 @@ def test_failure_falls_back_to_eager(aot_eager, monkeypatch, model_dirs, prompts
         if failure == "compile":
             backend._counter.name = _boom_backend
         else:
-            monkeypatch.setattr(compiled_mod, "paged_attention_forward", _boom_attention)
+            monkeypatch.setattr(compiled_attention, "paged_attention_forward", _boom_attention)
         results = engine.run_batch_continuous(prompts, max_new_tokens=NEW, min_new_tokens=NEW)
     assert [r.token_ids for r in results] == eager_outputs["qwen2"]
     assert all(r.finish_reason == "length" for r in results)

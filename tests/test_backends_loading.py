@@ -11,9 +11,9 @@ import torch
 
 from helpers import make_engine
 from llminfer import Backend, ConfigError, EngineConfig, InferenceEngine, ModelLoadError
-from llminfer.backends.loading import cpu_native_half, hf_kwargs, resolve_dtype
 from llminfer.cli import main
 from llminfer.logging import reset_logging
+from llminfer.models.loading import cpu_native_half, hf_kwargs, resolve_dtype
 
 
 @pytest.fixture(autouse=True)
@@ -151,7 +151,7 @@ def test_info_says_which_dtype_and_why(qwen2_dir):
     ],
 )
 def test_auto_dtype_reason_names_the_deciding_cpu_flags(monkeypatch, flags, onednn, expected, named):
-    from llminfer.backends import loading
+    from llminfer.models import loading
 
     monkeypatch.setattr(loading, "cpu_flags", lambda: frozenset(flags))
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: onednn[0])
@@ -164,8 +164,8 @@ def test_auto_dtype_reason_names_the_deciding_cpu_flags(monkeypatch, flags, oned
 
 
 def test_benchmark_environment_records_the_auto_dtype_choice(monkeypatch):
-    from llminfer.backends import loading
     from llminfer.benchmark.environment import environment
+    from llminfer.models import loading
 
     monkeypatch.setattr(loading, "cpu_flags", lambda: frozenset({"avx2"}))
     facts = environment()["cpu_dtype"]
@@ -180,7 +180,7 @@ def test_engines_share_a_parsed_tokenizer_but_not_its_attributes(qwen2_dir, tmp_
 
     import transformers
 
-    from llminfer.backends.loading import clear_tokenizer_cache, load_tokenizer
+    from llminfer.models.loading import clear_tokenizer_cache, load_tokenizer
 
     folder = tmp_path / "model"
     shutil.copytree(qwen2_dir, folder)

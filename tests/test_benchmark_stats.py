@@ -294,7 +294,7 @@ def test_description_example_command(tmp_path, monkeypatch, capsys):
 
 
 def test_progress_labels_name_the_configuration():
-    from llminfer.benchmark.runner import backend_progress
+    from llminfer.benchmark.comparison import backend_progress
     from llminfer.cli.bench import _Progress
 
     clock, labels = FakeClock(), []

@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 
 from llminfer import EngineConfig, InferenceEngine
-from llminfer.backends import loading
-from llminfer.cli import generate, main
+from llminfer.cli import chat, generate, info, main, serve
 from llminfer.errors import ModelLoadError
+from llminfer.models import loading
+from llminfer.sampling.params import SamplingParams
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -33,7 +34,7 @@ def engine(qwen2_dir):  # a random-weight Qwen2 with the real Qwen2 tokenizer an
 def test_chat_loop_is_multi_turn_through_the_template(engine, capsys):
     kw = dict(max_new_tokens=5, ignore_eos=True)
     lines = iter(["Hello", "", "/reset", "Hi", "And then?", "/exit", "never read"])
-    messages = generate.chat_loop(engine, kw, system="Be brief.", read_line=lambda: next(lines))
+    messages = chat.chat_loop(engine, SamplingParams(**kw), system="Be brief.", read_line=lambda: next(lines))
     assert [m["role"] for m in messages] == ["system", "user", "assistant", "user", "assistant"]
     first = engine.chat(messages[:2], **kw).text
     second = engine.chat(messages[:4], **kw).text
@@ -52,7 +53,7 @@ def test_chat_loop_drops_a_turn_that_fails_and_goes_on(engine, capsys):
         except StopIteration:
             raise EOFError from None
 
-    messages = generate.chat_loop(engine, dict(max_new_tokens=engine.max_model_len), read_line=read_line)
+    messages = chat.chat_loop(engine, SamplingParams(max_new_tokens=engine.max_model_len), read_line=read_line)
     assert [m["content"] for m in messages if m["role"] == "user"] == []  # both too long for the context
     assert capsys.readouterr().err.count("error:") == 2
 
@@ -101,7 +102,7 @@ def test_serve_on_a_port_in_use_fails_before_loading(monkeypatch, capsys):
     def no_load(*_a, **_k):
         raise AssertionError("the model was loaded before the port was checked")
 
-    monkeypatch.setattr(generate, "load_engine", no_load)
+    monkeypatch.setattr(serve, "load_engine", no_load)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -135,7 +136,8 @@ def test_the_command_lines_default_model(monkeypatch, capsys):
         seen.append(cfg.model_name)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(generate, "load_engine", capture)
+    for module in (generate, chat, info):
+        monkeypatch.setattr(module, "load_engine", capture)
     monkeypatch.delenv("LLMINFER_DEFAULT_MODEL")
     for argv in (["run", "x"], ["stream", "x"], ["info"], ["chat"]):
         with pytest.raises(SystemExit):

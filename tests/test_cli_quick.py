@@ -14,7 +14,8 @@ import pytest
 import structlog
 
 from llminfer import EngineConfig, InferenceEngine
-from llminfer.cli import generate, main, resolve_aliases
+from llminfer.cli import chat, generate, info, main, resolve_aliases, serve
+from llminfer.cli.sampling import SamplingOptions, sampling_options
 from llminfer.logging import configure_logging, reset_logging, status
 
 HEAVY = ("torch", "transformers", "polars", "matplotlib", "litestar", "xgrammar")
@@ -84,7 +85,8 @@ def _no_load(*_args, **_kwargs):
     (["run", ""], "empty"),
 ])
 def test_every_flag_is_checked_before_the_model_loads(argv, needle, monkeypatch, capsys):
-    monkeypatch.setattr(generate, "load_engine", _no_load)
+    for module in (generate, chat, info, serve):
+        monkeypatch.setattr(module, "load_engine", _no_load)
     monkeypatch.setattr(InferenceEngine, "load", _no_load)
     with pytest.raises(SystemExit) as exc:
         main(argv)
@@ -196,3 +198,56 @@ def test_ctrl_c_in_a_command_is_one_line_and_exit_130(monkeypatch, capsys):
         main(["run", "hello"])
     assert exc.value.code == 130
     assert capsys.readouterr().err.strip().splitlines() == ["error: interrupted"]
+
+
+def test_sampling_flags_are_parsed_once_into_sampling_params(tmp_path):
+    """Every :class:`SamplingOptions` field named like a ``SamplingParams`` field reaches it unchanged (so a
+    new sampling control needs one declared field), comma lists are split, the structured-output flags make
+    one constraint, and a bad value names its flag."""
+    import attrs
+    import typer
+
+    from llminfer.cli.sampling import option_flag, request_kwargs
+    from llminfer.sampling.params import SamplingParams
+
+    shared = sorted(set(attrs.fields_dict(SamplingOptions)) & set(attrs.fields_dict(SamplingParams)))
+    assert {"temperature", "top_p", "seed", "n", "logprobs", "stop_sequences"} <= set(shared)
+    odd = dict(max_new_tokens=7, temperature=0.5, top_p=0.9, top_k=3, min_p=0.1, seed=11, ignore_eos=True,
+               repetition_penalty=1.2, no_repeat_ngram_size=2, logprobs=2, n=3)
+    params = SamplingOptions(**odd, stop_sequences=r"a,\n", bad_words="x,,y", force_words="z").to_params()
+    assert {k: getattr(params, k) for k in odd} == odd
+    assert (params.stop_sequences, params.bad_words, params.force_words) == (("a", "\n"), ("x", "y"), ("z",))
+    assert SamplingOptions().to_params() == SamplingParams(max_new_tokens=64)  # the flags' defaults are the params'
+    schema = tmp_path / "s.json"
+    schema.write_text('{"type": "object"}')
+    constraint = SamplingOptions(json_schema=f"@{schema}").to_params().structured_output
+    assert json.loads(constraint.json_schema) == {"type": "object"}
+    assert list(SamplingOptions(choice=["yes", "no"]).to_params().structured_output.choice) == ["yes", "no"]
+    for options, flag in ((SamplingOptions(temperature=-1), "--temp"), (SamplingOptions(n=0), "--num-samples"),
+                          (SamplingOptions(json_object=True, ignore_eos=True), "--ignore-eos")):
+        with pytest.raises(typer.BadParameter, match=f"^{flag}: "):
+            options.to_params()
+    assert option_flag("stop_sequences") == "--stop" and option_flag("min_new_tokens") == "--min-new-tokens"
+    assert "n" not in request_kwargs(params) and request_kwargs(params)["top_k"] == 3
+
+
+def test_a_command_gets_the_sampling_flags_it_offers():
+    import typer
+    from typer.testing import CliRunner
+
+    seen = []
+    app = typer.Typer()
+
+    @app.command()
+    @sampling_options(exclude=("n", "logprobs"), max_new_tokens=9)
+    def cmd(word: str, sampling: SamplingOptions = SamplingOptions(), loud: bool = False) -> None:
+        seen.append((word, sampling, loud))
+
+    runner = CliRunner()
+    assert runner.invoke(app, ["w", "--temp", "0.5", "--stop", "a,b", "--loud"]).exit_code == 0
+    assert seen == [("w", SamplingOptions(max_new_tokens=9, temperature=0.5, stop_sequences=("a", "b")), True)]
+    help_text = runner.invoke(app, ["--help"]).output
+    assert "--top-p" in help_text and "--num-samples" not in help_text and "--logprobs" not in help_text
+    assert runner.invoke(app, ["w", "--num-samples", "2"]).exit_code == 2  # excluded: no such flag here
+    with pytest.raises(TypeError):
+        sampling_options(exclude=("no_such_field",))

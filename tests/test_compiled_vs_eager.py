@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from llminfer.benchmark.runner import ComparisonResult, slower_than_eager
+from llminfer.benchmark.results import ComparisonResult, slower_than_eager
 
 
 def _result(tps: dict[int, float]) -> SimpleNamespace:
@@ -26,8 +26,9 @@ def test_the_compiled_backends_cpu_head_takes_the_kernel_for_one_row_and_the_pac
     import torch
 
     from llminfer.backends.compiled import _RowSplitHead, cpu_head
-    from llminfer.backends.cpu_kernels import SkinnyLinear, skinny_linear_available
-    from llminfer.backends.prepack import prepack_supported
+    from llminfer.kernels.build import skinny_linear_available
+    from llminfer.kernels.layers import SkinnyLinear
+    from llminfer.kernels.prepack import prepack_supported
 
     if not (skinny_linear_available() and prepack_supported(torch.float32, torch.device("cpu"))):
         pytest.skip("needs llminfer's CPU kernel and oneDNN")

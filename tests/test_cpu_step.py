@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llminfer.backends.prepack import (
+from llminfer.kernels.prepack import (
     PrepackedLinear,
     prepack_lm_head,
     prepack_supported,
@@ -83,7 +83,7 @@ def test_fp32_head_is_prepacked_for_onednn_and_keeps_values_and_ties():
 
 
 def test_fp32_head_without_onednn_falls_back_to_column_major(monkeypatch):
-    import llminfer.backends.prepack as prepack
+    import llminfer.kernels.prepack as prepack
 
     monkeypatch.setattr(prepack, "prepack_supported", lambda dtype, device: False)
     _, head, model = _tied_head()

@@ -1,4 +1,4 @@
-"""``dtype="auto"`` on CPU settled by measurement (llminfer.backends.dtype_probe), cached, flag rule as fallback."""
+"""``dtype="auto"`` on CPU settled by measurement (llminfer.models.dtype_probe), cached, flag rule as fallback."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 
 from llminfer import EngineConfig, InferenceEngine
 from llminfer import runtime as rt_mod
-from llminfer.backends import dtype_probe as dp
+from llminfer.models import dtype_probe as dp
 
 
 def test_pick_keeps_the_flag_choice_within_the_tie_margin():

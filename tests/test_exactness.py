@@ -30,7 +30,7 @@ def test_greedy_matches_hf_generate(model_dirs, reference, arch, max_batch_size,
     assert all(len(set(e)) >= 4 for e in expected[arch])
     kw = {} if kernels == "llminfer" else dict(cpu_kernels=False, attention_backend="torch")
     with make_engine(model_dirs[arch], max_batch_size=max_batch_size, block_size=4, **kw) as engine:
-        from llminfer.backends.cpu_kernels import skinny_linear_available
+        from llminfer.kernels.build import skinny_linear_available
 
         want_backend = "cpu" if kernels == "llminfer" and skinny_linear_available() else "torch"
         assert engine.info()["attention_backend"] == want_backend

@@ -213,14 +213,14 @@ def test_async_admission_waits_for_an_adapter_change_without_blocking_the_loop()
             async def stream():
                 return [c async for c in eng.generate("hi", max_new_tokens=3, ignore_eos=True)]
 
-            eng._admission.acquire()  # as load_adapter / set_adapter / unload_adapter hold it
+            eng._admission.lock.acquire()  # as load_adapter / set_adapter / unload_adapter hold it
             with anyio.fail_after(60):
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(_append, out, stream())
                     for _ in range(3):
                         await anyio.sleep(0.01)  # the loop runs other tasks meanwhile
                     assert out == []
-                    eng._admission.release()
+                    eng._admission.lock.release()
             assert len(out) == 1 and out[0][-1].finish_reason == "length"
 
     try:

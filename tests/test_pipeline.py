@@ -12,7 +12,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from helpers import make_engine
+from helpers import make_engine, wait_until
 from llminfer import EngineError, Pipeline, RequestAbortedError, SamplingParams
 from llminfer.models import builtin_model_path
 from llminfer.protocols import EngineCore, SendsUpstream, Sink
@@ -182,8 +182,8 @@ def test_stop_string_finish_goes_through_the_core_and_counts_delivered_tokens():
     ids = tok.encode(" hello world again", add_special_tokens=False)
     stage = DetokenizeStage(tok)
     params = SamplingParams(max_new_tokens=10, stop_sequences=("world",))
-    admitted = (TokenizedRequest("r", (1,), params, 0),)
-    deltas, finishes = stage.process(EngineStepOutput(0, (SequenceUpdate("r", tuple(ids)),), 0, admitted))
+    stage.add_request(TokenizedRequest("r", (1,), params, 0))  # at submit (Pipeline.submit)
+    deltas, finishes = stage.process(EngineStepOutput(0, (SequenceUpdate("r", tuple(ids)),), 0))
     assert finishes == [FinishRequest("r", len(ids))]
     assert not deltas[0].finished and "world" not in deltas[0].text and deltas[0].text.strip() == "hello"
     stats = GenerationStats(10.0, 1.0, 0.0, 1, len(ids) + 2, False, 0)
@@ -195,3 +195,56 @@ def test_stop_string_finish_goes_through_the_core_and_counts_delivered_tokens():
     assert final.stats.completion_tokens == len(ids) and final.stats.throughput_tokens_per_sec == len(ids) / 0.01
     assert stage.states == {}
     assert stage.process(EngineStepOutput(2, (SequenceUpdate("r", (7,)),), 0)) == ([], [])  # unknown now
+
+
+def test_output_state_is_registered_at_submit_and_dropped_at_the_end():
+    """The detokenize stage's state for a request exists from submit (vLLM's OutputProcessor.add_request), while
+    the request still waits in front of the core, so the core relays no parameters; it is gone once the request
+    finished, and for a request that failed before the core (a token id outside the vocabulary)."""
+    from llminfer.protocols.messages import EngineStepOutput
+
+    assert "admitted" not in attrs_fields(EngineStepOutput)
+    engine = make_engine(builtin_model_path())
+    stages = engine.default_stages()
+    gate = Gate(count=2)
+    detok = stages["detokenize"]
+    pipeline = Pipeline([stages["tokenize"], gate, stages["prefix_hash"], stages["core"], detok, stages["sink"]])
+    good, bad = _request("held in front of the core"), _request((10**9,))
+
+    async def go():
+        with anyio.fail_after(60):
+            async with pipeline:
+                streams = [await pipeline.submit(r) for r in (good, bad)]
+                await gate.holding.wait()
+                assert set(detok.states) == {good.request_id, bad.request_id}
+                assert engine.scheduler_stats() == {"running": 0, "waiting": 0}  # the core has not seen them
+                gate.open.set()
+                out = []
+                for stream in streams:
+                    async with stream:
+                        out.append([d async for d in stream])
+                return out
+
+    good_deltas, bad_deltas = anyio.run(go)
+    assert good_deltas[-1].finish_reason == "length" and "".join(d.text for d in good_deltas)
+    assert bad_deltas[-1].finish_reason == "error"
+    assert detok.states == {}
+
+
+def attrs_fields(cls) -> set[str]:
+    return {a.name for a in cls.__attrs_attrs__}
+
+
+def test_output_state_is_dropped_behind_a_core_that_detokenizes_itself(fake_vllm):
+    """vLLM's core makes its own deltas: the detokenize stage drops a request's state when its final delta
+    passes, finished or cancelled."""
+    from llminfer import Backend, EngineConfig, InferenceEngine
+
+    with InferenceEngine(EngineConfig(backend=Backend.VLLM, batch_timeout_ms=0)).load() as engine:
+        assert engine.run("hello world", max_new_tokens=3).finish_reason == "length"
+        chunks = engine.stream("hello again", max_new_tokens=50)
+        next(chunks)
+        chunks.close()
+        engine.wait_drained()
+        detok = next(s for s in engine._pipeline.stages if s.name == "detokenize")
+        assert wait_until(lambda: not detok.states, timeout_s=30)

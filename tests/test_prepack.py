@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from helpers import make_engine
-from llminfer.backends.prepack import PrepackedLinear, prepack_lm_head, prepack_supported
+from llminfer.kernels.prepack import PrepackedLinear, prepack_lm_head, prepack_supported
 from llminfer.models import builtin_model_path
 
 needs_bf16 = pytest.mark.skipif(not prepack_supported(torch.bfloat16, torch.device("cpu")),
@@ -59,8 +59,8 @@ def test_other_dtypes_and_autograd_use_the_plain_weight():
 def test_engine_prepacks_bf16_and_fp32_cpu_heads():
     with make_engine(builtin_model_path(), dtype="bfloat16") as bf16, \
             make_engine(builtin_model_path()) as fp32:
-        assert bf16.lm_head_prepacked and isinstance(bf16.model.get_output_embeddings(), PrepackedLinear)
-        assert fp32.lm_head_prepacked  # fp32: oneDNN's packed matmul (MKL's fp32 GEMM is slow on AMD CPUs)
+        assert bf16.runtime.lm_head_prepacked and isinstance(bf16.model.get_output_embeddings(), PrepackedLinear)
+        assert fp32.runtime.lm_head_prepacked  # fp32: oneDNN's packed matmul (MKL's fp32 GEMM is slow on AMD CPUs)
         assert bf16.run("Hello there", max_new_tokens=5).stats.completion_tokens == 5
 
 

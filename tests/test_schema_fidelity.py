@@ -32,7 +32,7 @@ from llminfer.api.errors import APIError
 from llminfer.api.translate import structured_output, tool_plan
 from llminfer.errors import InvalidRequestError
 from llminfer.models.builtin import builtin_model_path
-from llminfer.sampling import structured as st_mod
+from llminfer.sampling import constraint as constraint_mod
 from llminfer.sampling.schema import SchemaError, keyword_table_markdown, normalize_schema
 from llminfer.sampling.structured import GrammarCompiler, GrammarMatcher, StructuredOutput
 from llminfer.tools import plan_tools
@@ -241,8 +241,8 @@ def test_slow_compiles_are_killed_and_free_the_pool(tokenizer, monkeypatch):
     at the 2 s deadline their compile processes are killed, and a schema from another client compiles at
     once. Before: the threads stayed busy for the minutes those compiles take, and the small schema timed
     out behind them."""
-    monkeypatch.setattr(st_mod, "MAX_ENUM_VALUES", 10**6)
-    monkeypatch.setattr(st_mod, "MAX_SCHEMA_CHARS", 10**8)
+    monkeypatch.setattr(constraint_mod, "MAX_ENUM_VALUES", 10**6)
+    monkeypatch.setattr(constraint_mod, "MAX_SCHEMA_CHARS", 10**8)
     compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id], timeout_s=2.0, max_workers=2)
     try:
         compiler.prepare().result(timeout=120)

@@ -22,13 +22,8 @@ from llminfer import EngineConfig, InferenceEngine
 from llminfer.api import create_app, serve_in_thread
 from llminfer.benchmark.artifacts import validate
 from llminfer.benchmark.report import ReportError, build_report, load_artifact, safe_paths
-from llminfer.benchmark.serving import (
-    LoadPoint,
-    ServingResult,
-    load_points,
-    parse_concurrencies,
-    parse_request_rates,
-)
+from llminfer.benchmark.serving import ServingResult
+from llminfer.benchmark.serving_load import LoadPoint, load_points, parse_concurrencies, parse_request_rates
 from llminfer.cli import main
 from llminfer.cli.report import ServeProgress
 from llminfer.logging import reset_logging
@@ -317,7 +312,7 @@ def test_progress_shows_each_load_point():
 def test_probe_server_tells_kind_and_version(routes, expected):
     import anyio
 
-    from llminfer.benchmark.serving import probe_server
+    from llminfer.benchmark.serving_probe import probe_server
 
     def handler(request: httpx.Request) -> httpx.Response:
         body, server = routes.get(request.url.path, (None, None))

@@ -15,7 +15,7 @@ from llminfer import ChatResult, EngineConfig, InferenceEngine, InvalidRequestEr
 from llminfer.chat import TOOLS_PREAMBLE, ChatRenderer, template_supports_tools
 from llminfer.models.builtin import extract_builtin_tokenizer
 from llminfer.sampling.structured import StructuredOutput
-from llminfer.tools import fold_events, parse_tool_calls, plan_tools, required_schema
+from llminfer.tools import ToolCallParser, fold_events, parse_tool_calls, plan_tools, required_schema
 
 # A Qwen2.5-like template with tool support, written for these tests: tools in the system turn, calls as
 # <tool_call> blocks with ``arguments`` through tojson (so a dict renders as an object), results as
@@ -42,7 +42,7 @@ CONVERSATION = [
 
 
 def _streamed(text: str, plan, step: int = 1):
-    parser = plan.parser()
+    parser = ToolCallParser(plan)
     events = []
     for i in range(0, len(text), step):
         events += parser.feed(text[i : i + step])
@@ -94,7 +94,7 @@ def test_auto_parsing_whole_and_streamed(text, content, calls):
 
 
 def test_auto_holds_back_a_possible_call_start():
-    parser = plan_tools(TOOLS, "auto").parser()
+    parser = ToolCallParser(plan_tools(TOOLS, "auto"))
     assert parser.feed("Hello <tool") == ["Hello"]  # " <tool" may start a call: held back
     assert parser.feed("box> there") == [" <toolbox> there"]
     assert parser.finish() == []

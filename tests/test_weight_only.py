@@ -18,19 +18,20 @@ from transformers import AutoModelForCausalLM
 
 from helpers import make_engine, random_prompts
 from llminfer import ConfigError, QuantConfig, QuantMode
-from llminfer.backends.cpu_kernels import enable_cpu_kernels
-from llminfer.backends.quant import check_weight_only_supported
-from llminfer.backends.weight_only import (
+from llminfer.cli import main
+from llminfer.kernels import path_choice
+from llminfer.logging import reset_logging
+from llminfer.models.agreement import logit_agreement, sequence_logits
+from llminfer.models.kernel_swap import enable_cpu_kernels
+from llminfer.models.quant import check_weight_only_supported
+from llminfer.models.weight_only import (
     Int4WeightOnlyLinear,
+    Int8GroupWeightOnlyLinear,
     Int8WeightOnlyLinear,
     dequantize_int4,
-    logit_agreement,
     quantize_int4_groupwise,
     quantize_model,
-    sequence_logits,
 )
-from llminfer.cli import main
-from llminfer.logging import reset_logging
 
 VOCAB = 151_000
 
@@ -104,7 +105,7 @@ def test_quantize_model_tied_head_keeps_embedding_and_reports_skips(qwen2_dir):
     assert "lm_head" in report["skipped"]
     report = quantize_model(model, "int8-wo")
     assert "lm_head" in report["quantized"] and not report["skipped"]
-    assert isinstance(model.lm_head, Int8WeightOnlyLinear) and model.lm_head.tied_to_input_embedding
+    assert isinstance(model.lm_head, Int8GroupWeightOnlyLinear) and model.lm_head.tied_to_input_embedding
     assert model.get_input_embeddings().weight is emb and torch.equal(emb, before)  # the lookup is unchanged
     ids = torch.tensor([[5, 9, 100]])
     torch.testing.assert_close(model.get_input_embeddings()(ids), before[ids])
@@ -120,7 +121,7 @@ def test_int4_keeps_an_int8_head_unless_asked(hf_fp32):
     default, four = copy.deepcopy(hf_fp32), copy.deepcopy(hf_fp32)
     quantize_model(default, "int4-wo")
     quantize_model(four, "int4-wo", int4_lm_head="int4")
-    assert isinstance(default.lm_head, Int8WeightOnlyLinear) and isinstance(four.lm_head, Int4WeightOnlyLinear)
+    assert isinstance(default.lm_head, Int8GroupWeightOnlyLinear) and isinstance(four.lm_head, Int4WeightOnlyLinear)
     layers = [m for n, m in default.named_modules() if n.endswith("mlp.down_proj")]
     assert layers and all(isinstance(m, Int4WeightOnlyLinear) for m in layers)
     assert QuantConfig(mode="int4-wo").int4_lm_head == "int8"
@@ -186,45 +187,42 @@ def test_engine_matches_hf_on_the_quantized_model_with_prefix_cache(int8_engine,
     first = engine.run_batch_continuous(prompts, max_new_tokens=8, ignore_eos=True)
     again = engine.run_batch_continuous(prompts, max_new_tokens=8, ignore_eos=True)
     assert engine.cache_stats()["blocks_used"] == 0
-    assert isinstance(engine.model.lm_head, Int8WeightOnlyLinear)
+    assert isinstance(engine.model.lm_head, Int8GroupWeightOnlyLinear)
     facts = engine.info()
     assert [list(r.token_ids) for r in first] == want
     assert [list(r.token_ids) for r in again] == want
     assert all(r.stats.cached_tokens > 0 for r in again)
     # int8: a byte per weight plus a bf16 scale per output channel, against 2 bytes per weight in bf16.
     assert facts["quant"] == "int8-wo"
-    assert 0.5 <= facts["quantized_linear_bytes"] / facts["quantized_linear_bf16_bytes"] <= 0.55
+    assert 0.62 <= facts["quantized_linear_bytes"] / facts["quantized_linear_bf16_bytes"] <= 0.64
     assert facts["weight_bytes"] < facts["weight_bytes_unquantized"]
     assert facts["parameters"] == sum(p.numel() for p in hf_fp32.parameters())
     # the CPU kernel line names the int8 path this build runs
-    from llminfer.backends import cpu_kernels
+    from llminfer.kernels import build
 
-    if cpu_kernels.skinny_linear_available():
-        bits = cpu_kernels.int8_activation_bits()
-        want_path = f"int8 on VNNI integer dot products, {bits}-bit activations" if bits else "int8 with float32"
-        if cpu_kernels.quant_paths()["int8"]["path"] == "q8":
-            want_path = "int8 on the q8 path ("
-        assert want_path in facts["cpu_kernel"], facts["cpu_kernel"]
+    if build.skinny_linear_available():
+        assert "int8_group_linear on" in facts["cpu_kernel"], facts["cpu_kernel"]
+        assert "int8 in groups of 32 on integer dot products, 14-bit activations" in facts["cpu_kernel"]
 
 
 def test_int4_engine_runs_on_the_kernel_and_its_rows_do_not_depend_on_the_batch(qwen2_dir):
     """int4-wo with llminfer's kernel (where the CPU has AVX-512 VNNI): ``info`` names int4_linear and the
     int8 head, and greedy output of a request alone equals its output in a batch with others (the int4 and
     int8 products are batch-invariant, like the rest of the fp32 step)."""
-    from llminfer.backends import cpu_kernels
+    from llminfer.kernels import build
 
     # No prefix cache: a cache hit recomputes a prompt's last token against cached K/V, which is not bit-equal to
     # the full prefill, and 8-bit activations (the q8 path) turn such last-bit differences into other tokens.
     with make_engine(qwen2_dir, max_batch_size=8, prefix_cache=False, quant=QuantConfig(mode="int4-wo")) as engine:
         line = engine.info()["cpu_kernel"]
-        if cpu_kernels.skinny_linear_available():
-            paths = cpu_kernels.quant_paths()
-            head = "int8_linear_q8" if paths["int8"]["path"] == "q8" else "int8_linear"
+        if build.skinny_linear_available():
+            paths = path_choice.quant_paths()
+            head = "int8_group_linear (groups of 32)"  # the int8 head takes int8-wo's group format
             if paths["int4"]["path"] == "q8":
                 assert line.startswith("int4_linear_q8 on ") and "int4 on the q8 path" in line, line
-            elif cpu_kernels.int8_activation_bits():
+            elif build.int8_activation_bits():
                 assert line.startswith("int4_linear on ") and "int4 on the wide path" in line, line
-            if paths["int4"]["path"] == "q8" or cpu_kernels.int8_activation_bits():
+            if paths["int4"]["path"] == "q8" or build.int8_activation_bits():
                 assert line.endswith(f"the LM head in int8 on {head})"), line
         prompts = random_prompts([5, 9, 14, 3, 20, 7], VOCAB, seed=4)
         alone = [list(engine.run(p, max_new_tokens=8, ignore_eos=True).token_ids) for p in prompts[:3]]
@@ -245,7 +243,7 @@ def test_speculative_with_quantized_target_and_draft(qwen2_dir, int8_case):
     prompts, want = int8_case
     with make_engine(qwen2_dir, quant=QuantConfig(mode="int8-wo"), assistant_model_name=str(qwen2_dir),
                      speculative_num_assistant_tokens=4, speculative_confidence_threshold=0.0) as engine:
-        assert isinstance(engine.runtime.draft_model.lm_head, Int8WeightOnlyLinear)
+        assert isinstance(engine.runtime.draft_model.lm_head, Int8GroupWeightOnlyLinear)
         spec = engine.run_batch_continuous(prompts, max_new_tokens=8, ignore_eos=True)
     assert [list(r.token_ids) for r in spec] == want
     assert all(r.stats.spec_acceptance_rate == 1.0 for r in spec)

@@ -6,6 +6,9 @@ and under ``if TYPE_CHECKING:``.
 
 Exit status 1 when there is a cycle, so a test or CI can hold the line. A package's ``__init__`` counts as
 the package itself; ``from pkg import name`` counts as an edge to ``pkg.name`` when that is a module.
+
+Importable without side effects (``tests/test_code_shape.py`` loads it by path and calls :func:`cycles`); it
+stays out of the installed package because only development needs it.
 """
 
 from __future__ import annotations
@@ -102,8 +105,16 @@ def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    """``module -> the package's modules it imports`` (every import, see :func:`imports_of`), for the
+    package under ``root`` (a ``src`` folder)."""
     modules = module_names(root)
     return {name: imports_of(name, path, modules) for name, path in modules.items()}
+
+
+def cycles(root: Path = ROOT) -> list[list[str]]:
+    """The import cycles of the package under ``root``: each strongly connected component of more than one
+    module, as a sorted list of dotted names; ``[]`` when the graph is acyclic."""
+    return strongly_connected(import_graph(root))
 
 
 def main() -> int:

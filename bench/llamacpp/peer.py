@@ -102,7 +102,7 @@ def build() -> bool:
 
 def convert(model_dir: Path) -> dict[str, Path]:
     """GGUF files of the bench model by type: f32, f16/bf16 where native, q8_0, q4_0."""
-    from llminfer.backends.loading import cpu_half_support
+    from llminfer.models.loading import cpu_half_support
 
     out_dir = CACHE / "models"
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -2,14 +2,16 @@
 
 Pure construction: nothing here mutates the engine facade. The backend is built once per engine (a
 compiled backend's graphs survive a pipeline restart); a core and fresh stages are built for each
-pipeline. This is the one place that chooses between llminfer's own core and vLLM's.
+pipeline. Which backend and which core a configuration gets is read from the backend registry
+(:mod:`llminfer.backends.registry`); nothing here branches on the backend.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from llminfer.config import Backend, EngineConfig
+from llminfer.backends.registry import backend_spec
+from llminfer.config import EngineConfig
 from llminfer.core.engine_core import EngineCore
 from llminfer.core.scheduler import Scheduler, SchedulerLimits
 from llminfer.frontend.input import InputProcessor
@@ -24,51 +26,29 @@ from llminfer.trace import Tracer
 
 
 def build_backend(rt: Runtime, cfg: EngineConfig) -> Any:
-    """The step backend for ``cfg.backend``: eager (:class:`HFBackend`), speculative (with an assistant, or
-    prompt lookup), compiled, or vLLM's handle.
+    """The step backend for ``cfg.backend``, by its registered builder (:mod:`llminfer.backends.registry`):
+    eager (:class:`~llminfer.backends.hf.HFBackend`, or speculative with an assistant or prompt lookup),
+    compiled, or vLLM's handle.
 
     Raises:
-        BackendUnavailableError: vLLM cannot start here.
+        BackendUnavailableError: the backend cannot run here (vLLM cannot start, say).
     """
-    if cfg.backend is Backend.VLLM:
-        from llminfer.backends.vllm import VLLMBackend
-
-        return VLLMBackend.from_config(cfg, rt.model_path, rt.max_model_len)
-    if cfg.speculative_method == "ngram":
-        from llminfer.backends.speculative import PromptLookupBackend
-
-        return PromptLookupBackend(rt.model, rt.kv_cache, rt.eos_token_ids, cfg.speculative_num_assistant_tokens,
-                                   cfg.speculative_prompt_lookup_min, cfg.speculative_prompt_lookup_max,
-                                   rt.attention_backend)
-    if rt.draft_model is not None:
-        from llminfer.backends.speculative import SpeculativeBackend
-
-        return SpeculativeBackend(rt.model, rt.kv_cache, rt.draft_model, rt.draft_cache, rt.eos_token_ids,
-                                  cfg.speculative_num_assistant_tokens, cfg.speculative_confidence_threshold)
-    if cfg.backend is Backend.COMPILED:
-        from llminfer.backends.compiled import CompiledBackend
-
-        return CompiledBackend(rt.model, rt.kv_cache, rt.eos_token_ids,
-                               max_num_tokens=max(cfg.scheduler.max_num_batched_tokens, 1),
-                               max_batch_size=cfg.max_batch_size, mode=cfg.compile_mode,
-                               cudagraphs=cfg.compile_cudagraphs, fallback_to_eager=cfg.compile_fallback_to_eager,
-                               attention_backend=rt.attention_backend, max_model_len=rt.max_model_len)
-    from llminfer.backends.hf import HFBackend
-
-    return HFBackend(rt.model, rt.kv_cache, rt.eos_token_ids, rt.attention_backend,
-                     cuda_graphs=cfg.cuda_graphs, max_batch_size=cfg.max_batch_size, max_model_len=rt.max_model_len)
+    return backend_spec(cfg.backend).build(rt, cfg)
 
 
 def build_core(rt: Runtime, cfg: EngineConfig, backend: Any, tracer: Tracer,
                stat_loggers: list[Any] | None = None, model_thread: Any = None) -> EngineCoreProtocol:
-    """A fresh engine core over ``backend``: llminfer's :class:`EngineCore` (with a new scheduler on the
-    runtime's KV pool, stepping on ``model_thread``, a :class:`~llminfer.core.model_thread.ModelThread`,
-    or anyio's workers when None), or :class:`~llminfer.backends.vllm.VLLMEngineCore` for vLLM's handle;
-    both feed ``stat_loggers`` (:mod:`llminfer.stats`)."""
-    if rt.kv_manager is None:
-        from llminfer.backends.vllm import VLLMEngineCore
+    """A fresh engine core over ``backend``, by the backend's registered core builder: llminfer's own
+    (:func:`scheduled_core`) or :class:`~llminfer.backends.vllm.VLLMEngineCore` for vLLM's handle; both
+    feed ``stat_loggers`` (:mod:`llminfer.stats`)."""
+    return backend_spec(cfg.backend).build_core(rt, cfg, backend, tracer, stat_loggers, model_thread)
 
-        return VLLMEngineCore(backend, tracer, stat_loggers)
+
+def scheduled_core(rt: Runtime, cfg: EngineConfig, backend: Any, tracer: Tracer,
+                   stat_loggers: list[Any] | None = None, model_thread: Any = None) -> EngineCore:
+    """llminfer's :class:`EngineCore`: a new scheduler on the runtime's KV pool, stepping ``backend`` on
+    ``model_thread`` (a :class:`~llminfer.core.model_thread.ModelThread`, or anyio's workers when None)."""
+    assert rt.kv_manager is not None, "llminfer's core schedules on the runtime's KV pool"
     limits = SchedulerLimits(
         max_batch_size=cfg.max_batch_size,
         max_num_batched_tokens=max(cfg.scheduler.max_num_batched_tokens, 1),

@@ -14,20 +14,13 @@ import attrs
 import cattrs
 from attrs import validators as v
 
+from llminfer.backends.registry import Backend, backend_spec, backends_with, titles_with
 from llminfer.errors import ConfigError
-
-
-class Backend(str, enum.Enum):
-    """Which backend runs the model step."""
-
-    EAGER = "eager"  #: Hugging Face transformers model, llminfer's paged KV cache and scheduler.
-    COMPILED = "compiled"  #: The eager step under ``torch.compile``.
-    VLLM = "vllm"  #: vLLM's engine (owns its own scheduling and KV cache).
 
 
 class QuantMode(str, enum.Enum):
     """Weight quantization: bitsandbytes (``nf4``, ``fp4``, ``int8``), or weight-only int8 / int4 on torch's
-    CPU kernels (``int8-wo``, ``int4-wo``; see :mod:`llminfer.backends.weight_only`), or for a GGUF model the
+    CPU kernels (``int8-wo``, ``int4-wo``; see :mod:`llminfer.models.weight_only`), or for a GGUF model the
     one of those its file's type maps to (``from-gguf``)."""
 
     NONE = "none"
@@ -134,6 +127,11 @@ class CacheConfig:
     num_blocks: int | None = attrs.field(default=None, validator=[_opt_int, _positive])
 
 
+def _int8_group(instance: Any, attribute: attrs.Attribute, value: int) -> None:
+    if value not in (0, 32, 64, 128, 256):
+        raise ConfigError(f"{attribute.name} must be one of 0 (per output channel), 32, 64, 128, 256; got {value!r}")
+
+
 def _int4_group(instance: Any, attribute: attrs.Attribute, value: int) -> None:
     if value not in (32, 64, 128, 256):
         raise ConfigError(f"{attribute.name} must be one of 32, 64, 128, 256 (torch's int4 kernel); got {value!r}")
@@ -155,7 +153,11 @@ class QuantConfig:
             the largest matrix read every decode step, e.g. 78M of the bench model's 102M parameters). With
             tied embeddings the input embedding keeps its float weight; the head gets a quantized copy.
             bitsandbytes modes never quantize it (as transformers does).
-        int4_lm_head: ``int4-wo``: the LM head's format, ``"int8"`` (default: per-channel int8, as llama.cpp's
+        int8_group_size: ``int8-wo`` (and an int8 LM head): input columns per scale and minimum (32, 64,
+            128, 256; 32 as llama.cpp's Q8_0, the default), each group on the closer of an asymmetric and a
+            symmetric grid (:mod:`llminfer.kernels.int8_group_linear`); 0 for one scale per output channel (fewer
+            bytes, coarser: on trained weights it flips several times more top-1 tokens).
+        int4_lm_head: ``int4-wo``: the LM head's format, ``"int8"`` (default: int8-wo's format, as llama.cpp's
             Q4_0 files keep the output matrix at 6 bits, Q6_K; the head then costs 2x the bytes of int4 but
             its batched steps run on the integer path at int8's speed, and it flips fewer top-1 tokens) or
             ``"int4"`` (group-wise like the other layers).
@@ -167,6 +169,7 @@ class QuantConfig:
     int4_group_size: int = attrs.field(default=32, validator=[_int, _int4_group])
     quantize_lm_head: bool = attrs.field(default=True, validator=_bool)
     int4_lm_head: str = attrs.field(default="int8", validator=_one_of(("int8", "int4")))
+    int8_group_size: int = attrs.field(default=32, validator=[_int, _int8_group])
 
 
 @attrs.define(kw_only=True)
@@ -245,14 +248,14 @@ class EngineConfig:
     cuda_graphs: bool = attrs.field(default=True, validator=_bool)
     #: On CPU (eager backend), keep the LM head's weight prepacked in oneDNN's blocked layout: fp32, and
     #: bf16/fp16 where native (one extra copy of the head); without oneDNN an fp32 head is stored column-major
-    #: instead (no copy). See :mod:`llminfer.backends.prepack`.
+    #: instead (no copy). See :mod:`llminfer.kernels.prepack`.
     cpu_prepack_lm_head: bool = attrs.field(default=True, validator=_bool)
     #: On CPU (eager and compiled backends, x86-64 with AVX2 + FMA), run the fp32 decode attention and the
     #: linear products (fp32 layers and int8 weight-only layers, at any row count, so a row's bits do not
     #: depend on its batch; int8 with fp32 activations, or on AVX-512 VNNI with 14-bit integer activations) on
     #: llminfer's own kernels, built with the C++ compiler on
     #: first use (about 30 s, cached); where it cannot be built, torch's kernels. See
-    #: :mod:`llminfer.backends.cpu_kernels`.
+    #: :mod:`llminfer.kernels.build`.
     cpu_kernels: bool = attrs.field(default=True, validator=_bool)
 
     #: CPU threads of torch's (and llminfer's) kernels for this engine's steps. None: ``OMP_NUM_THREADS`` where
@@ -270,10 +273,10 @@ class EngineConfig:
         Raises:
             ConfigError: naming the fields that conflict.
         """
-        if self.backend is not Backend.VLLM and (self.tp_size > 1 or self.pp_size > 1):
+        if not backend_spec(self.backend).multi_device and (self.tp_size > 1 or self.pp_size > 1):
             raise ConfigError(
-                f"tp_size/pp_size > 1 need the vLLM backend (backend=vllm); the {self.backend.value} "
-                "backend runs on one device"
+                f"tp_size/pp_size > 1 need the {titles_with('multi_device')} backend (backend="
+                f"{' or '.join(backends_with('multi_device'))}); the {self.backend.value} backend runs on one device"
             )
         if self.speculative_confidence_threshold > 1.0:
             raise ConfigError("speculative_confidence_threshold must be in [0, 1]")

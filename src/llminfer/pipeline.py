@@ -6,7 +6,9 @@ head channel, which :meth:`submit`, :meth:`abort` and :meth:`send_nowait` write 
 one ordered inbox for the engine core that nothing can block on (see
 :data:`llminfer.core.engine_core.INBOX_CAPACITY`). Stages that send messages back into it (the detokenize
 stage's stop-string finishes, the sink's disconnect aborts) implement
-:class:`~llminfer.protocols.SendsUpstream` and are given the sender.
+:class:`~llminfer.protocols.SendsUpstream` and are given the sender. Stages that keep per-request
+output state implement :class:`~llminfer.protocols.TracksRequests`: :meth:`submit` registers the request
+with them, as it opens the request's stream at the sink.
 
 The pipeline knows no stage by name: the engine core is a stage like the others (it just happens to own
 the scheduler and the model). Any stage can be replaced or added as long as it has ``name`` and
@@ -25,8 +27,15 @@ from anyio.abc import ObjectReceiveStream, ObjectSendStream, TaskGroup
 
 from llminfer.core.engine_core import INBOX_CAPACITY
 from llminfer.errors import EngineClosedError, EngineError
-from llminfer.protocols import SendsUpstream, Sink, Stage, TakesDirectMessages
-from llminfer.protocols.messages import Abort, Control, FinishRequest, GenerationRequest, RequestDelta
+from llminfer.protocols import SendsUpstream, Sink, Stage, TakesDirectMessages, TracksRequests
+from llminfer.protocols.messages import (
+    Abort,
+    Control,
+    FinishRequest,
+    GenerationRequest,
+    RequestDelta,
+    TokenizedRequest,
+)
 
 log = structlog.get_logger("llminfer.pipeline")
 
@@ -50,6 +59,7 @@ class Pipeline:
             raise ValueError("the last stage must be a sink (open, close, fail_all and run)")
         self.stages = list(stages)
         self.sink: Sink = stages[-1]  # type: ignore[assignment]
+        self._trackers: list[TracksRequests] = [s for s in stages if isinstance(s, TracksRequests)]
         self.buffer_size = buffer_size
         self._tg: TaskGroup | None = None
         self._input: ObjectSendStream[Any] | None = None
@@ -118,12 +128,17 @@ class Pipeline:
             async for _ in inbox:
                 pass
 
-    async def submit(self, request: GenerationRequest) -> ObjectReceiveStream[RequestDelta]:
+    async def submit(self, request: GenerationRequest | TokenizedRequest) -> ObjectReceiveStream[RequestDelta]:
         """Send a request in; return the stream of its deltas (ends after the final delta).
+
+        A :class:`GenerationRequest` is tokenized by the tokenize stage; a :class:`TokenizedRequest` (the
+        HTTP routes tokenize and validate themselves) passes it. The request's output state is registered
+        here, with the sink (:meth:`~llminfer.protocols.Sink.open`) and with every stage that keeps some
+        (:class:`~llminfer.protocols.TracksRequests`: the detokenize stage), before any output can exist.
 
         Raises:
             EngineClosedError: the pipeline was shut down; EngineError: it is not running (or stopped
-                because a stage failed: the message says which error).
+                because a stage failed: the message says which error), or a stage could not register it.
         """
         if not self.running or self._input is None:
             if self._closed and self._failure is None:
@@ -137,6 +152,14 @@ class Pipeline:
             if self._closed and self._failure is None:
                 raise EngineClosedError("the engine pipeline was shut down; it takes no more requests") from None
             raise EngineError(f"the engine pipeline stopped ({self._failure_text()})") from None
+        # No await since the send: no stage has run, so the state exists before the request's first update.
+        try:
+            for stage in self._trackers:
+                stage.add_request(request)
+        except Exception as exc:
+            self.sink.close(request.request_id)
+            self.abort(request.request_id, "failed to register")
+            raise EngineError(f"registering the request failed: {type(exc).__name__}: {exc}") from exc
         await anyio.lowlevel.checkpoint()
         return stream
 

@@ -17,7 +17,12 @@ import structlog
 import torch
 
 from llminfer.backends.attention import PagedKVCache, register_paged_attention
-from llminfer.backends.loading import (
+from llminfer.backends.registry import backend_spec, backends_with, titles_with
+from llminfer.config import EngineConfig, QuantMode
+from llminfer.errors import ConfigError
+from llminfer.kv.manager import KVCacheManager
+from llminfer.kv.sizing import kv_geometry, plan_num_blocks
+from llminfer.models.loading import (
     load_config,
     load_model,
     load_tokenizer,
@@ -25,10 +30,6 @@ from llminfer.backends.loading import (
     resolve_dtype,
     resolve_model_path,
 )
-from llminfer.config import Backend, EngineConfig, QuantMode
-from llminfer.errors import ConfigError
-from llminfer.kv.manager import KVCacheManager
-from llminfer.kv.sizing import kv_geometry, plan_num_blocks
 from llminfer.sampling.structured import GrammarCompiler
 
 log = structlog.get_logger("llminfer.runtime")
@@ -53,11 +54,11 @@ class Runtime:
             which compiles its own).
         attention_backend: the paged-attention kernels, resolved from ``cfg.attention_backend``
             (``"triton"``, ``"torch"``, or ``"cpu"``: llminfer's CPU decode kernel, which ``"auto"`` picks
-            for fp32 on CPU with the eager or compiled backend where :mod:`llminfer.backends.cpu_kernels` builds).
+            for fp32 on CPU with the eager or compiled backend where :mod:`llminfer.kernels.build` builds).
         kv_sizing: on CUDA without an explicit KV budget, the profiling run's measurement (bytes:
             ``total_bytes``, ``used_bytes``, ``activation_peak_bytes``; and ``gpu_memory_utilization``).
         cpu_kernel_layers: how many linear layers run on llminfer's CPU kernel
-            (:mod:`llminfer.backends.cpu_kernels`; 0 off CPU, with it off, or where it cannot be built).
+            (:mod:`llminfer.kernels.build`; 0 off CPU, with it off, or where it cannot be built).
         gguf: for a model loaded from a GGUF file, the file's facts
             (:func:`llminfer.models.gguf.read_gguf_info`); None otherwise.
     """
@@ -76,7 +77,7 @@ class Runtime:
     draft_cache: PagedKVCache | None = None
     load_time_s: float = 0.0
     dtype_reason: str = ""
-    #: ``dtype="auto"`` settled by measurement (llminfer.backends.dtype_probe): the figures, the choice, and
+    #: ``dtype="auto"`` settled by measurement (llminfer.models.dtype_probe): the figures, the choice, and
     #: whether they were measured now or cached; None where the flag rule decided alone.
     dtype_probe: dict[str, Any] | None = None
     grammar_compiler: GrammarCompiler | None = None
@@ -92,8 +93,8 @@ class Runtime:
 
     @property
     def lm_head_prepacked(self) -> bool:
-        """Whether the LM head runs on a oneDNN-prepacked weight (see :mod:`llminfer.backends.prepack`)."""
-        from llminfer.backends.prepack import PrepackedLinear
+        """Whether the LM head runs on a oneDNN-prepacked weight (see :mod:`llminfer.kernels.prepack`)."""
+        from llminfer.kernels.prepack import PrepackedLinear
 
         return self.model is not None and isinstance(self.model.get_output_embeddings(), PrepackedLinear)
 
@@ -102,30 +103,28 @@ def load_runtime(cfg: EngineConfig) -> Runtime:
     """Load what ``cfg`` names.
 
     Raises:
-        ConfigError: inconsistent settings (speculative decoding off the eager backend, a context longer
+        ConfigError: inconsistent settings (speculative decoding on a backend without it, a context longer
             than the model's, a KV budget that holds no block, an assistant with another vocabulary).
         ModelLoadError: the model, tokenizer or assistant cannot be found or loaded.
-        BackendUnavailableError: vLLM is not installed (for that backend).
+        BackendUnavailableError: the backend cannot run here (vLLM is not installed, say).
     """
-    if cfg.backend is not Backend.EAGER and cfg.assistant_model_name:
-        raise ConfigError("assistant_model_name (speculative decoding) runs on the eager backend only; "
-                          "drop --assistant-model or use --backend eager")
-    if cfg.backend is not Backend.EAGER and cfg.speculative_method == "ngram":
-        raise ConfigError("speculative_method 'ngram' (prompt lookup) runs on the eager backend only; "
-                          "drop --spec-method or use --backend eager")
-    if cfg.backend is Backend.VLLM:
-        from llminfer.backends.vllm import require_vllm
-
-        require_vllm()  # fail at once, before anything is loaded
-        device = resolve_device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else cfg.device)
-        rt = _config_and_tokenizer(cfg, device)
+    spec = backend_spec(cfg.backend)
+    if not spec.speculative and (cfg.assistant_model_name or cfg.speculative_method == "ngram"):
+        what, flag = (("assistant_model_name (speculative decoding)", "--assistant-model") if cfg.assistant_model_name
+                      else ("speculative_method 'ngram' (prompt lookup)", "--spec-method"))
+        others = " or ".join(f"--backend {b}" for b in backends_with("speculative"))
+        raise ConfigError(f"{what} runs on the {titles_with('speculative')} backend only; "
+                          f"drop {flag} or use {others}")
+    spec.check_available()  # fail at once, before anything is loaded
+    if spec.external_engine:  # it loads the model and owns the KV cache: llminfer needs the tokenizer only
+        rt = _config_and_tokenizer(cfg, resolve_device(cfg.device))
         eos = rt.tokenizer.eos_token_id
         rt.eos_token_ids = (eos,) if isinstance(eos, int) else ()
         return rt
     device = resolve_device(cfg.device)
     quantization_config = None
     if cfg.quant.mode is not QuantMode.NONE:
-        from llminfer.backends.quant import bnb_config
+        from llminfer.models.quant import bnb_config
 
         quantization_config = bnb_config(cfg.quant, device)
     rt = _config_and_tokenizer(cfg, device)
@@ -169,16 +168,19 @@ def _prepare_model(rt: Runtime, cfg: EngineConfig, device: torch.device, dtype: 
                        quantization_config=quantization_config)
     kernel_layers = 0
     attention_backend = rt.attention_backend
-    if cfg.cpu_kernels and cfg.backend in (Backend.EAGER, Backend.COMPILED) and device.type == "cpu":
-        from llminfer.backends.cpu_kernels import enable_cpu_kernels, skinny_linear_available
+    spec = backend_spec(cfg.backend)
+    if cfg.cpu_kernels and spec.cpu_fast_path and device.type == "cpu":
+        from llminfer.kernels.build import skinny_linear_available
+        from llminfer.models.kernel_swap import enable_cpu_kernels
 
-        kernel_layers = enable_cpu_kernels(model, include_head=cfg.backend is Backend.COMPILED)
+        kernel_layers = enable_cpu_kernels(model, include_head=spec.cpu_lm_head == "kernel")
         if (cfg.attention_backend == "auto" and attention_backend == "torch"
                 and dtype in (torch.float32, torch.bfloat16) and skinny_linear_available()):
             attention_backend = "cpu"
-    if cfg.cpu_prepack_lm_head and cfg.backend is Backend.EAGER:
-        from llminfer.backends.cpu_kernels import BF16_KERNEL_MAX_ROWS, bf16_kernel_available
-        from llminfer.backends.prepack import PrepackedLinear, prepack_lm_head
+    if cfg.cpu_prepack_lm_head and spec.cpu_lm_head == "prepacked":
+        from llminfer.kernels.bf16_linear import BF16_KERNEL_MAX_ROWS
+        from llminfer.kernels.build import bf16_kernel_available
+        from llminfer.kernels.prepack import PrepackedLinear, prepack_lm_head
 
         prepack_lm_head(model)
         head = model.get_output_embeddings()
@@ -196,17 +198,17 @@ def _install_model(rt: Runtime, cfg: EngineConfig, device: torch.device, model: 
 
 
 def _should_probe_dtype(cfg: EngineConfig, rt: Runtime, device: torch.device) -> bool:
-    """Whether ``dtype="auto"`` is settled by measurement here (see :mod:`llminfer.backends.dtype_probe`)."""
-    from llminfer.backends.dtype_probe import probe_enabled
+    """Whether ``dtype="auto"`` is settled by measurement here (see :mod:`llminfer.models.dtype_probe`)."""
+    from llminfer.models.dtype_probe import probe_enabled
 
     return (cfg.dtype == "auto" and device.type == "cpu" and rt.dtype in (torch.bfloat16, torch.float16)
-            and cfg.quant.mode is QuantMode.NONE and cfg.backend in (Backend.EAGER, Backend.COMPILED)
+            and cfg.quant.mode is QuantMode.NONE and backend_spec(cfg.backend).cpu_fast_path
             and probe_enabled() and _fits_twice(rt, cfg))
 
 
 def _fits_twice(rt: Runtime, cfg: EngineConfig) -> bool:
     """The fp32 copy takes at most a quarter of the available memory (both candidates load at once)."""
-    from llminfer.backends.quant import unquantized_weight_bytes
+    from llminfer.models.quant import unquantized_weight_bytes
 
     try:
         _, fp32_bytes = unquantized_weight_bytes(rt.model_config, torch.float32, cfg.hf_trust_remote_code)
@@ -220,7 +222,7 @@ def _fits_twice(rt: Runtime, cfg: EngineConfig) -> bool:
 def _probe_dtype(rt: Runtime, cfg: EngineConfig, device: torch.device, quantization_config: Any) -> None:
     """Settle ``dtype="auto"`` between the flag rule's half type and float32 by timing both (or from the
     cache of an earlier measurement), install the faster model and say why in ``rt.dtype_reason``."""
-    from llminfer.backends import dtype_probe as dp
+    from llminfer.models import dtype_probe as dp
 
     flag_dtype = rt.dtype
     flag_name = str(flag_dtype).replace("torch.", "")
@@ -260,7 +262,7 @@ def _profile_step(rt: Runtime, cfg: EngineConfig, geometry: tuple[int, int, int]
     """nano-vllm's profiling run: the largest step (``max_num_batched_tokens`` prompt tokens of one
     sequence, logits for ``max_batch_size`` rows) on dummy tokens and a scratch KV cache, measured by
     :func:`llminfer.kv.sizing.profile_gpu_memory`."""
-    from llminfer.backends.hf import run_packed
+    from llminfer.backends.packing import run_packed
     from llminfer.kv.sizing import profile_gpu_memory
 
     num_tokens = max(1, min(cfg.scheduler.max_num_batched_tokens, rt.max_model_len))
@@ -327,11 +329,11 @@ def _load_draft(cfg: EngineConfig, rt: Runtime) -> None:
     load_config(path, cfg)  # a clear error for a missing folder
     draft = load_model(path, cfg, rt.dtype, rt.device, attn_implementation="llminfer_paged")
     if cfg.cpu_kernels and rt.device.type == "cpu":
-        from llminfer.backends.cpu_kernels import enable_cpu_kernels
+        from llminfer.models.kernel_swap import enable_cpu_kernels
 
         enable_cpu_kernels(draft)
     if cfg.cpu_prepack_lm_head:
-        from llminfer.backends.prepack import prepack_lm_head
+        from llminfer.kernels.prepack import prepack_lm_head
 
         prepack_lm_head(draft)
     target_vocab = rt.model.get_output_embeddings().weight.shape[0]
@@ -356,133 +358,3 @@ def _eos_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:
         elif isinstance(source, (list, tuple)):
             ids.extend(int(x) for x in source)
     return tuple(dict.fromkeys(ids))
-
-
-def describe_runtime(rt: Runtime, cfg: EngineConfig) -> dict[str, Any]:
-    """Environment, model and weight facts (``llminfer info``).
-
-    ``weight_bytes`` is what the loaded weights occupy (bitsandbytes quantization state included),
-    ``weight_bytes_unquantized`` what the same parameters take unquantized in ``dtype`` (from the config's
-    parameter count), both in bytes; with ``--quant`` also the quantized linear layers' bytes against
-    their bfloat16 bytes; ``kv_bytes`` the paged KV tensors' bytes, and on GPU ``kv_sizing_*`` the profiling
-    run it was sized from (see :func:`llminfer.kv.sizing.gpu_kv_budget`). Without a loaded model (vLLM), the
-    parameter count and bytes come from the config alone.
-    """
-    import platform
-
-    import transformers
-
-    from llminfer.backends.quant import unquantized_weight_bytes, weight_footprint
-
-    base_params, base_bytes = unquantized_weight_bytes(rt.model_config, rt.dtype, cfg.hf_trust_remote_code)
-    facts: dict[str, Any] = {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "cuda": torch.version.cuda or "none",
-        "device": str(rt.device),
-        "backend": cfg.backend.value,
-        "model": cfg.model_name or "llminfer/tiny-qwen2 (built-in)",
-        "model_path": rt.model_path,
-        "architecture": ",".join(getattr(rt.model_config, "architectures", None)
-                                 or [type(rt.model).__name__ if rt.model is not None else "?"]),
-        "parameters": base_params,
-        "dtype": str(rt.dtype).replace("torch.", ""),
-        "dtype_reason": rt.dtype_reason,
-        "cpu_isa": _cpu_isa_line(),
-        "quant": cfg.quant.mode.value,
-        "weight_bytes_unquantized": base_bytes,
-        "max_model_len": rt.max_model_len,
-        "attention_backend": rt.attention_backend,
-        "cpu_kernel": _cpu_kernel_line(rt, cfg),
-    }
-    if rt.gguf is not None:
-        facts.update(_gguf_facts(rt, cfg))
-    if rt.dtype_probe is not None:
-        facts["dtype_probe"] = rt.dtype_probe
-    if rt.model is None:
-        facts.update({"tp_size": cfg.tp_size, "pp_size": cfg.pp_size, "prefix_cache": cfg.cache.enable_prefix_cache})
-        return facts
-    footprint = weight_footprint(rt.model)
-    facts.update({"parameters": footprint["parameters"], "weight_bytes": footprint["weight_bytes"],
-                  "weight_bytes_unquantized": base_bytes or footprint["weight_bytes"]})
-    if cfg.quant.mode is not QuantMode.NONE:
-        facts["quantized_linear_bytes"] = footprint["quantized_linear_bytes"]
-        facts["quantized_linear_bf16_bytes"] = footprint["quantized_linear_bf16_bytes"]
-    if rt.kv_cache is not None:
-        facts["kv_bytes"] = rt.kv_cache.nbytes
-    if rt.kv_sizing is not None:
-        facts.update({f"kv_sizing_{k}": v for k, v in rt.kv_sizing.items()})
-    return facts
-
-
-def _gguf_facts(rt: Runtime, cfg: EngineConfig) -> dict[str, Any]:
-    """``llminfer info``'s GGUF lines: the file, its type (and its tensors' types), and what llminfer made
-    of it (the cached float32 folder, loaded in the engine's dtype, quantized again where ``--quant`` says)."""
-    g = rt.gguf or {}
-    tensors = ", ".join(f"{n} {t}" for t, n in g.get("tensor_types", {}).items())
-    made = f"dequantized to {str(rt.dtype).replace('torch.', '')}"
-    if cfg.quant.mode.weight_only:
-        made += (f", then quantized again as {cfg.quant.mode.value}"
-                 f"{f' (groups of {cfg.quant.int4_group_size})' if cfg.quant.mode is QuantMode.INT4_WO else ''}")
-    elif cfg.quant.mode is not QuantMode.NONE:
-        made += f", then quantized as {cfg.quant.mode.value} (bitsandbytes)"
-    made += f"; float32 copy cached in {rt.model_path}"
-    return {"gguf_file": g.get("file"), "gguf_type": f"{g.get('file_type')} ({g.get('architecture')}; tensors: {tensors})",
-            "gguf_loaded_as": made}
-
-
-def _cpu_kernel_line(rt: Runtime, cfg: EngineConfig) -> str:
-    """``llminfer info``'s line on llminfer's CPU linear kernel: how many layers use it, or why none."""
-    if rt.cpu_kernel_layers:
-        from llminfer.backends.cpu_kernels import (
-            BF16_KERNEL_MAX_ROWS,
-            bf16_kernel_available,
-            int8_activation_bits,
-            quant_path_note,
-            quant_paths,
-            vector_isa,
-        )
-
-        # the op the model's layers run on, and how
-        op, detail = "skinny_linear", "every row count"
-        bits = int8_activation_bits()
-        if cfg.quant.mode is QuantMode.INT8_WO:
-            q8 = quant_paths()["int8"]["path"] == "q8"
-            op = "int8_linear_q8" if q8 else "int8_linear"
-            if not q8:
-                detail += (f"; int8 on VNNI integer dot products, {bits}-bit activations" if bits
-                           else "; int8 with float32 activations")
-            detail += f"; int8 on the {quant_path_note('int8')}"
-        elif cfg.quant.mode is QuantMode.INT4_WO:
-            q8 = quant_paths()["int4"]["path"] == "q8"
-            op = "int4_linear_q8" if q8 else ("int4_linear" if bits else "int8_linear")
-            if not q8:
-                detail += (f"; int4 on VNNI integer dot products, {bits}-bit activations" if bits
-                           else "; int4 on torch's kernel (no AVX-512 VNNI here)")
-            detail += f"; int4 on the {quant_path_note('int4')}"
-            if cfg.quant.quantize_lm_head and cfg.quant.int4_lm_head == "int8":
-                head_op = "int8_linear_q8" if quant_paths()["int8"]["path"] == "q8" else "int8_linear"
-                detail += f"; the LM head in int8 on {head_op}"
-        elif rt.dtype == torch.bfloat16:
-            op = "bf16_linear"
-            detail = (f"bf16 on AVX-512 BF16 up to {BF16_KERNEL_MAX_ROWS} rows, torch's matmul beyond"
-                      if bf16_kernel_available() else "bf16 products on torch: no AVX-512 BF16 path here")
-        return f"{op} on {rt.cpu_kernel_layers} layers ({vector_isa()}, {detail})"
-    if rt.device.type != "cpu" or cfg.backend is Backend.VLLM:
-        return "off (CPU eager and compiled backends only)"
-    if not cfg.cpu_kernels:
-        return "off (cpu_kernels=False)"
-    from llminfer.backends.cpu_kernels import unavailable_reason
-
-    return f"off ({unavailable_reason() or 'no layer it takes'})"
-
-
-def _cpu_isa_line() -> str:
-    """``llminfer info``'s CPU line: torch's ISA level and the flags that decide ``dtype="auto"``."""
-    from llminfer.backends.loading import cpu_half_support
-
-    support = cpu_half_support()
-    return (f"{support['cpu_capability']}, native bf16 {'yes' if support['native']['bfloat16'] else 'no'}, "
-            f"native fp16 {'yes' if support['native']['float16'] else 'no'} "
-            f"(half-precision CPU flags: {', '.join(support['half_flags']) or 'none'})")

@@ -18,25 +18,16 @@ from msgspec import UNSET
 
 from llminfer.api import protocol as s
 from llminfer.api.errors import OPENAPI_ERRORS
-from llminfer.api.execution import (
-    Item,
-    Job,
-    JobOutcome,
-    collect,
-    execute,
-    frame,
-    new_job,
-    sse_frames,
-    usage_of,
-)
+from llminfer.api.execution import execute
+from llminfer.api.jobs import Item, Job, collect, new_job, usage_of
 from llminfer.api.logprobs import TokenText, chat_logprobs
 from llminfer.api.middleware import server_state
+from llminfer.api.request_info import JobOutcome
 from llminfer.api.sampling import sampling_kwargs
+from llminfer.api.streaming import frame, sse_frames
 from llminfer.api.translate import (
     check_chat,
-    check_context,
-    check_structured_output,
-    check_vocab_ids,
+    check_logit_bias,
     include_usage,
     max_new_tokens,
     structured_output,
@@ -45,7 +36,7 @@ from llminfer.api.translate import (
     unknown_fields,
 )
 from llminfer.results import StreamChunk
-from llminfer.tools import Event, ToolCallDelta, finish_reason, fold_events
+from llminfer.tools import Event, ToolCallDelta, ToolCallParser, finish_reason, fold_events
 
 
 @post("/chat/completions", status_code=200, responses=OPENAPI_ERRORS, summary="Create a chat completion",
@@ -71,14 +62,12 @@ async def chat_completions(request: Request, data: SkipValidation[s.ChatCompleti
     ids = await state.tokenize(state.prompts.chat, data.messages, plan.tools if plan is not None else ())
     max_new, _ = max_new_tokens(data, None)
     ids = truncate_prompt(ids, data, state.prompts.inputs.max_model_len, max_new)
-    check_context(state.prompts.inputs, ids, max_new, param="messages")
-    check_vocab_ids(state.prompts.inputs, data)
-    job = new_job("chat", model, [ids], data.n or 1, state.engine.make_request,
-                  sampling_kwargs(data, max_new_tokens=max_new, logprobs=logprobs, structured=spec), logprobs=logprobs)
+    check_logit_bias(data)
+    job = await new_job(state, "chat", model, [ids], ["messages"], data.n or 1,
+                        sampling_kwargs(data, max_new_tokens=max_new, logprobs=logprobs, structured=spec),
+                        logprobs=logprobs, spec=spec, spec_param=spec_param)
     job.include_usage = include_usage(data)
-    job.constraint_param = spec_param or None
     job.tools = plan if plan is not None and plan.mode != "none" else None
-    await check_structured_output(state.engine, spec, spec_param)
     return await execute(request, state, job, stream=bool(data.stream),  # type: ignore[return-value]
                          prompt_param="messages", render_json=chat_response, render_events=chat_events)
 
@@ -113,7 +102,7 @@ def chat_response(job: Job, items: Sequence[Item], outcome: JobOutcome, token_te
             message = s.ChatResponseMessage("assistant", text)
             reason = c.finish_reason
         else:
-            parser = job.tools.parser()
+            parser = ToolCallParser(job.tools)
             content, calls = _tool_call_out([*parser.feed(text), *parser.finish()])
             message = s.ChatResponseMessage("assistant", content, tool_calls=calls or UNSET)
             reason = finish_reason(c.finish_reason, bool(calls))
@@ -143,7 +132,7 @@ def chat_events(job: Job, first: Sequence[Item], rest: AsyncIterator[Item], outc
     are chunks already pulled, ``rest`` the remaining ones (the caller closes it).
     """
     usage_field: Any = None if job.include_usage else UNSET
-    parsers = [job.tools.parser() for _ in job.requests] if job.tools is not None else None
+    parsers = [ToolCallParser(job.tools) for _ in job.requests] if job.tools is not None else None
 
     def chunk_frame(choices: list[s.ChatChunkChoice], usage: Any = usage_field) -> bytes:
         return frame(s.ChatCompletionChunk(job.id, job.created, job.model, choices, usage=usage))

@@ -21,26 +21,17 @@ from msgspec import UNSET
 
 from llminfer.api import protocol as s
 from llminfer.api.errors import OPENAPI_ERRORS
-from llminfer.api.execution import (
-    Item,
-    Job,
-    JobOutcome,
-    collect,
-    execute,
-    frame,
-    new_job,
-    sse_frames,
-    usage_of,
-)
+from llminfer.api.execution import execute
+from llminfer.api.jobs import Item, Job, collect, new_job, usage_of
 from llminfer.api.logprobs import TokenText, completion_logprobs, join_logprobs, vllm_prompt_logprobs
 from llminfer.api.middleware import server_state
+from llminfer.api.request_info import JobOutcome
 from llminfer.api.sampling import sampling_kwargs
+from llminfer.api.streaming import frame, sse_frames
 from llminfer.api.translate import (
     check_completion,
-    check_context,
-    check_structured_output,
+    check_logit_bias,
     check_suffix,
-    check_vocab_ids,
     include_usage,
     max_new_tokens,
     structured_output,
@@ -105,25 +96,22 @@ async def completions(request: Request, data: SkipValidation[s.CompletionRequest
     truncated = [truncate_prompt(ids, data, state.prompts.inputs.max_model_len, engine_max_new) for ids in prompt_ids]
     was_truncated = any(len(a) != len(b) for a, b in zip(truncated, prompt_ids))
     prompt_ids = truncated
-    for i, ids in enumerate(prompt_ids):
-        check_context(state.prompts.inputs, ids, engine_max_new,
-                      param="prompt" if len(prompt_ids) == 1 else f"prompt[{i}]")
+    params = ["prompt"] if len(prompt_ids) == 1 else [f"prompt[{i}]" for i in range(len(prompt_ids))]
     n = data.n or 1
     samples = data.best_of if data.best_of is not None and data.best_of > n else n
     echo_logprobs = bool(data.echo) and data.logprobs is not None
     wanted = [k for k in (data.logprobs if echo_logprobs else None, data.prompt_logprobs) if k is not None]
     # Ranking best_of samples needs each token's logprob, even when the client asked for none.
     engine_logprobs = data.logprobs if data.logprobs is not None else (0 if samples > n else None)
-    check_vocab_ids(state.prompts.inputs, data)
+    check_logit_bias(data)
     kwargs = sampling_kwargs(data, max_new_tokens=engine_max_new, logprobs=engine_logprobs, structured=spec)
     if score_only:
         kwargs.pop("min_new_tokens", None)  # the one hidden token needs no minimum
-    job = new_job("completion", model, prompt_ids, samples, state.engine.make_request, kwargs,
-                  logprobs=data.logprobs, first_kwargs={"prompt_logprobs": max(wanted)} if wanted else None)
+    job = await new_job(state, "completion", model, prompt_ids, params, samples, kwargs, logprobs=data.logprobs,
+                        first_kwargs={"prompt_logprobs": max(wanted)} if wanted else None, spec=spec,
+                        spec_param=spec_param)
     job.render_options = CompletionOptions(echo_logprobs, score_only, n, samples > n, data.prompt_logprobs)
     job.include_usage = include_usage(data)
-    job.constraint_param = spec_param or None
-    await check_structured_output(state.engine, spec, spec_param)
     if data.echo:
         if isinstance(data.prompt, str) and not was_truncated:
             job.echo_texts = [data.prompt]

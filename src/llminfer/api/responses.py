@@ -30,12 +30,15 @@ from msgspec import Meta, Struct
 
 from llminfer.api import protocol as s
 from llminfer.api.errors import OPENAPI_ERRORS, bad_request
-from llminfer.api.execution import Item, Job, JobOutcome, collect, execute, new_job, usage_of
+from llminfer.api.execution import execute
+from llminfer.api.jobs import Item, Job, collect, new_job, usage_of
 from llminfer.api.logprobs import TokenText
 from llminfer.api.middleware import server_state
+from llminfer.api.request_info import JobOutcome
 from llminfer.api.sampling import sampling_kwargs
-from llminfer.api.translate import check_context, check_structured_output, unknown_fields
+from llminfer.api.translate import unknown_fields
 from llminfer.errors import InvalidRequestError
+from llminfer.results import StreamChunk
 from llminfer.sampling.structured import StructuredOutput
 
 # ---------------------------------------------------------------------------- request
@@ -285,12 +288,11 @@ async def create_response(request: Request, data: SkipValidation[ResponsesReques
     messages = conversation(body)
     state.check_prompt_chars(_input_texts(body))
     ids = await state.tokenize(state.prompts.chat, messages)  # off the event loop, like chat's
-    check_context(state.prompts.inputs, ids, body.max_output_tokens,
-                  param="input" if body.max_output_tokens is None else "max_output_tokens")
-    job = new_job("chat", model, [ids], 1, state.engine.make_request, sampling_kwargs(body, max_new_tokens=body.max_output_tokens, structured=spec))
+    prompt_param = "input" if body.max_output_tokens is None else "max_output_tokens"
+    job = await new_job(state, "chat", model, [ids], [prompt_param], 1,
+                        sampling_kwargs(body, max_new_tokens=body.max_output_tokens, structured=spec), spec=spec,
+                        spec_param="text.format" if spec is not None else "")
     job.id = "resp_" + uuid.uuid4().hex
-    job.constraint_param = "text.format" if spec is not None else None
-    await check_structured_output(state.engine, spec, "text.format")
     view = _View(body, job)
     return await execute(request, state, job, stream=bool(body.stream), prompt_param="input",  # type: ignore[return-value]
                          render_json=view.json, render_events=view.events)
@@ -353,18 +355,21 @@ class _View:
         pieces: list[str] = []
         reason: str | None = None
 
-        async def chunks() -> AsyncIterator[Item]:
-            for item in first:
-                yield item
-            async for item in rest:
-                yield item
-
-        async for _, chunk in chunks():
-            if chunk.token:
-                pieces.append(chunk.token)
-                yield event("response.output_text.delta", delta=chunk.token, logprobs=[], **where)
+        def on(chunk: StreamChunk) -> bytes | None:
+            nonlocal reason
             if chunk.is_final:
                 reason = chunk.finish_reason
+            if not chunk.token:
+                return None
+            pieces.append(chunk.token)
+            return event("response.output_text.delta", delta=chunk.token, logprobs=[], **where)
+
+        for _, chunk in first:  # the chunks already pulled, then the rest as they come
+            if (f := on(chunk)) is not None:
+                yield f
+        async for _, chunk in rest:
+            if (f := on(chunk)) is not None:
+                yield f
         text = "".join(pieces)
         final = self.final(text, reason, outcome)
         yield event("response.output_text.done", text=text, logprobs=[], **where)

@@ -1,10 +1,10 @@
 """From an OpenAI request body to engine request arguments.
 
-:class:`PromptBuilder` turns chat messages and completion prompts into token ids, :func:`check_context`
-checks they fit in the model's context, :func:`max_new_tokens` (and :func:`llminfer.api.sampling.sampling_kwargs`) build the
-arguments of ``engine.make_request``, and the ``check_*`` functions refuse options this server does not
-support. Prompts are judged by the engine's own :class:`~llminfer.frontend.input.InputProcessor`
-(``engine.inputs``); its :class:`~llminfer.errors.InvalidRequestError` becomes an
+:class:`PromptBuilder` turns chat messages and completion prompts into token ids, :func:`max_new_tokens`
+(and :func:`llminfer.api.sampling.sampling_kwargs`) build the arguments of ``engine.make_request``, and the
+``check_*`` functions refuse options this server does not support. Prompts are judged by the engine's own
+:class:`~llminfer.frontend.input.InputProcessor` (``engine.inputs``), with the rest of the request, once, in
+:func:`llminfer.api.jobs.new_job`; its :class:`~llminfer.errors.InvalidRequestError` becomes an
 :class:`~llminfer.api.errors.APIError` naming the OpenAI field (``messages``, ``prompt``, ``prompt[1]``).
 """
 
@@ -38,7 +38,7 @@ class PromptBuilder:
         tokenizer: the engine's Hugging Face tokenizer.
         vocab_size: token ids must be below it (``None``: not checked here); used when ``inputs`` is not given.
         inputs: the engine's input validation (``engine.inputs``). Default: one over ``tokenizer`` and
-            ``vocab_size`` with no context limit (the context is then checked by :func:`check_context` only).
+            ``vocab_size`` with no context limit.
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int | None = None, *, inputs: InputProcessor | None = None) -> None:
@@ -129,37 +129,18 @@ class PromptBuilder:
             raise from_engine_error(exc, prompt_param=param) from None
 
 
-def check_context(inputs: InputProcessor, ids: Sequence[int], max_new: int | None, *, param: str) -> None:
-    """Refuse a prompt that leaves no room in the context, or that with ``max_new`` tokens overflows it
-    (the engine's check: ``inputs.check_prompt_ids``).
+def check_logit_bias(body: Body) -> None:
+    """``logit_bias`` must name each token once (``"5"`` and ``"005"`` name one token: which bias would win
+    is arbitrary). Its ids are checked against the vocabulary with the rest of the request, by
+    :meth:`~llminfer.frontend.input.InputProcessor.process`.
 
     Raises:
-        APIError: 400 naming ``param``, code ``context_length_exceeded`` (or ``invalid_value`` for ids the
-            engine refuses).
-    """
-    try:
-        inputs.check_prompt_ids(ids, max_new_tokens=max_new, param=param)
-    except InvalidRequestError as exc:
-        raise from_engine_error(exc, prompt_param=param) from None
-
-
-def check_vocab_ids(inputs: InputProcessor, body: Body) -> None:
-    """Token ids the request names (``logit_bias`` keys, ``stop_token_ids``) must be in the vocabulary:
-    refused here, before the engine sees the request (so it is not counted as an engine failure).
-
-    Raises:
-        APIError: 400 ``invalid_value`` naming the field.
+        APIError: 400 ``invalid_value`` naming ``logit_bias``.
     """
     bias_ids = [int(k) for k in body.logit_bias or {}]
-    if len(set(bias_ids)) < len(bias_ids):  # "5" and "005" name one token: which bias would win is arbitrary
+    if len(set(bias_ids)) < len(bias_ids):
         dup = next(i for i in bias_ids if bias_ids.count(i) > 1)
         raise bad_request(f"logit_bias names token {dup} more than once", "logit_bias", "invalid_value")
-    named = (("logit_bias", bias_ids), ("stop_token_ids", body.stop_token_ids or ()))
-    for field, ids in named:
-        try:
-            inputs.check_token_ids(ids, field)
-        except InvalidRequestError as exc:
-            raise bad_request(str(exc), field, "invalid_value") from None
 
 
 def truncate_prompt(ids: list[int], body: Body, max_model_len: int, max_new: int | None) -> list[int]:
@@ -320,23 +301,6 @@ def structured_output(body: Body, plan: ToolPlan | None = None) -> tuple[Structu
     if plan is not None and plan.structured_output is not None:
         return plan.structured_output, plan.constraint_param
     return None, ""
-
-
-async def check_structured_output(engine: Any, spec: StructuredOutput | None, param: str) -> None:
-    """Compile ``spec`` now (the engine's compile cache keeps it for the request), so that an invalid or
-    unsupported constraint, or one that compiles too slowly, is a 400 before anything is generated, for
-    streamed requests too. Engines whose backend compiles constraints itself (vLLM) are not checked here.
-
-    Raises:
-        APIError: 400 naming ``param`` (``code="grammar_compile_timeout"`` past the time limit).
-    """
-    compiler = getattr(getattr(engine, "runtime", None), "grammar_compiler", None)
-    if spec is None or compiler is None:
-        return
-    try:
-        await compiler.submit(spec).wait()
-    except InvalidRequestError as exc:
-        raise bad_request(str(exc), param, exc.code) from None
 
 
 def check_suffix(raw: Any) -> None:

@@ -13,316 +13,39 @@ the attention function), writes the new K/V into the paged cache at ``slot_mappi
 When the step's metadata carries Triton arrays (``attention_backend="triton"``), the layer runs
 :func:`llminfer.backends.triton_attention.triton_attention` instead, which reads K/V in place. With
 ``attention_backend="cpu"`` (fp32 or bf16 on CPU where llminfer's kernel is built, see
-:mod:`llminfer.backends.cpu_kernels`) the decode sequences run ``torch.ops.llminfer_cpu.paged_decode_attention``,
+:mod:`llminfer.kernels.build`) the decode sequences run ``torch.ops.llminfer_cpu.paged_decode_attention``,
 which also reads K/V in place from the block pool; prefill chunks take the torch path as above.
 
 The layout follows vLLM's paged attention (Kwon et al. 2023, "Efficient Memory Management for Large
 Language Model Serving with PagedAttention"); the gather-then-SDPA kernel is ours, written for CPU and
 for any device where no custom kernel is available.
+
+The step's metadata and its builders are :mod:`llminfer.backends.attention_metadata`'s, the KV tensors
+:mod:`llminfer.backends.paged_kv_cache`'s; both are re-exported here under their old import path.
 """
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
-
-import attrs
-import numpy as np
 import torch
 import torch.nn.functional as F
 
-if TYPE_CHECKING:
-    from llminfer.backends.triton_attention import TritonStepMetadata
+from llminfer.backends.attention_metadata import (
+    DECODE_CHUNK_SLOTS,
+    DecodeBatch,
+    PagedAttentionMetadata,
+    PrefillSegment,
+    build_metadata,
+    build_metadata_loop,
+    decode_chunk_blocks,
+)
+from llminfer.backends.paged_kv_cache import PagedKVCache
+
+__all__ = ["ATTN_IMPLEMENTATION", "DECODE_CHUNK_SLOTS", "METADATA_KWARG", "DecodeBatch", "PagedAttentionMetadata",
+           "PagedKVCache", "PrefillSegment", "build_metadata", "build_metadata_loop", "decode_attention",
+           "decode_chunk_blocks", "masked_attention", "paged_attention_forward", "register_paged_attention"]
 
 ATTN_IMPLEMENTATION = "llminfer_paged"
 METADATA_KWARG = "llminfer_attn"
-
-
-class PagedKVCache:
-    """The KV pool's tensors, allocated once.
-
-    Per layer, K and V are ``[num_kv_heads, num_blocks, block_size, head_dim]`` tensors of ``dtype`` on
-    ``device``; bytes in all: ``2 * num_layers * num_blocks * block_size * num_kv_heads * head_dim *
-    itemsize``. Head-major (rather than vLLM's ``[num_blocks, block_size, heads, dim]``) so that gathering a
-    batch's context slots gives ``[heads, batch, len, dim]``, already contiguous per (head, sequence) for
-    the attention matmuls: one copy per layer instead of two.
-    """
-
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
-        self.num_layers = num_layers
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        shape = (num_kv_heads, num_blocks, block_size, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-
-    @staticmethod
-    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                        dtype: torch.dtype) -> int:
-        """Bytes one block costs over all layers, K and V."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
-
-
-@attrs.define
-class PrefillSegment:
-    """A prefill chunk inside the packed row: queries ``[start, start+length)`` at positions
-    ``[context_start, context_start+length)``.
-
-    ``block_ids`` (``[ceil(context_len / block_size)]`` int64) and ``mask`` (``[1, 1, length, context_len]``
-    bool) are None when the chunk starts at position 0 and attends only to itself."""
-
-    start: int
-    length: int
-    context_start: int
-    block_ids: torch.Tensor | None = None
-    mask: torch.Tensor | None = None
-
-
-@attrs.define
-class DecodeBatch:
-    """The step's decode sequences (one query token each), attended in one batched call.
-
-    Their contexts are gathered block by block (one ``index_select`` of whole blocks per layer, K and V)
-    and padded to the longest, rounded up to a multiple of ``chunk`` slots; ``mask`` hides the padding.
-
-    Attributes:
-        index: ``[b]`` int64, packed-row index of each sequence's token.
-        block_ids: ``[b * n]`` int64, each sequence's block ids, padded with block 0 to ``n`` blocks (the
-            longest context's, rounded up to whole chunks).
-        mask: ``[b, 1, 1, n * block_size]`` bool, True where a slot is real context.
-        chunk: slots per attention chunk (divides ``n * block_size``).
-        ctx_lens: ``[b]`` int64 context lengths (tokens), set with ``attention_backend="cpu"``: the
-            sequences then run on llminfer's CPU kernel, which reads the blocks in place (``block_ids``
-            viewed ``[b, n]`` as their block tables) instead of gathering them.
-    """
-
-    index: torch.Tensor
-    block_ids: torch.Tensor
-    mask: torch.Tensor
-    chunk: int
-    ctx_lens: torch.Tensor | None = None
-
-
-@attrs.define
-class PagedAttentionMetadata:
-    """Everything the attention layers need for one step (built once, shared by all layers).
-
-    Attributes:
-        cache: the KV tensors.
-        slot_mapping: ``[T]`` int64, flat slot (``block_id * block_size + offset``) of each new token.
-        decode: the decode sequences (None if the step has none).
-        prefills: the prefill segments.
-        all_decode: every token of the step is a decode token (the output can be assembled without copies).
-        triton: set when the step runs the Triton kernels (then ``decode`` is None and ``prefills`` empty).
-    """
-
-    cache: PagedKVCache
-    slot_mapping: torch.Tensor
-    decode: DecodeBatch | None
-    prefills: list[PrefillSegment]
-    all_decode: bool = False
-    triton: TritonStepMetadata | None = None
-
-
-#: Decode contexts are padded to a multiple of this many slots (rounded up to whole blocks), and the
-#: probability-weighted sum over V is taken chunk by chunk in a fixed order: see :func:`masked_attention`.
-DECODE_CHUNK_SLOTS = 128
-
-
-def decode_chunk_blocks(block_size: int) -> int:
-    """Blocks per decode attention chunk: the fewest whole blocks covering ``DECODE_CHUNK_SLOTS`` slots."""
-    return -(-DECODE_CHUNK_SLOTS // block_size)
-
-
-def build_metadata_loop(
-    cache: PagedKVCache,
-    starts: Sequence[int],
-    lengths: Sequence[int],
-    block_tables: Sequence[Sequence[int]],
-    device: torch.device | str,
-) -> tuple[PagedAttentionMetadata, torch.Tensor]:
-    """The step's metadata built in Python token by token (the builder before :func:`build_metadata`;
-    kept as its reference in tests and as the "before" of ``bench/bench_step_metadata.py``).
-
-    Args:
-        starts: per sequence, the position of its first new token (tokens already computed).
-        lengths: per sequence, how many new tokens it has in the packed row.
-        block_tables: per sequence, its KV block ids.
-
-    Returns:
-        ``(metadata, position_ids)`` with ``position_ids`` ``[1, T]`` int64.
-    """
-    bs = cache.block_size
-    positions: list[int] = []
-    slots: list[int] = []
-    decode_rows: list[int] = []
-    decode_seqs: list[int] = []
-    prefills: list[PrefillSegment] = []
-    offset = 0
-    for i, (start, length, table) in enumerate(zip(starts, lengths, block_tables)):
-        pos = range(start, start + length)
-        positions.extend(pos)
-        slots.extend(table[p // bs] * bs + p % bs for p in pos)
-        if length == 1 and start > 0:
-            decode_rows.append(offset)
-            decode_seqs.append(i)
-        else:
-            seg = PrefillSegment(offset, length, start)
-            if start > 0:
-                ctx = start + length
-                seg.block_ids = torch.tensor(table[: -(-ctx // bs)], dtype=torch.long).to(device)
-                q_pos = torch.arange(start, ctx)
-                seg.mask = (torch.arange(ctx)[None, :] <= q_pos[:, None]).to(device)[None, None]
-            prefills.append(seg)
-        offset += length
-
-    decode = None
-    if decode_seqs:
-        chunk = decode_chunk_blocks(bs)
-        needed = [-(-(starts[i] + 1) // bs) for i in decode_seqs]
-        num_blocks = -(-max(needed) // chunk) * chunk
-        ids = torch.zeros(len(decode_seqs), num_blocks, dtype=torch.long)
-        for r, (i, n) in enumerate(zip(decode_seqs, needed)):
-            ids[r, :n] = torch.tensor(block_tables[i][:n], dtype=torch.long)
-        ctx_lens = torch.tensor([starts[i] + 1 for i in decode_seqs], dtype=torch.long)
-        mask = torch.arange(num_blocks * bs)[None, :] < ctx_lens[:, None]
-        decode = DecodeBatch(
-            index=torch.tensor(decode_rows, dtype=torch.long, device=device),
-            block_ids=ids.view(-1).to(device),
-            mask=mask.to(device)[:, None, None, :],
-            chunk=chunk * bs,
-        )
-
-    meta = PagedAttentionMetadata(
-        cache=cache,
-        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-        decode=decode,
-        prefills=prefills,
-        all_decode=not prefills,
-    )
-    position_ids = torch.tensor(positions, dtype=torch.long, device=device)[None]
-    return meta, position_ids
-
-
-def build_metadata(
-    cache: PagedKVCache,
-    starts: Sequence[int],
-    lengths: Sequence[int],
-    block_tables: Sequence[Sequence[int]],
-    device: torch.device | str,
-    attention_backend: str = "torch",
-    decode_split_tokens: int | None = None,
-) -> tuple[PagedAttentionMetadata, torch.Tensor]:
-    """Build the step's attention metadata and ``position_ids`` with tensor operations.
-
-    From the per-sequence arrays (starts, lengths, block tables padded to one width), vectorised array
-    operations give the per-token positions and slot mapping and the decode/prefill split, with no Python
-    loop per token; all of it is packed into one int64 host buffer (pinned on CUDA) and copied to the
-    device once. The torch path's decode block ids and masks are then computed on the device (a loop per
-    prefill sequence remains, for its per-segment masks).
-
-    Args:
-        starts: per sequence, the position of its first new token (tokens already computed).
-        lengths: per sequence, how many new tokens it has in the packed row.
-        block_tables: per sequence, its KV block ids (covering at least its new positions).
-        attention_backend: ``"torch"`` (fills ``decode``/``prefills``), ``"cpu"`` (the same, with
-            ``decode.ctx_lens`` for the CPU kernel) or ``"triton"`` (fills ``triton``).
-        decode_split_tokens: force the Triton decode split length (tests); default from
-            :func:`~llminfer.backends.triton_attention.decode_splits`.
-
-    Returns:
-        ``(metadata, position_ids)`` with ``position_ids`` ``[1, T]`` int64.
-    """
-    device = torch.device(device)
-    bs = cache.block_size
-    num_seqs = len(starts)
-    starts_np = np.asarray(starts, dtype=np.int64).reshape(num_seqs)
-    lens_np = np.asarray(lengths, dtype=np.int64).reshape(num_seqs)
-    table_lens = np.array(list(map(len, block_tables)), dtype=np.int64).reshape(num_seqs)
-    is_decode = (lens_np == 1) & (starts_np > 0)
-    decode_idx = np.flatnonzero(is_decode)
-    prefill_idx = np.flatnonzero(~is_decode)
-    num_tokens = int(lens_np.sum())
-    width = int(table_lens.max()) if num_seqs else 0
-    dec_blocks = 0
-    if attention_backend in ("torch", "cpu") and decode_idx.size:
-        chunk = decode_chunk_blocks(bs)
-        most_blocks = int(((starts_np[decode_idx] + bs) // bs).max())  # cdiv(start + 1, bs)
-        dec_blocks = -(-most_blocks // chunk) * chunk
-        width = max(width, dec_blocks)
-    width = max(width, 1)
-
-    # Per-token arrays from per-sequence ones, vectorised on the host (a few thousand int64 at most: cheaper
-    # than launching device kernels or torch's CPU dispatch for each), then everything in one buffer:
-    # starts | lengths | q_start | ctx_len | decode idx | decode rows | prefill idx | positions | slots | tables.
-    n_dec, n_pre = decode_idx.size, prefill_idx.size
-    tables_np = np.zeros((num_seqs, width), dtype=np.int64)
-    if num_seqs:
-        flat_tables = np.array(list(itertools.chain.from_iterable(block_tables)), dtype=np.int64)
-        row_start = np.cumsum(table_lens) - table_lens
-        rows = np.repeat(np.arange(num_seqs, dtype=np.int64), table_lens)
-        cols = np.arange(flat_tables.size, dtype=np.int64) - np.repeat(row_start, table_lens)
-        tables_np[rows, cols] = flat_tables
-    q_start_np = np.cumsum(lens_np) - lens_np
-    seq_of = np.repeat(np.arange(num_seqs, dtype=np.int64), lens_np)
-    positions_np = starts_np[seq_of] + np.arange(num_tokens, dtype=np.int64) - q_start_np[seq_of]
-    slots_np = tables_np[seq_of, positions_np // bs] * bs + positions_np % bs
-    parts = [starts_np, lens_np, q_start_np, starts_np + lens_np, decode_idx, q_start_np[decode_idx], prefill_idx,
-             positions_np, slots_np, tables_np.reshape(-1)]
-    host = torch.from_numpy(np.concatenate(parts).astype(np.int64, copy=False))
-    if device.type == "cuda":
-        host = host.pin_memory()
-    dev = host.to(device, non_blocking=True)
-    views = torch.split(dev, [p.size for p in parts])
-    starts_t, lens_t, q_start, ctx_len, decode_t, decode_rows, prefill_t, positions, slot_mapping = views[:9]
-    tables = views[9].view(num_seqs, width)
-
-    decode = None
-    prefills: list[PrefillSegment] = []
-    triton_meta = None
-    if attention_backend == "triton":
-        from llminfer.backends.triton_attention import TritonStepMetadata, decode_splits
-
-        max_ctx = int(starts_np[decode_idx].max()) + 1 if n_dec else 1
-        num_splits, split_len = decode_splits(max_ctx, n_dec, cache.num_kv_heads, device, decode_split_tokens)
-        triton_meta = TritonStepMetadata(
-            q_start=q_start, q_len=lens_t, ctx_start=starts_t, ctx_len=ctx_len, block_tables=tables,
-            decode_seqs=decode_t, decode_rows=decode_rows, prefill_seqs=prefill_t,
-            max_prefill_len=int(lens_np[prefill_idx].max()) if n_pre else 0,
-            num_splits=num_splits, split_len=split_len)
-    else:
-        if n_dec:
-            ctx = starts_t[decode_t] + 1
-            cols = torch.arange(dec_blocks, device=device)
-            ids = tables[decode_t, :dec_blocks]
-            ids = torch.where(cols[None, :] < (ctx[:, None] + bs - 1) // bs, ids, 0)
-            mask = torch.arange(dec_blocks * bs, device=device)[None, :] < ctx[:, None]
-            decode = DecodeBatch(index=decode_rows, block_ids=ids.reshape(-1), mask=mask[:, None, None, :],
-                                 chunk=decode_chunk_blocks(bs) * bs,
-                                 ctx_lens=ctx if attention_backend == "cpu" else None)
-        offsets = np.cumsum(lens_np) - lens_np
-        for i in prefill_idx.tolist():
-            start, length = int(starts_np[i]), int(lens_np[i])
-            seg = PrefillSegment(int(offsets[i]), length, start)
-            if start > 0:
-                ctx_n = start + length
-                seg.block_ids = tables[i, : -(-ctx_n // bs)]
-                q_pos = torch.arange(start, ctx_n, device=device)
-                seg.mask = (torch.arange(ctx_n, device=device)[None, :] <= q_pos[:, None])[None, None]
-            prefills.append(seg)
-
-    meta = PagedAttentionMetadata(cache=cache, slot_mapping=slot_mapping, decode=decode, prefills=prefills,
-                                  all_decode=n_pre == 0 and attention_backend != "triton", triton=triton_meta)
-    return meta, positions[None]
 
 
 def paged_attention_forward(
@@ -364,8 +87,8 @@ def paged_attention_forward(
     flat_v = v_cache.view(num_kv_heads, -1, head_dim)
     flat_k.index_copy_(1, meta.slot_mapping, key[0].to(flat_k.dtype))  # key[0]: [H_kv, T, D]
     flat_v.index_copy_(1, meta.slot_mapping, value[0].to(flat_v.dtype))
-    # Whole blocks as rows: index_select of block_size * head_dim contiguous elements per (head, block) is
-    # several times faster on CPU than advanced indexing slot by slot.
+    # Whole blocks as rows: index_select copies block_size * head_dim contiguous elements per (head, block),
+    # where advanced indexing slot by slot would copy head_dim at a time.
     block_k = k_cache.view(num_kv_heads, num_blocks, block_size * head_dim)
     block_v = v_cache.view(num_kv_heads, num_blocks, block_size * head_dim)
 
@@ -431,8 +154,8 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         ``[B, H, n, D]``.
 
     On CPU, for short queries (``n <= 128``), grouped matmuls with an fp32 softmax are used: in bf16 they are
-    several times faster than ``scaled_dot_product_attention`` with a mask (measured: ~7x for decode at
-    B=32, L=500, 8:2 GQA heads). Elsewhere (CUDA, long queries) SDPA is used.
+    faster than ``scaled_dot_product_attention`` with a mask, whose CPU kernel materialises the masked
+    scores per head. Elsewhere (CUDA, long queries) SDPA is used.
 
     Batch invariance (CPU path with ``chunk``): a row's result has the same bits whatever the number of
     rows ``B`` and whatever the padded length ``L`` (a multiple of ``chunk``) -- a single matmul over ``L``

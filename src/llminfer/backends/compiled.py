@@ -40,177 +40,37 @@ requests get the error.
 from __future__ import annotations
 
 import os
-import threading
-import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import structlog
 import torch
 
-from llminfer.backends.attention import METADATA_KWARG, PagedKVCache, build_metadata, paged_attention_forward
+from llminfer.backends.attention import PagedKVCache, build_metadata
+from llminfer.backends.compile_config import (
+    COMPILE_BACKEND_ENV,
+    CountingBackend,
+    bucket_for,
+    describe_error,
+    fresh_function,
+    inductor_options,
+    raise_recompile_limit,
+    token_buckets,
+)
+from llminfer.backends.compiled_attention import (
+    ATTN_OP_IMPLEMENTATION,
+    register_paged_attention_op,
+    set_attn_implementation,
+    step_context,
+)
 from llminfer.backends.hf import HFBackend
-from llminfer.protocols.messages import SchedulerOutput
+from llminfer.backends.packing import PackedStep
+
+__all__ = ["COMPILE_BACKEND_ENV", "CompiledBackend", "bucket_for", "cpu_head", "token_buckets"]
 
 log = structlog.get_logger("llminfer.compiled")
 
-ATTN_OP_IMPLEMENTATION = "llminfer_paged_op"
-"""Name of the op-based paged attention in ``transformers.AttentionInterface``."""
-
-COMPILE_BACKEND_ENV = "LLMINFER_COMPILE_BACKEND"
-"""Environment variable naming the ``torch.compile`` backend (default ``inductor``; ``aot_eager`` and
-``eager`` are useful to debug or to test quickly on slow machines)."""
-
 _HEAD_POSTPROCESSING_ATTRS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
-
-# ----------------------------------------------------------------------------------------------- the op
-_step = threading.local()
-
-
-class _Layer:
-    """Stands in for the attention module inside the op (the paged attention only reads ``layer_idx``)."""
-
-    __slots__ = ("layer_idx",)
-
-    def __init__(self, layer_idx: int) -> None:
-        self.layer_idx = layer_idx
-
-
-_TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
-
-
-@torch.library.custom_op("llminfer::paged_attention", mutates_args=(), tags=_TAGS)
-def paged_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int,
-                       scaling: float | None) -> torch.Tensor:
-    """Paged attention of one layer for the current step (metadata from the thread's step context).
-
-    Args:
-        query: ``[1, H, T_pad, D]``; key, value: ``[1, H_kv, T_pad, D]``. Only the first ``T_real`` tokens
-            (the step context's ``num_tokens``) are real; the rest is padding.
-        layer_idx: the cache layer.
-        scaling: softmax scale (None: ``1/sqrt(D)``).
-
-    Returns:
-        ``[1, T_pad, H, D]`` contiguous, zeros in the padded rows.
-
-    Raises:
-        RuntimeError: called outside a step (no step context in this thread).
-    """
-    meta = getattr(_step, "meta", None)
-    if meta is None:
-        raise RuntimeError("llminfer::paged_attention called outside an llminfer step")
-    n = _step.num_tokens
-    t_pad = query.shape[2]
-    out, _ = paged_attention_forward(_Layer(layer_idx), query[:, :, :n], key[:, :, :n], value[:, :, :n], None,
-                                     scaling=scaling, **{METADATA_KWARG: meta})
-    if n == t_pad:
-        return out.contiguous()
-    full = query.new_zeros(1, t_pad, query.shape[1], query.shape[3])
-    full[:, :n] = out
-    return full
-
-
-@paged_attention_op.register_fake
-def _paged_attention_fake(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int,
-                          scaling: float | None) -> torch.Tensor:
-    return query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])
-
-
-def paged_attention_op_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                               attention_mask: torch.Tensor | None, scaling: float | None = None,
-                               dropout: float = 0.0, **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """The attention function registered as ``"llminfer_paged_op"``: calls the opaque op. A step that runs
-    eagerly on the compiled backend (prompt-logprob rows, a step larger than every bucket) passes its
-    metadata as a keyword instead of the step context; it goes straight to the eager attention.
-
-    Shapes as :func:`llminfer.backends.attention.paged_attention_forward` (``[1, T, H, D]`` out).
-    """
-    if kwargs.get(METADATA_KWARG) is not None:
-        return paged_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-    return paged_attention_op(query, key, value, int(module.layer_idx),
-                              None if scaling is None else float(scaling)), None
-
-
-def register_paged_attention_op() -> str:
-    """Register :func:`paged_attention_op_forward` with transformers (idempotent); return its name."""
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(ATTN_OP_IMPLEMENTATION, paged_attention_op_forward)
-    return ATTN_OP_IMPLEMENTATION
-
-
-# ----------------------------------------------------------------------------------------------- buckets
-def token_buckets(max_tokens: int, smallest: int = 1) -> tuple[int, ...]:
-    """Padded sizes for a step of up to ``max_tokens`` tokens: powers of two from ``smallest``, and
-    ``max_tokens`` itself as the last bucket.
-
-    Returns:
-        Increasing bucket sizes (tokens); ``max_tokens`` is always the last one.
-    """
-    if max_tokens < 1:
-        raise ValueError("max_tokens must be >= 1")
-    out = []
-    b = max(1, smallest)
-    while b < max_tokens:
-        out.append(b)
-        b *= 2
-    out.append(max_tokens)
-    return tuple(out)
-
-
-def bucket_for(n: int, buckets: Sequence[int]) -> int | None:
-    """The smallest bucket >= ``n``, or None when ``n`` exceeds every bucket."""
-    for b in buckets:
-        if b >= n:
-            return b
-    return None
-
-
-# ----------------------------------------------------------------------------------------------- options
-def inductor_options(mode: str, cudagraphs: bool, device: torch.device, own_graphs: bool = False) -> dict[str, Any]:
-    """Inductor config patches for ``compile_mode`` and the CUDA-graph toggle.
-
-    ``"reduce-overhead"`` means CUDA graphs; ``"max-autotune"`` means GEMM autotuning, with CUDA graphs
-    only when ``cudagraphs`` is set; ``"default"`` uses CUDA graphs only when ``cudagraphs`` is set.
-    CUDA graphs are never used off CUDA, and inductor's own are off when llminfer captures whole decode
-    steps itself (``own_graphs``: a graph captured inside another's capture is not allowed).
-    """
-    import torch._inductor
-
-    opts = dict(torch._inductor.list_mode_options(mode))
-    use_cg = device.type == "cuda" and (cudagraphs or mode == "reduce-overhead") and not own_graphs
-    opts["triton.cudagraphs"] = use_cg
-    if use_cg:
-        opts["graph_partition"] = True  # run the cudagraph-unsafe attention op between captured pieces
-    return opts
-
-
-class _CountingBackend:
-    """A ``torch.compile`` backend that counts the graphs it compiles, then hands them to the real one."""
-
-    def __init__(self, name: str | Callable, options: dict[str, Any]) -> None:
-        self.name = name
-        self.options = options
-        self.count = 0
-
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
-        self.count += 1
-        if callable(self.name):
-            return self.name(gm, example_inputs)
-        if self.name == "inductor":
-            from torch._inductor.compile_fx import compile_fx
-
-            return compile_fx(gm, example_inputs, config_patches=self.options)
-        from torch._dynamo import lookup_backend
-
-        return lookup_backend(self.name)(gm, example_inputs)
-
-
-def _fresh_function(fn: Callable, tag: str) -> Callable:
-    """A copy of ``fn`` with its own code object, so dynamo keeps a separate compile cache for it (one per
-    backend: engines in one process never share, or evict, each other's compiled graphs)."""
-    code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_{tag}")
-    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
 
 
 def _body_forward(base: torch.nn.Module, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -225,11 +85,11 @@ class _RowSplitHead(torch.nn.Module):
     """The LM head run outside the graph on CPU: ``small`` (llminfer's kernel) for up to ``small_rows`` rows,
     ``packed`` (the eager backend's oneDNN-prepacked head) for more.
 
-    Why: llminfer's kernel reads a weight fastest for one row (four in bf16), but the 151,646 x 512 head of
-    the bench model at 8 and 32 rows ran 1.4-1.6x faster on the prepacked oneDNN GEMM in fp32, and a bf16
-    ``F.linear`` on the unpacked weight 1.4-1.7x slower than the prepacked one (2-core AMD EPYC Zen 4, one
-    thread, ``/tmp`` microbenchmark of issue 35). The head dominated batch-32 decode, so the compiled backend
-    ran batch 32 slower than eager, whose head is the prepacked one."""
+    Why: llminfer's kernel reads a weight fastest for one row (four in bf16), while for more rows a large
+    vocabulary head runs faster on the prepacked oneDNN GEMM than on the kernel or on ``F.linear`` over the
+    unpacked weight (measured in issue 35; see the README's CPU section). The head dominates large-batch
+    decode, so without the split the compiled backend decoded large batches slower than eager, whose head
+    is the prepacked one."""
 
     def __init__(self, small: torch.nn.Module, packed: torch.nn.Module, small_rows: int) -> None:
         super().__init__()
@@ -243,8 +103,9 @@ class _RowSplitHead(torch.nn.Module):
 def cpu_head(head: torch.nn.Module) -> torch.nn.Module:
     """``head`` as the compiled backend runs it outside the graph on CPU (see :class:`_RowSplitHead`):
     unchanged where oneDNN cannot prepack it (quantized, another dtype, no oneDNN)."""
-    from llminfer.backends.cpu_kernels import BF16_KERNEL_MAX_ROWS, SkinnyLinear
-    from llminfer.backends.prepack import PrepackedLinear, prepack_supported
+    from llminfer.kernels.bf16_linear import BF16_KERNEL_MAX_ROWS
+    from llminfer.kernels.layers import SkinnyLinear
+    from llminfer.kernels.prepack import PrepackedLinear, prepack_supported
 
     if not isinstance(head, torch.nn.Linear) or type(head) not in (torch.nn.Linear, SkinnyLinear):
         return head
@@ -261,7 +122,6 @@ def cpu_head(head: torch.nn.Module) -> torch.nn.Module:
     return _RowSplitHead(head, packed, BF16_KERNEL_MAX_ROWS if head.weight.dtype == torch.bfloat16 else 1)
 
 
-# ----------------------------------------------------------------------------------------------- backend
 class CompiledBackend(HFBackend):
     """:class:`HFBackend` with the model step under ``torch.compile`` (see the module docstring).
 
@@ -284,6 +144,15 @@ class CompiledBackend(HFBackend):
 
     name = "compiled"
 
+    @classmethod
+    def from_runtime(cls, rt: Any, cfg: Any) -> CompiledBackend:
+        """The compiled backend for a loaded :class:`~llminfer.runtime.Runtime` and its
+        :class:`~llminfer.config.EngineConfig` (registered in :data:`llminfer.backends.registry.BACKENDS`)."""
+        return cls(rt.model, rt.kv_cache, rt.eos_token_ids, max_num_tokens=max(cfg.scheduler.max_num_batched_tokens, 1),
+                   max_batch_size=cfg.max_batch_size, mode=cfg.compile_mode, cudagraphs=cfg.compile_cudagraphs,
+                   fallback_to_eager=cfg.compile_fallback_to_eager, attention_backend=rt.attention_backend,
+                   max_model_len=rt.max_model_len)
+
     def __init__(self, model: torch.nn.Module, cache: PagedKVCache, eos_token_ids: Sequence[int] = (), *,
                  max_num_tokens: int = 2048, max_batch_size: int = 16, mode: str = "default",
                  cudagraphs: bool = False, fallback_to_eager: bool = True,
@@ -293,7 +162,7 @@ class CompiledBackend(HFBackend):
         register_paged_attention_op()
         text_cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self._eager_attn_implementation = text_cfg._attn_implementation
-        _set_attn_implementation(model, ATTN_OP_IMPLEMENTATION)
+        set_attn_implementation(model, ATTN_OP_IMPLEMENTATION)
         self.mode = mode
         self.fallback_to_eager = fallback_to_eager
         self.buckets = tuple(sorted(set(buckets))) if buckets else token_buckets(max_num_tokens)
@@ -302,7 +171,7 @@ class CompiledBackend(HFBackend):
         own_graphs = wants_graphs and attention_backend == "triton"
         self.use_cudagraphs = wants_graphs and not own_graphs  # inductor's own (partitioned) graphs
         self.compile_backend_name = compile_backend or os.environ.get(COMPILE_BACKEND_ENV) or "inductor"
-        self._counter = _CountingBackend(self.compile_backend_name,
+        self._counter = CountingBackend(self.compile_backend_name,
                                          inductor_options(mode, cudagraphs, self.device, own_graphs))
         self.split_head = not any(getattr(text_cfg, a, None) not in (None, 1, 1.0)
                                   for a in _HEAD_POSTPROCESSING_ATTRS)
@@ -312,16 +181,16 @@ class CompiledBackend(HFBackend):
             self._head = model.get_output_embeddings()
             if self.device.type == "cpu":
                 self._head = cpu_head(self._head)
-            fn = _fresh_function(_body_forward, tag)
+            fn = fresh_function(_body_forward, tag)
         else:
             self._module = model
-            fn = _fresh_function(_full_forward, tag)
+            fn = fresh_function(_full_forward, tag)
         self._target: Callable = torch.compile(fn, backend=self._counter, fullgraph=True, dynamic=False)
         from llminfer.backends.cuda_graphs import batch_buckets
 
         self._graphs_needed = ((len(self.buckets) + len(batch_buckets(max(max_batch_size, 1))))
                                * (1 if self.split_head else len(self.keep_buckets)))
-        _raise_recompile_limit(self._graphs_needed)
+        raise_recompile_limit(self._graphs_needed)
         self.compiled_ok = True
         self.fallback_error: str | None = None
         self.num_compiled_steps = 0
@@ -363,14 +232,14 @@ class CompiledBackend(HFBackend):
     def _graph_forward(self, ids: torch.Tensor, pos: torch.Tensor, meta: Any) -> torch.Tensor:
         """One decode bucket through the compiled graph: ``ids``, ``pos`` ``[1, B]`` → ``[B, V]`` logits."""
         b = ids.shape[1]
-        _step.meta, _step.num_tokens = meta, b
+        step_context.meta, step_context.num_tokens = meta, b
         try:
             if self.split_head:
                 return self._head(self._target(self._module, ids, pos)[0])
             keep = torch.arange(b, device=ids.device)
             return self._target(self._module, ids, pos, keep)[0]
         finally:
-            _step.meta = None
+            step_context.meta = None
 
     @property
     def num_compiles(self) -> int:
@@ -396,46 +265,45 @@ class CompiledBackend(HFBackend):
         """Facts for ``engine.info()``: ``compile`` holds :meth:`stats`."""
         return {**super().describe(), "compile": self.stats()}
 
-    def forward(self, plan: SchedulerOutput, extra_rows: Sequence[int] = ()) -> torch.Tensor:
-        """Run the plan's packed tokens through the compiled graph (or the eager path after a fallback, or
-        for a step larger than every bucket).
+    def forward(self, step: PackedStep) -> torch.Tensor:
+        """Run the packed step through the compiled graph (or the eager path after a fallback, for a step
+        with prompt-logprob rows, or for a step larger than every bucket).
 
         Returns:
-            ``[S, V]`` float32 logits, one row per sampling sequence, in plan order.
+            ``[len(step.keep_rows), V]`` float32 logits, the sample rows first.
 
         Raises:
             Exception: the compiled step failed and ``fallback_to_eager`` is off.
         """
-        if not self.compiled_ok or extra_rows:  # prompt-logprob rows: their count fits no keep bucket
+        if not self.compiled_ok or step.jobs:  # prompt-logprob rows: their count fits no keep bucket
             self.num_eager_steps += 1
-            return super().forward(plan, extra_rows)
-        if (logits := self.graph_step(plan)) is not None:
+            return super().forward(step)
+        if (logits := self.graph_step(step)) is not None:
             self.num_compiled_steps += 1
             return logits
-        seqs = plan.sequences
-        total = sum(len(s.token_ids) for s in seqs)
+        total = step.num_tokens
         t_pad = bucket_for(total, self.buckets)
-        n_keep = sum(1 for s in seqs if s.sample)
+        n_keep = len(step.sample_rows)
         k_pad = n_keep if self.split_head else bucket_for(max(n_keep, 1), self.keep_buckets)
         if t_pad is None or k_pad is None:
             self.num_eager_steps += 1
-            return super().forward(plan)
+            return super().forward(step)
         shape = (t_pad, 0 if self.split_head else k_pad)
         try:
             if shape in self._shapes_seen:
-                logits = self._compiled_forward(plan, total, t_pad, n_keep, k_pad)
+                logits = self._compiled_forward(step, t_pad, k_pad)
             else:  # the first step of this shape compiles it (seconds on CPU): say so
                 from llminfer.logging import status
 
                 with status(f"compiling the model step for {t_pad} tokens (first request of this size) ..."):
-                    logits = self._compiled_forward(plan, total, t_pad, n_keep, k_pad)
+                    logits = self._compiled_forward(step, t_pad, k_pad)
                 self._shapes_seen.add(shape)
         except Exception as exc:
             if not self.fallback_to_eager:
                 raise
             self.disable_compiled(exc)
             self.num_eager_steps += 1
-            return super().forward(plan)
+            return super().forward(step)
         self.num_compiled_steps += 1
         return logits
 
@@ -446,8 +314,8 @@ class CompiledBackend(HFBackend):
             return
         self.compiled_ok = False
         self.graphs = None  # they replay the compiled graph
-        self.fallback_error = _describe(exc) if exc is not None else "disabled"
-        _set_attn_implementation(self.model, self._eager_attn_implementation)
+        self.fallback_error = describe_error(exc) if exc is not None else "disabled"
+        set_attn_implementation(self.model, self._eager_attn_implementation)
         log.warning("torch.compile path disabled; continuing on the eager path", error=self.fallback_error)
 
     @torch.inference_mode()
@@ -464,7 +332,7 @@ class CompiledBackend(HFBackend):
             Exception: compilation failed and ``fallback_to_eager`` is off (with it, the backend falls back
             to eager and this returns).
         """
-        _raise_recompile_limit(self._graphs_needed)  # dynamo's config is per thread: this one's too
+        raise_recompile_limit(self._graphs_needed)  # dynamo's config is per thread: this one's too
         before = self.num_compiles
         dev = self.device
         meta, _ = build_metadata(self.cache, [], [], [], dev, self.attention_backend)
@@ -473,7 +341,7 @@ class CompiledBackend(HFBackend):
                 break
             ids = torch.zeros(1, t_pad, dtype=torch.long, device=dev)
             pos = torch.zeros(1, t_pad, dtype=torch.long, device=dev)  # distinct: aliased inputs guard apart
-            _step.meta, _step.num_tokens = meta, 0
+            step_context.meta, step_context.num_tokens = meta, 0
             try:
                 if self.use_cudagraphs:
                     torch.compiler.cudagraph_mark_step_begin()
@@ -491,29 +359,24 @@ class CompiledBackend(HFBackend):
                     raise
                 self.disable_compiled(exc)
             finally:
-                _step.meta = None
+                step_context.meta = None
         return self.num_compiles - before
 
     @torch.inference_mode()  # inputs must be inference tensors in every call, or dynamo's guards differ
-    def _compiled_forward(self, plan: SchedulerOutput, total: int, t_pad: int, n_keep: int, k_pad: int) -> torch.Tensor:
-        _raise_recompile_limit(self._graphs_needed)  # dynamo's config is per thread (cheap when raised)
-        seqs = plan.sequences
+    def _compiled_forward(self, step: PackedStep, t_pad: int, k_pad: int) -> torch.Tensor:
+        """The step padded to ``t_pad`` tokens (and ``k_pad`` kept rows when the head is inside the graph)
+        through the compiled graph: ``[len(step.sample_rows), V]`` float32 logits."""
+        raise_recompile_limit(self._graphs_needed)  # dynamo's config is per thread (cheap when raised)
         dev = self.device
-        keep: list[int] = []
-        offset = 0
-        for s in seqs:
-            offset += len(s.token_ids)
-            if s.sample:
-                keep.append(offset - 1)
-        meta, position_ids = build_metadata(self.cache, [s.start_position for s in seqs],
-                                            [len(s.token_ids) for s in seqs], [s.block_table for s in seqs], dev,
-                                            self.attention_backend)
+        total, keep, n_keep = step.num_tokens, list(step.sample_rows), len(step.sample_rows)
+        meta, position_ids = build_metadata(self.cache, step.starts, [len(t) for t in step.tokens],
+                                            step.block_tables, dev, self.attention_backend)
         ids = torch.zeros(1, t_pad, dtype=torch.long, device=dev)
         pos = torch.zeros(1, t_pad, dtype=torch.long, device=dev)
-        ids[0, :total] = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.long, device=dev)
+        ids[0, :total] = torch.tensor([t for seq in step.tokens for t in seq], dtype=torch.long, device=dev)
         pos[:, :total] = position_ids
         keep_t = torch.tensor(keep + [0] * (k_pad - n_keep), dtype=torch.long, device=dev)
-        _step.meta, _step.num_tokens = meta, total
+        step_context.meta, step_context.num_tokens = meta, total
         try:
             if self.use_cudagraphs:
                 torch.compiler.cudagraph_mark_step_begin()
@@ -523,43 +386,5 @@ class CompiledBackend(HFBackend):
             else:
                 logits = self._target(self._module, ids, pos, keep_t)[0, :n_keep].float()
         finally:
-            _step.meta = None
+            step_context.meta = None
         return logits.clone() if self.use_cudagraphs else logits
-
-
-def _describe(exc: BaseException) -> str:
-    """``Type: first line`` of ``exc`` and of its root cause (dynamo wraps backend errors)."""
-    def line(e: BaseException) -> str:
-        text = str(e).strip()
-        return f"{type(e).__name__}: {text.splitlines()[0][:200]}" if text else type(e).__name__
-
-    root = getattr(exc, "inner_exception", None) or exc.__cause__
-    seen = {id(exc)}
-    while root is not None and id(root) not in seen and (getattr(root, "inner_exception", None) or root.__cause__):
-        seen.add(id(root))
-        root = getattr(root, "inner_exception", None) or root.__cause__
-    return line(exc) if root is None else f"{line(exc)} <- {line(root)}"
-
-
-def _set_attn_implementation(model: torch.nn.Module, name: str) -> None:
-    """Point the config of ``model`` and of every submodule at attention implementation ``name`` (a name
-    registered with ``transformers.AttentionInterface``; layers look it up on every call)."""
-    seen: set[int] = set()
-    for module in model.modules():
-        cfg = getattr(module, "config", None)
-        if cfg is not None and id(cfg) not in seen and hasattr(cfg, "_attn_implementation"):
-            seen.add(id(cfg))
-            cfg._attn_implementation = name
-
-
-def _raise_recompile_limit(needed: int) -> None:
-    """Make room in dynamo's per-code-object cache for every bucket, times a few adapter / grad-mode states
-    (never lowers the limit; a full cache would make dynamo run new shapes uncompiled). torch 2.13's dynamo
-    config is per thread (a value set in one thread reads as the default in another), so every thread
-    that compiles or runs the graph calls this first."""
-    import torch._dynamo.config as dcfg
-
-    want = max(64, 4 * needed)
-    for attr in ("recompile_limit", "cache_size_limit"):
-        if hasattr(dcfg, attr) and getattr(dcfg, attr) < want:
-            setattr(dcfg, attr, want)

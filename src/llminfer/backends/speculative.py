@@ -29,20 +29,20 @@ KV written for rejected drafts lies beyond ``num_computed_tokens`` and is overwr
 
 from __future__ import annotations
 
-import time
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections.abc import Sequence
 
 import torch
 
 from llminfer.backends.attention import PagedKVCache
-from llminfer.backends.hf import HFBackend, prompt_logprob_jobs, prompt_logprobs, run_packed
-from llminfer.protocols.messages import ScheduledSequence, SchedulerOutput, StepOutput
-from llminfer.sampling.sampler import SamplingState, argmax_rows, draw, sample, warp
+from llminfer.backends.base import StepBackend, StepResult
+from llminfer.backends.packing import PackedStep, prompt_logprobs, run_packed
+from llminfer.protocols.messages import ScheduledSequence, SchedulerOutput
+from llminfer.sampling.sampler import SamplingState, argmax_rows, draw, warp
 
 
-class _VerifyingBackend(HFBackend, ABC):
-    """The eager backend plus draft verification: subclasses propose drafts (:meth:`propose`), this class
+class _VerifyingBackend(StepBackend):
+    """The eager step plus draft verification: subclasses propose drafts (:meth:`propose`), this class
     runs the target once over each sequence's ``[last token, d1 .. dm]`` and accepts a prefix of them."""
 
     def __init__(self, model: torch.nn.Module, cache: PagedKVCache, eos_token_ids: Sequence[int] = (),
@@ -90,69 +90,37 @@ class _VerifyingBackend(HFBackend, ABC):
             return proposed[:i] + draw(residual[None], [gen]), i
         return proposed + draw(p[len(proposed)][None], [gen]), len(proposed)
 
-    def execute(self, plan: SchedulerOutput) -> StepOutput:
-        """One step with drafting and verification; never raises (errors go in ``StepOutput.error``)."""
-        start = time.perf_counter_ns()
-        try:
-            self.release(plan.finished_request_ids)
-            self._register(plan)
-            with torch.inference_mode():
-                drafts = self.propose(plan)
-                tokens, starts, tables, keep = [], [], [], []
-                offset = 0
-                for s in plan.sequences:
-                    seq_tokens = list(s.token_ids) + drafts.get(s.request_id, ([], []))[0]
-                    tokens.append(seq_tokens)
-                    starts.append(s.start_position)
-                    tables.append(s.block_table)
-                    offset += len(seq_tokens)
-                    if s.request_id in drafts:
-                        keep.extend(range(offset - len(seq_tokens) + len(s.token_ids) - 1, offset))
-                    elif s.sample:
-                        keep.append(offset - 1)
-                jobs = prompt_logprob_jobs(plan, self.states, [len(t) for t in tokens])
-                n_keep = len(keep)
-                keep.extend(r for job in jobs for r in job.rows)
-                logits = run_packed(self.model, self.cache, tokens, starts, tables, keep, self.device,
-                                    self.attention_backend)
-                prompt_lps = prompt_logprobs(logits[n_keep:], jobs) if jobs else {}
-                logits = logits[:n_keep]
-                sampled: dict[str, int | tuple[int, ...]] = {}
-                spec: dict[str, tuple[int, int]] = {}
-                plain_rows, plain_states, plain_ids = [], [], []
-                row = 0
-                for s in plan.sequences:
-                    if s.request_id in drafts:
-                        proposed, dists = drafts[s.request_id]
-                        n = len(proposed) + 1
-                        state = self.states[s.request_id]
-                        out, accepted = self.verify(state, logits[row : row + n], proposed, dists)
-                        for t in out:
-                            state.append(t)
-                        sampled[s.request_id] = tuple(out)
-                        spec[s.request_id] = (len(proposed), accepted)
-                        self.total_proposed += len(proposed)
-                        self.total_accepted += accepted
-                        row += n
-                    elif s.sample:
-                        plain_rows.append(row)
-                        plain_states.append(self.states[s.request_id])
-                        plain_ids.append(s.request_id)
-                        row += 1
-                logprobs = {}
-                if plain_rows:
-                    toks, lps = sample(logits[plain_rows], plain_states)
-                    for rid, t, lp in zip(plain_ids, toks, lps):
-                        sampled[rid] = t
-                        if lp is not None:
-                            logprobs[rid] = lp
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            self.num_steps += 1
-            return StepOutput(plan.step_id, sampled, start, time.perf_counter_ns(), logprobs=logprobs, spec=spec,
-                              prompt_logprobs=prompt_lps)
-        except Exception as exc:  # noqa: BLE001 - the scheduler fails the step's requests with it
-            return StepOutput(plan.step_id, {}, start, time.perf_counter_ns(), error=exc)
+    def run_step(self, plan: SchedulerOutput) -> StepResult:
+        """Draft, run the target once over every sequence with its drafts appended, verify the drafts
+        (accepted drafts, then one target token) and sample the sequences without drafts."""
+        drafts = self.propose(plan)
+        step = PackedStep.from_plan(plan, self.states, {rid: d[0] for rid, d in drafts.items()})
+        logits = step.run(self.model, self.cache, self.device, self.attention_backend)
+        n_rows = len(step.sample_rows)
+        result = StepResult(prompt_logprobs=prompt_logprobs(logits[n_rows:], step.jobs) if step.jobs else {})
+        plain_rows: list[int] = []
+        plain: list[ScheduledSequence] = []
+        row = 0
+        for s in plan.sequences:
+            if s.request_id in drafts:
+                proposed, dists = drafts[s.request_id]
+                n = len(proposed) + 1
+                state = self.states[s.request_id]
+                out, accepted = self.verify(state, logits[row : row + n], proposed, dists)
+                for t in out:
+                    state.append(t)
+                result.sampled[s.request_id] = tuple(out)
+                result.spec[s.request_id] = (len(proposed), accepted)
+                self.total_proposed += len(proposed)
+                self.total_accepted += accepted
+                row += n
+            elif s.sample:
+                plain_rows.append(row)
+                plain.append(s)
+                row += 1
+        if plain:
+            self.sample_rows(logits[plain_rows], plain, result)
+        return result
 
     @property
     def acceptance_rate(self) -> float | None:

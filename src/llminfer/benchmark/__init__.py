@@ -12,8 +12,8 @@ from typing import Any
 
 _LAZY = {
     "itl_ms": "metrics", "request_metrics": "metrics", "summarize": "metrics", "trace_frame": "metrics",
-    "BackendComparison": "runner", "BenchmarkResult": "runner", "Benchmarker": "runner",
-    "ComparisonResult": "runner", "plot": "runner", "print_table": "runner",
+    "BackendComparison": "comparison", "BenchmarkResult": "results", "Benchmarker": "runner",
+    "ComparisonResult": "results", "plot": "results", "print_table": "results",
 }
 
 __all__ = sorted(_LAZY)

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from llminfer.backends.cpu_info import cpu_model
+from llminfer.kernels.cpu_info import cpu_model
 
 #: What ``peak_memory_mb`` measures (the artifacts' ``memory_kind``).
 MEMORY_KINDS = {
@@ -100,11 +100,11 @@ def environment() -> dict[str, Any]:
 
 def cpu_dtype_facts() -> dict[str, Any]:
     """The CPU's ISA level, half-precision flags and oneDNN support, and what ``dtype="auto"`` picks for a
-    bf16 checkpoint on CPU and why (:func:`llminfer.backends.loading.resolve_dtype`)."""
+    bf16 checkpoint on CPU and why (:func:`llminfer.models.loading.resolve_dtype`)."""
     import torch
 
-    from llminfer.backends.loading import cpu_half_support, resolve_dtype
     from llminfer.config import EngineConfig
+    from llminfer.models.loading import cpu_half_support, resolve_dtype
 
     class _HalfCheckpoint:
         dtype = "bfloat16"
@@ -270,9 +270,8 @@ class StealMeter:
 
     On a VM the host may deschedule a vCPU while it has work; a decode step with one parallel region per
     layer then waits at every region for the stalled thread, so a few percent of steal can slow a step by
-    far more than that (measured on a 2-vCPU VM: the same int8 batch-1 forward took 13-15 ms in one run and
-    31 ms in another minutes later). Benchmarks record it next to their figures, so a slow run can be told
-    from a slow engine.
+    far more than that. Benchmarks record it next to their figures, so a slow run can be told from a slow
+    engine.
     """
 
     def __init__(self) -> None:

@@ -11,6 +11,9 @@ SLOs (``slo_ttft_ms``, ``slo_tpot_ms``).
 A sweep (:func:`run_serving_sweep`) sends the same requests once per load point (several request rates, or
 several concurrencies) and records the server (:func:`probe_server`: base URL, model, kind, version) and the
 workload, so that :mod:`llminfer.benchmark.report` can put several servers' artifacts side by side.
+
+The workload, the target and the load points are :mod:`llminfer.benchmark.serving_load`'s; the server probe
+and the client's environment :mod:`llminfer.benchmark.serving_probe`'s.
 """
 
 from __future__ import annotations
@@ -32,77 +35,8 @@ import polars as pl
 
 from llminfer.benchmark import artifacts
 from llminfer.benchmark.metrics import itl_ms, percentile_columns, request_metrics, trace_frame
-
-_WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
-          "number group problem fact model token cache block batch queue server stream layer kernel page").split()
-
-
-@attrs.define
-class ServingWorkload:
-    """What to send: random prompts (``prompt_len`` words, ``output_len`` tokens, uniform ranges) or a JSONL
-    file of ``{"prompt": ..., "max_tokens": ...}`` lines."""
-
-    num_requests: int = 100
-    prompt_len: tuple[int, int] = (16, 128)
-    output_len: tuple[int, int] = (16, 128)
-    prompts_file: str | None = None
-    seed: int = 0
-
-    def requests(self) -> list[tuple[str, int]]:
-        """``(prompt, max_tokens)`` pairs.
-
-        Raises:
-            ValueError: an empty or malformed prompts file.
-        """
-        rng = random.Random(self.seed)
-        if self.prompts_file:
-            rows = []
-            for n, line in enumerate(Path(self.prompts_file).read_text().splitlines(), 1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                    rows.append((str(obj["prompt"]), int(obj.get("max_tokens", rng.randint(*self.output_len)))))
-                except (ValueError, KeyError, TypeError) as exc:
-                    raise ValueError(f"{self.prompts_file}:{n}: expected {{\"prompt\": ..., \"max_tokens\": ...}} "
-                                     f"({exc})") from None
-            if not rows:
-                raise ValueError(f"{self.prompts_file} holds no prompts")
-            return [rows[i % len(rows)] for i in range(self.num_requests)]
-        return [(" ".join(rng.choice(_WORDS) for _ in range(rng.randint(*self.prompt_len))),
-                 rng.randint(*self.output_len)) for _ in range(self.num_requests)]
-
-
-@attrs.define
-class ServingConfig:
-    """Where and how to send the load.
-
-    Attributes:
-        base_url: the server root, e.g. ``http://127.0.0.1:8000`` (``/v1`` is appended).
-        model: the model name to send (None: the first of ``GET /v1/models``).
-        request_rate: mean arrivals per second (Poisson); ``inf`` sends everything at once.
-        concurrency: most requests in flight (None: unlimited).
-        endpoint: ``"completions"`` or ``"chat"``.
-        extra_body: extra JSON fields for every request (e.g. ``{"ignore_eos": true}`` for vLLM).
-        slo_ttft_ms, slo_tpot_ms: service-level objectives for goodput.
-        timeout_s: per-request timeout (s).
-        label: this server's name in the artifact (``bench-report``'s default label).
-        warmup_requests: requests sent one by one before the first load point and left out of every
-            figure (they open a connection and wake the server, as vLLM's benchmark does with its test prompt).
-    """
-
-    base_url: str
-    model: str | None = None
-    request_rate: float = math.inf
-    concurrency: int | None = None
-    endpoint: str = "completions"
-    api_key: str | None = None
-    extra_body: dict[str, Any] = attrs.field(factory=dict)
-    slo_ttft_ms: float = 1000.0
-    slo_tpot_ms: float = 200.0
-    timeout_s: float = 600.0
-    label: str | None = None
-    warmup_requests: int = 0
+from llminfer.benchmark.serving_load import LoadPoint, ServingConfig, ServingWorkload
+from llminfer.benchmark.serving_probe import client_environment, probe_server
 
 
 @attrs.define
@@ -210,147 +144,6 @@ async def _one(client: Any, cfg: ServingConfig, model: str, prompt: str, max_tok
     return {"request_id": rid, "ok": error is None, "error": error, "prompt_words": len(prompt.split()),
             "max_tokens": max_tokens, "output_tokens": output, "chunks": chunks,
             "ttft_ms": None if first is None else (first - start) / 1e6, "e2e_ms": (end - start) / 1e6}
-
-
-def _kind_from(*hints: str | None) -> str | None:
-    """The server's kind from ``owned_by`` / the ``server`` header / an ``/info`` router name (lower case)."""
-    text = " ".join(str(h).lower() for h in hints if h)
-    for needle, kind in _KINDS:
-        if needle in text:
-            return kind
-    return None
-
-
-# Substrings of what each server puts in ``owned_by``, its ``server`` header or ``/info`` (first match wins).
-_KINDS = (("llminfer", "llminfer"), ("vllm", "vllm"), ("llamacpp", "llama.cpp"), ("llama.cpp", "llama.cpp"),
-          ("text-generation", "tgi"), ("tgi", "tgi"), ("sglang", "sglang"), ("ollama", "ollama"))
-
-
-async def _json_get(client: Any, path: str) -> tuple[Any, Any]:
-    """``(json, response)`` of ``GET path``; ``(None, response or None)`` on any failure (a probe, never fatal)."""
-    try:
-        resp = await client.get(path, timeout=5.0)
-    except Exception:  # noqa: BLE001 - an optional endpoint
-        return None, None
-    if resp.status_code != 200:
-        return None, resp
-    try:
-        return resp.json(), resp
-    except ValueError:
-        return None, resp
-
-
-async def probe_server(client: Any, base_url: str, model: str | None) -> dict[str, Any]:
-    """What the server says about itself: its models (``GET /v1/models``), the model to benchmark, its
-    ``server`` header, and its kind and version where an endpoint tells (``/version``: vLLM, llminfer;
-    ``/info``: TGI; ``/props``: llama.cpp). Unknown fields are None.
-
-    Raises:
-        httpx.HTTPError: ``model`` is None and ``/v1/models`` cannot be read.
-        ValueError: ``model`` is None and the server lists no model.
-    """
-    info: dict[str, Any] = {"base_url": base_url, "model": model, "models": [], "owned_by": None,
-                            "server_header": None, "kind": None, "version": None}
-    if model is None:
-        resp = await client.get("/v1/models")
-        resp.raise_for_status()
-        listing = resp.json()
-    else:
-        listing, resp = await _json_get(client, "/v1/models")
-    if resp is not None:
-        info["server_header"] = resp.headers.get("server")
-    cards = [c for c in (listing or {}).get("data") or () if isinstance(c, dict) and "id" in c] \
-        if isinstance(listing, dict) else []
-    info["models"] = [str(c["id"]) for c in cards]
-    if model is None:
-        if not cards:
-            raise ValueError(f"{base_url}/v1/models lists no model; pass --model")
-        info["model"] = str(cards[0]["id"])
-    card = next((c for c in cards if c["id"] == info["model"]), cards[0] if cards else {})
-    info["owned_by"] = card.get("owned_by")
-    info["kind"] = _kind_from(info["owned_by"], info["server_header"])
-    version, _ = await _json_get(client, "/version")
-    if isinstance(version, dict) and isinstance(version.get("version"), str):
-        info["version"] = version["version"]
-    if info["version"] is None and info["kind"] in (None, "tgi"):
-        tgi, _ = await _json_get(client, "/info")
-        if isinstance(tgi, dict) and isinstance(tgi.get("version"), str):
-            info["version"] = tgi["version"]
-            if info["kind"] is None and ("model_id" in tgi or "router" in tgi):  # TGI's /info fields
-                info["kind"] = "tgi"
-    if info["version"] is None and info["kind"] == "llama.cpp":
-        props, _ = await _json_get(client, "/props")
-        if isinstance(props, dict) and props.get("build_info"):
-            info["version"] = str(props["build_info"])
-    info["kind"] = info["kind"] or "unknown"
-    return info
-
-
-@attrs.frozen
-class LoadPoint:
-    """One load setting of a sweep: Poisson arrivals at ``request_rate`` requests/s (``inf``: all at once),
-    at most ``concurrency`` requests in flight (None: no cap)."""
-
-    request_rate: float = math.inf
-    concurrency: int | None = None
-
-    def label(self) -> str:
-        rate = "inf" if math.isinf(self.request_rate) else f"{self.request_rate:g}/s"
-        return f"rate {rate}, concurrency {'-' if self.concurrency is None else self.concurrency}"
-
-    def to_json(self) -> dict[str, Any]:
-        return {"request_rate": None if math.isinf(self.request_rate) else self.request_rate,
-                "concurrency": self.concurrency}
-
-
-def load_points(request_rates: Sequence[float] = (math.inf,),
-                concurrencies: Sequence[int | None] = (None,)) -> list[LoadPoint]:
-    """The sweep: one point per request rate, or one per concurrency (the other value fixed).
-
-    Raises:
-        ValueError: both lists have several values (a report plots one load axis), a rate <= 0 or a
-            concurrency < 1.
-    """
-    rates, concs = list(request_rates) or [math.inf], list(concurrencies) or [None]
-    if len(rates) > 1 and len(concs) > 1:
-        raise ValueError("sweep request rates or concurrencies, not both (give one of them a single value)")
-    if any(not r > 0 for r in rates):  # NaN too
-        raise ValueError(f"request rates must be > 0 (inf: all at once), got {rates}")
-    if any(c is not None and c < 1 for c in concs):
-        raise ValueError(f"concurrencies must be >= 1, got {concs}")
-    return [LoadPoint(r, c) for r in rates for c in concs]
-
-
-def parse_request_rates(text: str) -> list[float]:
-    """``"1,2,4,inf"`` → ``[1.0, 2.0, 4.0, inf]`` (requests/s).
-
-    Raises:
-        ValueError: a value that is not a number or not > 0.
-    """
-    try:
-        rates = [float(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise ValueError(f"request rates are comma-separated numbers or inf, got {text!r}") from None
-    if not rates or any(not r > 0 for r in rates):
-        raise ValueError(f"request rates must be > 0 (inf: all at once), got {text!r}")
-    return rates
-
-
-def parse_concurrencies(text: str | None) -> list[int | None]:
-    """``"1,8,32"`` → ``[1, 8, 32]``; None or ``""`` → ``[None]`` (no cap).
-
-    Raises:
-        ValueError: a value that is not an integer >= 1.
-    """
-    if text is None or not text.strip():
-        return [None]
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise ValueError(f"concurrencies are comma-separated integers, got {text!r}") from None
-    if not values or any(v < 1 for v in values):
-        raise ValueError(f"concurrencies must be >= 1 (omit the flag for no limit), got {text!r}")
-    return list(values)
 
 
 @attrs.define
@@ -474,37 +267,6 @@ def _summarize(cfg: ServingConfig, events: list[tuple], results: list[dict[str, 
     for r in results:
         r["tpot_ms"] = tpot.get(r.get("request_id"))
     return summary
-
-
-def client_environment() -> dict[str, Any]:
-    """The load generator's environment, in the fields of :func:`llminfer.benchmark.environment.environment`
-    without importing torch or transformers (the client uses neither: their versions come from the
-    installed packages' metadata, and ``cuda`` / ``gpu`` are None). ``side`` says it is the client's."""
-    import os
-    import platform
-    import subprocess
-    from importlib import metadata
-
-    import llminfer
-
-    def version(name: str) -> str:
-        try:
-            return metadata.version(name)
-        except metadata.PackageNotFoundError:
-            return "not installed"
-
-    cpu = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                    if line.lower().startswith("model name")), cpu)
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
-                             cwd=Path(__file__).resolve().parent).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        rev = None
-    return {"side": "client", "python": platform.python_version(), "platform": platform.platform(),
-            "torch": version("torch"), "cuda": None, "gpu": None, "cpu": cpu, "cpu_count": os.cpu_count(),
-            "transformers": version("transformers"), "llminfer": llminfer.__version__, "git_revision": rev}
 
 
 async def run_serving_sweep(cfg: ServingConfig, workload: ServingWorkload, points: Sequence[LoadPoint],

@@ -1,9 +1,13 @@
 """The ``llminfer`` command line (Typer): the app, its commands and :func:`main`, the console entry point.
 
-The commands live in :mod:`llminfer.cli.generate` (run, stream, chat, info, serve) and :mod:`llminfer.cli.bench`
-(bench, compare, bench-serve); the flags they share, and how those become an ``EngineConfig``, in
-:mod:`llminfer.cli.options`. This module registers the commands, in the order ``--help`` lists them, and maps the old spellings of renamed
-flags to the new ones (:data:`ALIASES`; they work but ``--help`` no longer shows them).
+The commands live in :mod:`llminfer.cli.generate` (run, stream), :mod:`llminfer.cli.chat`,
+:mod:`llminfer.cli.info`, :mod:`llminfer.cli.serve`, :mod:`llminfer.cli.bench` (bench, compare, bench-serve) and
+:mod:`llminfer.cli.report` (bench-report); the engine flags they share, and how those become an
+``EngineConfig``, in :mod:`llminfer.cli.engine_options` (their option types and checks in
+:mod:`llminfer.cli.options`); the sampling flags, and how those become ``SamplingParams``, in
+:mod:`llminfer.cli.sampling`. This module registers the commands, in the order ``--help`` lists them, and
+maps the old spellings of renamed flags to the new ones (:data:`ALIASES`; they work but ``--help`` no longer
+shows them).
 
 Importing it costs no torch, transformers, polars or litestar: the commands import those in their bodies,
 so ``--help`` and flag errors answer at once.
@@ -20,7 +24,7 @@ try:  # typer >= 0.20 vendors its own click; older versions use click itself
 except ImportError:  # pragma: no cover
     from click import exceptions as click_exc
 
-from llminfer.cli import bench, generate, report
+from llminfer.cli import bench, chat, generate, info, report, serve
 from llminfer.errors import LLMInferError
 
 __all__ = ["app", "main"]
@@ -58,9 +62,9 @@ def _root(
 
 app.command()(generate.run)
 app.command()(generate.stream)
-app.command()(generate.chat)
-app.command()(generate.info)
-app.command()(generate.serve)
+app.command()(chat.chat)
+app.command()(info.info)
+app.command()(serve.serve)
 app.command()(bench.bench)
 app.command()(bench.compare)
 app.command("bench-serve")(bench.bench_serve)

@@ -11,34 +11,20 @@ from typing import Annotated
 
 import typer
 
+from llminfer.cli.engine_options import EngineOptions, engine_options
 from llminfer.cli.options import (
     ArtifactsDir,
-    AttnBackend,
-    BackendOpt,
-    BatchSize,
     BatchSizes,
     CsvOut,
-    Device,
-    Dtype,
     JsonOut,
-    KVBytes,
     LogLevel,
     MaxNew,
-    Model,
-    NoPrefix,
-    PageSize,
     PlotOpt,
     PlotSuite,
-    PPSize,
     PromptLen,
-    Revision,
     Runs,
     Seed,
-    Threads,
-    TPSize,
-    TrustRemote,
     Warmup,
-    build_config,
     check_log_level,
     flag_error,
     load_engine,
@@ -185,49 +171,55 @@ Overwrite = Annotated[bool, typer.Option("--overwrite", help="Replace existing o
 PageSizeTokens = Annotated[int | None, typer.Option("--page-size-tokens", hidden=True)]
 
 
+def _page_size(engine_opts: EngineOptions, page_size_tokens: int | None) -> int:
+    """``--page-size``, or the old ``--page-size-tokens`` when ``--page-size`` is left at its default."""
+    if page_size_tokens is not None and engine_opts.page_size == 16:
+        return page_size_tokens
+    return engine_opts.page_size
+
+
+#: the engine flags bench and compare do not offer
+_NOT_BENCHED = ("max_model_len", "hf_token", "local_files_only", "cache_dir", "quant", "adapter", "adapter_name",
+                "compile_mode", "assistant_model", "spec_num_assistant_tokens", "spec_confidence_threshold",
+                "spec_method", "spec_prompt_lookup_max", "spec_prompt_lookup_min")
+
+
+@engine_options(exclude=("tp_size", "pp_size", *_NOT_BENCHED))
 def bench(
-    model: Model = None, batch_sizes: BatchSizes = "1,2,4,8", runs: Runs = 3, warmup: Warmup = 1,
-    max_new_tokens: MaxNew = 64, prompt_len: PromptLen = 32, continuous: Continuous = True,
+    engine_opts: EngineOptions = EngineOptions(), batch_sizes: BatchSizes = "1,2,4,8", runs: Runs = 3,
+    warmup: Warmup = 1, max_new_tokens: MaxNew = 64, prompt_len: PromptLen = 32, continuous: Continuous = True,
     paged_kv: Annotated[bool, typer.Option("--paged-kv/--no-paged-kv", help="Paged KV blocks, or one "
                                            "max_model_len region per sequence.")] = True,
-    page_size: PageSize = 16, page_size_tokens: PageSizeTokens = None,
-    backend: BackendOpt = Backend.EAGER, dtype: Dtype = "auto", device: Device = "auto",
-    max_batch_size: BatchSize = 16, no_prefix_cache: NoPrefix = False, kv_cache_bytes: KVBytes = None,
-    revision: Revision = None, trust_remote_code: TrustRemote = False,
+    page_size_tokens: PageSizeTokens = None,
     artifacts_dir: ArtifactsDir = None, json_out: JsonOut = None, csv_out: CsvOut = None, plot: PlotOpt = None,
-    plot_suite_dir: PlotSuite = None, overwrite: Overwrite = False, log_level: LogLevel = "warning",
-    attention_backend: AttnBackend = "auto",
-    threads: Threads = None,
+    plot_suite_dir: PlotSuite = None, overwrite: Overwrite = False,
 ) -> None:
     """Benchmark one model over batch sizes: latency percentiles over every request, throughput spread over
     runs, memory per batch size. Writes files only where asked (--artifacts-dir, --json-out, --csv-out,
     --plot, --plot-suite-dir)."""
     sizes = _int_list(batch_sizes, "--batch-sizes")
     _check_settings(sizes, runs, max_new_tokens, warmup, prompt_len)
-    check_log_level(log_level)
-    if page_size_tokens is not None and page_size == 16:
-        page_size = page_size_tokens
-    cfg = build_config(model=model, backend=backend, dtype=dtype, device=device,
-                       max_batch_size=max(max_batch_size, max(sizes)), page_size=page_size,
-                       no_prefix_cache=no_prefix_cache, kv_cache_bytes=kv_cache_bytes, revision=revision,
-                       trust_remote_code=trust_remote_code, attention_backend=attention_backend, threads=threads)
+    check_log_level(engine_opts.log_level)
+    cfg = engine_opts.to_config(check=False, max_batch_size=max(engine_opts.max_batch_size, max(sizes)),
+                                page_size=_page_size(engine_opts, page_size_tokens))
     cfg.cache.enable_paged_kv = paged_kv
     plan = _plan_outputs("benchmark", artifacts_dir, json_out, csv_out, plot, plot_suite_dir, overwrite)
 
     from llminfer.benchmark import Benchmarker
+    from llminfer.benchmark.comparison import backend_progress
     from llminfer.benchmark.environment import (
         current_rss_bytes,
         preload_model_libraries,
         release_freed_memory,
     )
-    from llminfer.benchmark.runner import backend_progress
 
     preload_model_libraries()
     release_freed_memory()
     baseline = current_rss_bytes()
-    with _Progress(1 + len(sizes) * (runs + warmup), model or "built-in model") as progress:
+    backend = engine_opts.backend
+    with _Progress(1 + len(sizes) * (runs + warmup), engine_opts.model or "built-in model") as progress:
         progress(f"{backend.value} · loading")
-        with load_engine(cfg, log_level) as engine:
+        with load_engine(cfg, engine_opts.log_level) as engine:
             try:
                 result = Benchmarker(engine, prompt_len=prompt_len, baseline_rss_bytes=baseline).run(
                     sizes, runs, max_new_tokens, warmup, continuous,
@@ -238,20 +230,17 @@ def bench(
     _write_outputs(result, plan, "benchmark")
 
 
+@engine_options(exclude=("backend", "attention_backend", *_NOT_BENCHED))
 def compare(
-    model: Model = None,
+    engine_opts: EngineOptions = EngineOptions(),
     backends: Annotated[str, typer.Option("--backends", help="Comma-separated: eager,compiled,vllm.")] = "eager",
     batch_sizes: BatchSizes = "1,4", runs: Runs = 2, warmup: Warmup = 1, max_new_tokens: MaxNew = 32,
-    prompt_len: PromptLen = 32, continuous: Continuous = True, dtype: Dtype = "auto", device: Device = "auto",
-    max_batch_size: BatchSize = 16, page_size: PageSize = 16, page_size_tokens: PageSizeTokens = None,
-    no_prefix_cache: NoPrefix = False, kv_cache_bytes: KVBytes = None, revision: Revision = None,
-    trust_remote_code: TrustRemote = False, tp_size: TPSize = 1, pp_size: PPSize = 1,
+    prompt_len: PromptLen = 32, continuous: Continuous = True, page_size_tokens: PageSizeTokens = None,
     compile_cudagraphs: Annotated[bool, typer.Option("--compile-cudagraphs", help="CUDA graphs for the "
                                                      "compiled backend (ignored, with a note, for the others).")]
     = False,
     artifacts_dir: ArtifactsDir = None, json_out: JsonOut = None, csv_out: CsvOut = None, plot: PlotOpt = None,
-    plot_suite_dir: PlotSuite = None, overwrite: Overwrite = False, log_level: LogLevel = "warning",
-    threads: Threads = None,
+    plot_suite_dir: PlotSuite = None, overwrite: Overwrite = False,
 ) -> None:
     """Run the same benchmark on several backends, one engine at a time, each with its own memory figures.
     --tp-size / --pp-size apply to vllm and --compile-cudagraphs to compiled; the others ignore them with a
@@ -268,26 +257,25 @@ def compare(
         raise typer.BadParameter(f"--backends takes distinct backend names, got {backends!r}")
     sizes = _int_list(batch_sizes, "--batch-sizes")
     _check_settings(sizes, runs, max_new_tokens, warmup, prompt_len)
-    check_log_level(log_level)
-    if page_size_tokens is not None and page_size == 16:
-        page_size = page_size_tokens
-    base = build_config(model=model, dtype=dtype, device=device, max_batch_size=max(max_batch_size, max(sizes)),
-                        page_size=page_size, no_prefix_cache=no_prefix_cache, kv_cache_bytes=kv_cache_bytes,
-                        revision=revision, trust_remote_code=trust_remote_code,
-                        compile_cudagraphs=compile_cudagraphs, threads=threads)
-    # Each backend gets the settings that mean it (BackendComparison.config_for), so no validate() here.
-    base = attrs.evolve(base, tp_size=tp_size, pp_size=pp_size)
+    check_log_level(engine_opts.log_level)
+    # Each backend gets the settings that mean it (BackendComparison.config_for): --tp-size / --pp-size are
+    # set after validate(), which would refuse them for the eager backend.
+    base = engine_opts.to_config(check=False, max_batch_size=max(engine_opts.max_batch_size, max(sizes)),
+                                 page_size=_page_size(engine_opts, page_size_tokens), tp_size=1, pp_size=1,
+                                 compile_cudagraphs=compile_cudagraphs)
+    base = attrs.evolve(base, tp_size=engine_opts.tp_size, pp_size=engine_opts.pp_size)
     plan = _plan_outputs("comparison", artifacts_dir, json_out, csv_out, plot, plot_suite_dir, overwrite)
 
     from llminfer.benchmark import BackendComparison
     from llminfer.logging import configure_logging
 
-    configure_logging(log_level)
-    comparison = BackendComparison(model, names, base)
+    configure_logging(engine_opts.log_level)
+    comparison = BackendComparison(engine_opts.model, names, base)
     for name, notes in comparison.notes().items():
         for note in notes:
             typer.echo(f"note: {name}: {note}", err=True)
-    with _Progress(len(names) * (1 + len(sizes) * (runs + warmup)), model or "built-in model") as progress:
+    with _Progress(len(names) * (1 + len(sizes) * (runs + warmup)), engine_opts.model or "built-in model") \
+            as progress:
         try:
             result = comparison.run(sizes, runs, max_new_tokens, warmup, prompt_len, progress=progress,
                                     continuous=continuous)
@@ -334,13 +322,13 @@ def bench_serve(
     from pathlib import Path
 
     from llminfer.benchmark.report import safe_paths
-    from llminfer.benchmark.serving import (
+    from llminfer.benchmark.serving import run_serving_sweep_sync
+    from llminfer.benchmark.serving_load import (
         ServingConfig,
         ServingWorkload,
         load_points,
         parse_concurrencies,
         parse_request_rates,
-        run_serving_sweep_sync,
     )
     from llminfer.cli.report import ServeProgress
 

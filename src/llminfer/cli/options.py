@@ -1,10 +1,10 @@
 """The flags the ``llminfer`` commands share, and how they become engine settings.
 
 Holds the ``Annotated[...]`` option types (one per flag, so each flag's name and help text is written
-once), :func:`build_config` (engine flags → a validated :class:`EngineConfig`), :func:`sampling_kwargs`
-(sampling flags → ``InferenceEngine.make_request`` keyword arguments, checked by :func:`check_sampling`) and
-the small helpers every command uses: :func:`split_csv`, :func:`check_log_level`, :func:`check_engine_flags` and
-:func:`load_engine`.
+once), :func:`build_config` (engine flags → a validated :class:`EngineConfig`) and the small helpers every
+command uses: :func:`split_csv`, :func:`check_log_level`, :func:`check_engine_flags` and :func:`load_engine`.
+The engine flags are grouped, for the commands, in :class:`llminfer.cli.engine_options.EngineOptions`;
+the sampling flags, and how they become ``SamplingParams``, are :mod:`llminfer.cli.sampling`'s.
 
 Nothing here imports torch or transformers at module level: ``llminfer --help`` and every flag error must
 answer at once, so every flag is checked before :func:`load_engine` pays for the model.
@@ -29,7 +29,7 @@ from llminfer.config import (
     SchedulerConfig,
 )
 
-# ---------------------------------------------------------------------------- engine and sampling options
+# ---------------------------------------------------------------------------- engine options
 Model = Annotated[str | None, typer.Option("--model", "-m", help="Hugging Face model id, local folder or .gguf "
                                            "file (default: llminfer/smollm2-135m-instruct, a trained chat model "
                                            "fetched once, or $LLMINFER_DEFAULT_MODEL; llminfer/tiny-qwen2 is the "
@@ -38,13 +38,7 @@ BackendOpt = Annotated[Backend, typer.Option("--backend", help="Backend that run
 Dtype = Annotated[str, typer.Option("--dtype", help="auto, float32, bfloat16 or float16.")]
 Device = Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cuda:N.")]
 MaxNew = Annotated[int, typer.Option("--max-new-tokens", "-n", help="Tokens to generate at most.")]
-Temp = Annotated[float, typer.Option("--temp", "--temperature", help="0 = greedy.")]
-TopP = Annotated[float, typer.Option("--top-p", help="Nucleus sampling threshold in (0, 1].")]
-TopK = Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens (0 = off).")]
 Seed = Annotated[int | None, typer.Option("--seed", help="Seed of this request's sampler.")]
-Stop = Annotated[str | None, typer.Option("--stop", help='Comma-separated stop strings, e.g. "a,b"; '
-                                          r'\n and \t stand for a newline and a tab.')]
-IgnoreEos = Annotated[bool, typer.Option("--ignore-eos", help="Keep generating past EOS.")]
 BatchSize = Annotated[int, typer.Option("--max-batch-size", help="Most sequences in one step.")]
 PageSize = Annotated[int, typer.Option("--page-size", help="KV block size in tokens.")]
 NoPrefix = Annotated[bool, typer.Option("--no-prefix-cache", help="Switch automatic prefix caching off.")]
@@ -58,13 +52,6 @@ TrustRemote = Annotated[bool, typer.Option("--trust-remote-code", help="Allow mo
 TPSize = Annotated[int, typer.Option("--tp-size", help="Tensor-parallel size (vLLM backend only).")]
 PPSize = Annotated[int, typer.Option("--pp-size", help="Pipeline-parallel size (vLLM backend only).")]
 LogLevel = Annotated[str, typer.Option("--log-level", help="debug, info, warning or error.")]
-MinP = Annotated[float, typer.Option("--min-p", help="Drop tokens below min_p x the top probability.")]
-RepPen = Annotated[float, typer.Option("--repetition-penalty", help="> 0; 1 = off (HF semantics).")]
-NoRepeat = Annotated[int, typer.Option("--no-repeat-ngram-size", help="Never repeat an n-gram of this size.")]
-BadWords = Annotated[str | None, typer.Option("--bad-words", help='Comma-separated words never generated.')]
-ForceWords = Annotated[str | None, typer.Option("--force-words", help='Comma-separated phrases that must appear.')]
-NSamples = Annotated[int, typer.Option("--num-samples", help="Number of samples of the prompt (their prompt KV "
-                                        "blocks are shared).")]
 AttnBackend = Annotated[str, typer.Option("--attention-backend", help="Paged-attention kernels: "
                                           f"{', '.join(ATTENTION_BACKENDS)} (auto: Triton on CUDA when "
                                           "installed, else torch).")]
@@ -73,15 +60,6 @@ ChatOpt = Annotated[bool | None, typer.Option("--chat/--no-chat", show_default=F
                                               "the model has a chat template.")]
 SystemOpt = Annotated[str | None, typer.Option("--system", help="System message put before the prompt "
                                                "(needs the chat template).")]
-JsonSchemaOpt = Annotated[str | None, typer.Option("--json-schema", help="Constrain the output to this JSON "
-                                                 "Schema: JSON text, or @path to a .json file.")]
-JsonObjectOpt = Annotated[bool, typer.Option("--json-object", help="Constrain the output to any JSON object.")]
-RegexOpt = Annotated[str | None, typer.Option("--regex", help="Constrain the output to match this regex.")]
-ChoiceOpt = Annotated[list[str] | None, typer.Option("--choice", help="The output is one of these strings "
-                                                     "(repeat the flag once per choice).")]
-GrammarOpt = Annotated[str | None, typer.Option("--grammar", help="Constrain the output to this EBNF grammar "
-                                                "(xgrammar's, root rule 'root'): text, or @path to a file.")]
-Logprobs = Annotated[int | None, typer.Option("--logprobs", help="Show each token's logprob and top-N.")]
 Assistant = Annotated[str | None, typer.Option("--assistant-model", help="Draft model for speculative "
                                                "decoding (same tokenizer as --model; 'builtin' allowed).")]
 SpecK = Annotated[int, typer.Option("--spec-num-assistant-tokens", help="Draft tokens verified per step.")]
@@ -203,76 +181,6 @@ def check_engine_flags(*, model: str | None = None, device: str = "auto", log_le
 
 
 _DEVICE = re.compile(r"auto|(cpu|cuda|mps|xpu)(:\d+)?")
-
-
-def check_sampling(kwargs: dict[str, Any], n: int = 1) -> None:
-    """Build the :class:`~llminfer.sampling.params.SamplingParams` that ``kwargs`` (from
-    :func:`sampling_kwargs`) and ``n`` describe, only to check them before the model loads.
-
-    Raises:
-        typer.BadParameter: a value out of range, as ``--flag: message``.
-    """
-    from llminfer.errors import InvalidRequestError
-    from llminfer.sampling.params import SamplingParams
-
-    try:
-        SamplingParams(**kwargs, n=n)
-    except InvalidRequestError as exc:
-        param = exc.param or ""
-        flag = _SAMPLING_FLAGS.get(param, "--" + param.replace("_", "-"))
-        raise typer.BadParameter(f"{flag}: {exc}" if param else str(exc)) from None
-
-
-_SAMPLING_FLAGS = {"n": "--num-samples", "temperature": "--temp", "stop_sequences": "--stop"}
-
-
-def sampling_kwargs(
-    *, max_new_tokens: int, temp: float, top_p: float, top_k: int, seed: int | None, stop: str | None,
-    ignore_eos: bool, min_p: float = 0.0, repetition_penalty: float = 1.0, no_repeat_ngram_size: int = 0,
-    bad_words: str | None = None, force_words: str | None = None, logprobs: int | None = None,
-    json_schema: str | None = None, json_object: bool = False, regex: str | None = None,
-    choice: list[str] | None = None, grammar: str | None = None,
-) -> dict[str, Any]:
-    """Sampling flags → ``InferenceEngine.make_request`` keyword arguments (``--stop`` unescapes \\n, \\t).
-
-    Raises:
-        InvalidRequestError: more than one structured-output flag, or one that is not valid.
-        typer.BadParameter: an ``@path`` that cannot be read.
-    """
-    constraint = structured_output(json_schema, json_object, regex, choice, grammar)
-    extra = {"structured_output": constraint} if constraint is not None else {}
-    return dict(**extra, max_new_tokens=max_new_tokens, temperature=temp, top_p=top_p, top_k=top_k, seed=seed,
-                stop_sequences=[x.replace("\\n", "\n").replace("\\t", "\t") for x in split_csv(stop)],
-                ignore_eos=ignore_eos, min_p=min_p,
-                repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
-                bad_words=split_csv(bad_words), force_words=split_csv(force_words), logprobs=logprobs)
-
-
-def structured_output(json_schema: str | None, json_object: bool, regex: str | None, choice: list[str] | None,
-                      grammar: str | None) -> Any:
-    """The ``--json-schema`` / ``--json-object`` / ``--regex`` / ``--choice`` / ``--grammar`` flags as one
-    :class:`~llminfer.sampling.structured.StructuredOutput`, or None when none is given.
-
-    Raises:
-        InvalidRequestError: more than one given, or an invalid value (``param="structured_output"``).
-        typer.BadParameter: an ``@path`` that cannot be read.
-    """
-    from llminfer.sampling.structured import StructuredOutput
-
-    if json_schema is None and not json_object and regex is None and not choice and grammar is None:
-        return None
-    return StructuredOutput(json_schema=_text_or_file(json_schema, "--json-schema"), json_object=json_object,
-                            regex=regex, choice=choice or None, grammar=_text_or_file(grammar, "--grammar"))
-
-
-def _text_or_file(value: str | None, flag: str) -> str | None:
-    if value is None or not value.startswith("@"):
-        return value
-    try:
-        with open(value[1:], encoding="utf-8") as f:
-            return f.read()
-    except OSError as exc:
-        raise typer.BadParameter(f"{flag}: cannot read {value[1:]!r}: {exc.strerror}") from None
 
 
 def split_csv(value: str | None) -> list[str]:

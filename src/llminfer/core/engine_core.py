@@ -86,7 +86,6 @@ class EngineCore:
         self._limiter = anyio.CapacityLimiter(1)
         self._inbox_open = True
         self._closing = False  # Control("close") seen: finish the admitted requests, then return
-        self._admitted: list[TokenizedRequest] = []
         self._updates: list[SequenceUpdate] = []
         self._passed_on: list[Any] = []
         self._drains: list[Any] = []
@@ -236,7 +235,6 @@ class EngineCore:
             self.scheduler.requests.pop(msg.request_id, None)
             self._passed_on.append(RequestFailed(msg.request_id, EngineError(f"admission: {type(exc).__name__}: {exc}")))
             return
-        self._admitted.append(msg)
         self.tracer.record(req.request_id, SCHEDULER_STAGE, "queued", req.num_prompt_tokens, t_ns=req.queued_ns)
 
     def _finish(self, msg: Abort | FinishRequest) -> None:
@@ -299,10 +297,9 @@ class EngineCore:
         for msg in self._passed_on:
             await outbox.send(msg)
         self._passed_on.clear()
-        if self._updates or self._admitted:
-            out = EngineStepOutput(step_id, tuple(self._updates), time.perf_counter_ns(), tuple(self._admitted))
+        if self._updates:
+            out = EngineStepOutput(step_id, tuple(self._updates), time.perf_counter_ns())
             self._updates.clear()
-            self._admitted.clear()
             await outbox.send(out)
         if self._drains and not self.scheduler.has_unfinished():
             for done in self._drains:

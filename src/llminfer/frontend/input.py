@@ -2,9 +2,10 @@
 
 :class:`InputProcessor` is what turns a :class:`~llminfer.protocols.messages.GenerationRequest` into a
 :class:`~llminfer.protocols.messages.TokenizedRequest` (the tokenize stage calls :meth:`process`), and the
-HTTP routes call :meth:`encode` and :meth:`check_prompt_ids` on the prompts they render themselves (chat
-templates, token-id lists), so a prompt is judged the same way whichever door it came through. Every
-error is an :class:`~llminfer.errors.InvalidRequestError` carrying ``param="prompt"`` and a ``code``.
+HTTP routes call :meth:`encode` on the prompts they render themselves (chat templates) and :meth:`process`
+on the requests they build from the token ids, then submit the :class:`TokenizedRequest` (the tokenize stage
+passes it on), so a prompt is judged once, and the same way whichever door it came through. Every error is
+an :class:`~llminfer.errors.InvalidRequestError` carrying ``param`` and a ``code``.
 """
 
 from __future__ import annotations
@@ -19,16 +20,16 @@ from llminfer.kv.hashing import encode_extra_keys
 from llminfer.protocols import Tokenizer
 from llminfer.protocols.messages import GenerationRequest, TokenizedRequest
 from llminfer.sampling.params import SamplingParams
-from llminfer.sampling.structured import GrammarCompiler
+from llminfer.sampling.structured import GrammarCompiler, GrammarHandle
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 MAX_CHARS_PER_TOKEN = 128
 """A generous bound on the characters one token stands for: a text longer than ``max_model_len`` times it
-cannot fit the context and is refused before it is tokenized (a 10 MB prompt otherwise costs seconds of
-tokenizer time). The longest entry of Qwen2's 151k vocabulary decodes to 128 characters (a run of
+cannot fit the context and is refused before it is tokenized (tokenizing a multi-megabyte prompt only to
+refuse it would hold the tokenizer for a long time). The longest entry of Qwen2's 151k vocabulary decodes to 128 characters (a run of
 repeated symbols; the longest thousand average 29), so only a prompt that could not fit anyway is refused."""
 INLINE_TOKENIZE_CHARS = 4096
-"""Texts up to this many characters are tokenized on the event loop (tens of microseconds); longer ones
+"""Texts up to this many characters are tokenized on the event loop (cheaper than a thread hop); longer ones
 in a worker thread (:meth:`InputProcessor.encode_async`, the tokenize stage), so that one long prompt
 never stalls every other stream."""
 
@@ -213,26 +214,35 @@ class InputProcessor:
                                       param=param) from None
         return tuple(dict.fromkeys(s for s in seqs if s))
 
-    def process(self, req: GenerationRequest) -> TokenizedRequest:
+    def process(self, req: GenerationRequest, *, param: str = "prompt",
+                grammar: GrammarHandle | None = None) -> TokenizedRequest:
         """Tokenize and validate one request (prompt, bad and forced words, the prefix-cache keys), and
-        start compiling its structured-output constraint (the scheduler waits for it).
+        start compiling its structured-output constraint (the scheduler waits for it). The tokenize stage
+        calls it for the Python API's requests; an HTTP route calls it itself and submits the result, which
+        the tokenize stage then passes on untouched (so a request is validated once).
+
+        Args:
+            req: the request (a token-id prompt is not tokenized again).
+            param: the name of the prompt in errors (``"messages"``, ``"prompt[1]"``).
+            grammar: the constraint's compile, already started by the caller (the ``n`` choices of one HTTP
+                call share one); None: submitted here when the request has a constraint.
 
         Raises:
             InvalidRequestError: see :meth:`encode` and :meth:`check_prompt_ids` (the prompt plus
-                ``max_new_tokens`` must fit in the context).
+                ``max_new_tokens`` must fit in the context), :meth:`check_token_ids` and
+                :meth:`word_variants`.
         """
         if isinstance(req.prompt, str):
-            ids = self.encode(req.prompt)
+            ids = self.encode(req.prompt, param=param)
         else:
             ids = tuple(req.prompt)
         params = req.params
-        ids = self.check_prompt_ids(ids, max_new_tokens=params.max_new_tokens)
+        ids = self.check_prompt_ids(ids, max_new_tokens=params.max_new_tokens, param=param)
         self.check_token_ids([t for t, _ in params.logit_bias], "logit_bias")
         self.check_token_ids(params.stop_token_ids, "stop_token_ids")
         bad = tuple(dict.fromkeys(v for w in params.bad_words for v in self.word_variants(w)))
         force = tuple(self.word_variants(w, "force_words") for w in params.force_words)
-        grammar = None
-        if params.structured_output is not None and self.grammars is not None:
+        if grammar is None and params.structured_output is not None and self.grammars is not None:
             grammar = self.grammars.submit(params.structured_output)
         return TokenizedRequest(
             request_id=req.request_id,
@@ -245,4 +255,5 @@ class InputProcessor:
             force_words_ids=force,
             grammar=grammar,
             prefix_key=req.prefix_key,
+            adapter_name=req.adapter_name,
         )

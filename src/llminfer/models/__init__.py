@@ -1,5 +1,7 @@
-"""Model helpers: the built-in models (the random tiny one and the trained SmolLM2 GGUF), GGUF files, and
-random-weight test models."""
+"""Models: where they come from (the built-in random tiny one, the trained SmolLM2 GGUF, GGUF files,
+random-weight test models) and how one is loaded (``loading``), quantized (``weight_only``, ``quant``), put on
+llminfer's CPU kernels (``kernel_swap``) and given its CPU dtype (``dtype_probe``). Only the first group is
+imported here; the loading modules are imported where they are used."""
 
 from llminfer.models.builtin import (
     BUILTIN_MODEL_NAME,

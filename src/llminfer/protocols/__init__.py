@@ -67,6 +67,17 @@ class TakesDirectMessages(Protocol):
 
 
 @runtime_checkable
+class TracksRequests(Protocol):
+    """A stage that keeps per-request state from the moment a request is submitted (the detokenize
+    stage's output state, as vLLM's ``OutputProcessor.add_request``): :meth:`Pipeline.submit
+    <llminfer.pipeline.Pipeline.submit>` calls :meth:`add_request`, so the request's parameters need not
+    travel through the engine core to reach it. The stage drops the state when the request's final delta,
+    or its :class:`RequestFailed`, passes it."""
+
+    def add_request(self, request: GenerationRequest | TokenizedRequest) -> None: ...
+
+
+@runtime_checkable
 class Sink(Stage, Protocol):
     """The last stage: delivers each :class:`RequestDelta` to the stream :meth:`open` returned for it,
     and ends a request's stream with its error on :class:`RequestFailed`."""
@@ -147,6 +158,7 @@ __all__ = [
     "StepOutput",
     "TakesDirectMessages",
     "TokenizedRequest",
+    "TracksRequests",
     "Tokenizer",
     "Upstream",
 ]

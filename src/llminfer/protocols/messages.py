@@ -36,7 +36,9 @@ class GenerationRequest:
 
 @attrs.frozen
 class TokenizedRequest:
-    """A request with its prompt token ids and, after the prefix-hash stage, its full-block hashes."""
+    """A request with its prompt token ids and, after the prefix-hash stage, its full-block hashes. The
+    HTTP routes submit it as it is (they tokenize and validate once); the tokenize stage makes it from a
+    :class:`GenerationRequest` for the Python API."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
@@ -49,6 +51,7 @@ class TokenizedRequest:
     force_words_ids: tuple[tuple[tuple[int, ...], ...], ...] = ()
     grammar: GrammarHandle | None = None  #: the structured-output constraint, compiling off the step
     prefix_key: str | None = None  #: see :meth:`llminfer.kv.manager.KVCacheManager.pin_prefix`
+    adapter_name: str | None = None  #: the LoRA adapter it was made for (already part of ``extra_keys``)
 
 
 @attrs.frozen
@@ -187,7 +190,6 @@ class EngineStepOutput:
     step_id: int
     updates: tuple[SequenceUpdate, ...]
     time_ns: int
-    admitted: tuple[TokenizedRequest, ...] = ()
 
 
 @attrs.frozen

@@ -1,7 +1,7 @@
 """The grammar compile server: a child process that compiles structured-output constraints, each in a
 process of its own that can be killed (xgrammar's compile cannot be interrupted).
 
-One server per :class:`~llminfer.sampling.structured.GrammarCompiler`, started with
+One server per :class:`~llminfer.sampling.grammar_compiler.GrammarCompiler`, started with
 ``python -m llminfer.sampling.grammar_worker`` (a fresh interpreter: never a fork of the multi-threaded
 engine process). It imports xgrammar once, builds xgrammar's compiler from the tokenizer info it is sent,
 then for each job forks a child (a fork of this single-threaded server costs milliseconds and shares the
@@ -25,7 +25,7 @@ from typing import Any
 
 
 def _compile_child(compiler: Any, spec: Any, out: Connection) -> None:
-    from llminfer.sampling.structured import _clean, _compile_spec
+    from llminfer.sampling.grammar_compiler import _clean, _compile_spec
 
     try:
         reply = ("ok", _compile_spec(compiler, spec).serialize_json())

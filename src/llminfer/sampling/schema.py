@@ -23,145 +23,50 @@ Objects are closed (``additionalProperties: false``) where the client asked: ``s
 or ``additionalProperties: false`` in the schema. Otherwise they stay open as JSON Schema means them (an
 ``additionalProperties`` schema, ``patternProperties``, or an object schema listing no properties, generate
 keys of their own), except that names the schema never mentions are not invented where it lists properties
-(see :func:`_close_objects`); names in ``required`` are always generated.
-Every ``$ref`` target becomes an entry of the root ``$defs`` (hoisted, under a sanitized name), so schemas
-can be combined (:func:`combine_defs`) without breaking references.
+(see :func:`_close_objects`); names in ``required`` are always generated. Every ``$ref`` target becomes an
+entry of the root ``$defs`` (hoisted, under a sanitized name, ``prefix``-ed), so schemas can be combined.
 
-:data:`KEYWORDS` is the table (the README's is generated from it by :func:`keyword_table_markdown`).
+:data:`KEYWORDS` is the table (:mod:`llminfer.sampling.schema_keywords`; the README's is generated from it
+by :func:`keyword_table_markdown`); ``allOf`` merging and ``oneOf`` disjointness are
+:mod:`llminfer.sampling.schema_combine`. This module rewrites one schema and is the public door to both.
 """
 
 from __future__ import annotations
 
-import json
 import re
 import urllib.parse
 from typing import Any
 
-from llminfer.errors import InvalidRequestError
+from llminfer.sampling.schema_combine import MAX_INLINE, SchemaCombiner
+from llminfer.sampling.schema_keywords import (
+    ANNOTATION,
+    CODE,
+    ENFORCED,
+    KEYWORDS,
+    KNOWN_KEYWORDS,
+    PARAM,
+    REFUSED,
+    REFUSED_KEYWORDS,
+    REWRITTEN,
+    SchemaError,
+    _key,
+    _refuse,
+    _types,
+    _Unsatisfiable,
+    keyword_table_markdown,
+)
 
-PARAM = "structured_output"
-CODE = "unsupported_schema"
+__all__ = ["ANNOTATION", "CODE", "ENFORCED", "KEYWORDS", "PARAM", "REFUSED", "REWRITTEN", "SchemaError",
+           "keyword_table_markdown", "normalize_schema", "split_defs"]
 
-ENFORCED, REWRITTEN, REFUSED, ANNOTATION = "enforced", "rewritten", "refused", "annotation"
-
-KEYWORDS: dict[str, tuple[str, str]] = {
-    "type": (ENFORCED, ""),
-    "enum": (ENFORCED, "values that break the sibling keywords are removed first (checked with jsonschema)"),
-    "const": (ENFORCED, "as a one-value enum, checked against its siblings the same way"),
-    "properties": (ENFORCED, "generated in the order given"),
-    "required": (REWRITTEN, "a name missing from properties is added to them, with additionalProperties' "
-                            "schema (any value if none); refused if additionalProperties is false"),
-    "additionalProperties": (ENFORCED, "absent means an open object, unless the request is strict"),
-    "patternProperties": (ENFORCED, ""),
-    "propertyNames": (ENFORCED, ""),
-    "minProperties": (ENFORCED, ""),
-    "maxProperties": (ENFORCED, ""),
-    "items": (ENFORCED, "a list (draft 4-7 tuple form) is rewritten to prefixItems"),
-    "prefixItems": (ENFORCED, ""),
-    "additionalItems": (REWRITTEN, "becomes items, next to a tuple-form items list"),
-    "minItems": (ENFORCED, ""),
-    "maxItems": (ENFORCED, ""),
-    "minLength": (ENFORCED, "next to pattern or format (which xgrammar then ignores it for): dropped where the "
-                            "pattern's or format's own lengths are within the bounds, refused otherwise"),
-    "maxLength": (ENFORCED, "as minLength"),
-    "pattern": (ENFORCED, "the whole string matches it (a subset of what the unanchored pattern allows)"),
-    "format": (ENFORCED, "xgrammar's rules for date-time, date, time, duration, email, hostname, ipv6, uri, "
-                         "uri-reference, uuid...; 'date' bounds the day at 31 whatever the month; 'ipv4' is "
-                         "rewritten to an exact pattern (xgrammar's allows leading zeros, '055')"),
-    "minimum": (ENFORCED, ""),
-    "maximum": (ENFORCED, ""),
-    "exclusiveMinimum": (ENFORCED, "draft-4 boolean form rewritten to the number form"),
-    "exclusiveMaximum": (ENFORCED, "draft-4 boolean form rewritten to the number form"),
-    "multipleOf": (ENFORCED, "integers only (an integer type and an integer divisor); refused on numbers"),
-    "anyOf": (ENFORCED, "sibling keywords are merged into each branch (xgrammar drops them)"),
-    "oneOf": (REWRITTEN, "becomes anyOf when the branches are provably disjoint (types, const/enum values, "
-                         "or a required discriminator property); refused otherwise"),
-    "allOf": (REWRITTEN, "merged into one schema (properties, required, bounds, enums intersected); refused "
-                         "where two members conflict in a way a merge cannot express"),
-    "$ref": (REWRITTEN, "targets inside the document only ('#', '#/$defs/...', any '#/...' pointer), "
-                        "hoisted into the root $defs; sibling keywords merged with the target"),
-    "$defs": (REWRITTEN, "hoisted to the root, renamed when schemas are combined"),
-    "definitions": (REWRITTEN, "as $defs"),
-    "unevaluatedProperties": (REWRITTEN, "as additionalProperties where no applicator (allOf, anyOf, oneOf, "
-                                         "$ref) could evaluate other properties; refused otherwise"),
-    "unevaluatedItems": (REWRITTEN, "as items where no applicator could evaluate other items; refused "
-                                    "otherwise"),
-    "uniqueItems": (REFUSED, "a grammar cannot enforce it (false is accepted: it changes nothing)"),
-    "contains": (REFUSED, "ignored by xgrammar"),
-    "minContains": (REFUSED, "with contains; alone it is an annotation"),
-    "maxContains": (REFUSED, "with contains; alone it is an annotation"),
-    "not": (REFUSED, "ignored by xgrammar"),
-    "if": (REFUSED, "ignored by xgrammar (then / else without if are annotations)"),
-    "dependentRequired": (REFUSED, "ignored by xgrammar"),
-    "dependentSchemas": (REFUSED, "ignored by xgrammar"),
-    "dependencies": (REFUSED, "draft-7 form of the two above"),
-    "$dynamicRef": (REFUSED, "ignored by xgrammar"),
-    "$recursiveRef": (REFUSED, "draft 2019-09 form of $dynamicRef"),
-    "$id": (REFUSED, "below the root (it changes what $ref resolves to); at the root an annotation"),
-}
-_ANNOTATIONS = ("title", "description", "default", "examples", "example", "$comment", "deprecated", "readOnly",
-                "writeOnly", "contentEncoding", "contentMediaType", "contentSchema", "$schema", "$anchor",
-                "$dynamicAnchor", "$recursiveAnchor", "$vocabulary", "discriminator", "nullable", "then", "else")
-for _name in _ANNOTATIONS:
-    KEYWORDS[_name] = (ANNOTATION, "dropped: it does not constrain the value")
-KEYWORDS["nullable"] = (ANNOTATION, "OpenAPI 3.0, not JSON Schema: dropped (use type [..., 'null'])")
-KEYWORDS["discriminator"] = (ANNOTATION, "OpenAPI hint next to oneOf / anyOf: dropped (the branches decide)")
-
-_REFUSED = frozenset(k for k, (h, _) in KEYWORDS.items() if h == REFUSED) - {"$id"}
 _SUBSCHEMA_MAPS = ("properties", "patternProperties")
-_KNOWN = frozenset(k for k, (h, _) in KEYWORDS.items() if h != ANNOTATION)
-MAX_INLINE = 32  # nested $ref-with-siblings / allOf-with-$ref resolutions before giving up
-
-
-class SchemaError(InvalidRequestError):
-    """A schema refused by :func:`normalize_schema`; ``keyword`` is the JSON Schema keyword at fault."""
-
-    def __init__(self, message: str, *, keyword: str, param: str = PARAM) -> None:
-        super().__init__(message, param=param, code=CODE)
-        self.keyword = keyword
-
-
-class _Unsatisfiable(Exception):
-    """A schema no value matches (an anyOf branch that can be dropped; elsewhere a refusal)."""
-
-    def __init__(self, keyword: str = "allOf", where: str = "") -> None:
-        super().__init__(keyword, where)
-        self.keyword = keyword
-        self.where = where
-
-
-def _refuse(keyword: str, where: str, why: str) -> SchemaError:
-    at = f" at {where}" if where else ""
-    return SchemaError(f"JSON Schema keyword '{keyword}'{at} is not supported: {why}", keyword=keyword)
-
-
-def _types(schema: dict[str, Any]) -> set[str] | None:
-    t = schema.get("type")
-    if t is None:
-        return None
-    return {t} if isinstance(t, str) else set(t)
-
-
-def _key(value: Any) -> str:
-    """Identity of a JSON value as JSON Schema compares them (``1 == 1.0``, ``true != 1``)."""
-    def canon(v: Any) -> Any:
-        if isinstance(v, bool) or v is None or isinstance(v, str):
-            return v
-        if isinstance(v, (int, float)):
-            return float(v) if v == v else v
-        if isinstance(v, list):
-            return [canon(x) for x in v]
-        if isinstance(v, dict):
-            return {k: canon(x) for k, x in v.items()}
-        return v
-    return json.dumps(canon(value), sort_keys=True)
 
 
 def _sanitize(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_]", "_", name) or "_"
 
 
-class _Normalizer:
+class _Normalizer(SchemaCombiner):
     def __init__(self, doc: Any, strict: bool, prefix: str) -> None:
         self.doc = doc
         self.strict = strict
@@ -225,7 +130,7 @@ class _Normalizer:
             raise SchemaError(f"a JSON Schema must be an object or a boolean, got {type(node).__name__} at "
                               f"{where or 'the root'}", keyword="type")
         for key in node:
-            if key in _REFUSED:
+            if key in REFUSED_KEYWORDS:
                 self._check_refused(node, key, where)
         unevaluated = [k for k in ("unevaluatedProperties", "unevaluatedItems") if k in node]
         if unevaluated and set(node) & {"allOf", "anyOf", "oneOf", "$ref", "if", "dependentSchemas"}:
@@ -233,7 +138,7 @@ class _Normalizer:
                                                  "what they evaluate, which xgrammar ignores")
         if "$id" in node and where:
             raise _refuse("$id", where, "an $id below the root changes what references resolve to")
-        work = {k: v for k, v in node.items() if k in _KNOWN}
+        work = {k: v for k, v in node.items() if k in KNOWN_KEYWORDS}
         work.pop("$defs", None)
         work.pop("definitions", None)
         work.pop("$id", None)  # at the root: an annotation
@@ -286,7 +191,7 @@ class _Normalizer:
                 except _Unsatisfiable:
                     continue  # a branch no value matches changes nothing
             kept = self._distribute(self._plain(work, where), normed, where, keyword)
-            if keyword == "oneOf" and not self._disjoint(kept, where):
+            if keyword == "oneOf" and not self.disjoint(kept, where):
                 raise _refuse("oneOf", where, "its branches are not provably disjoint (a value could match "
                                               "two), and a grammar enforces anyOf only; use anyOf, or tell the "
                                               "branches apart by a required property with distinct const values")
@@ -431,149 +336,6 @@ class _Normalizer:
             raise _Unsatisfiable("enum", where)
         return {"const": values[0]} if "const" in out else {"enum": values}
 
-    # ------------------------------------------------------------------ merging (allOf)
-    def merge(self, a: Any, b: Any, where: str, depth: int = 0) -> Any:
-        """A schema that matches exactly what both ``a`` and ``b`` match (both normalized).
-
-        Raises:
-            _Unsatisfiable: nothing matches both.
-            SchemaError: the combination cannot be written without allOf (keyword ``allOf``).
-        """
-        if a is False or b is False:
-            raise _Unsatisfiable("allOf", where)
-        if depth > MAX_INLINE:
-            raise _refuse("allOf", where, "nested too deeply to merge")
-        a = self.resolve(a, where)
-        b = self.resolve(b, where)
-        if a == {}:
-            return b
-        if b == {}:
-            return a
-        if "anyOf" in a and "anyOf" in b:
-            raise _refuse("allOf", where, "two anyOf / oneOf lists in one allOf cannot be merged")
-        if "anyOf" in b:
-            a, b = b, a
-        if "anyOf" in a:
-            rest = {k: v for k, v in a.items() if k != "anyOf"}
-            base = self.merge(rest, b, where, depth + 1) if rest else b
-            return {"anyOf": self._distribute(base, a["anyOf"], where, "allOf")}
-        out = dict(a)
-        for key, vb in b.items():
-            if key not in out:
-                out[key] = vb
-                continue
-            va = out[key]
-            if va == vb:
-                continue
-            if key == "type":
-                ta, tb = _types(a) or set(), _types(b) or set()
-                both = (ta & tb) | ({"integer"} if ("integer" in ta and "number" in tb)
-                                    or ("number" in ta and "integer" in tb) else set())
-                if not both:
-                    raise _Unsatisfiable("allOf", where)
-                order = va if isinstance(va, list) else [va]
-                kept = [t for t in order if t in both] + sorted(both - set(order))
-                out[key] = kept[0] if len(kept) == 1 else kept
-            elif key in ("minimum", "exclusiveMinimum", "minLength", "minItems", "minProperties"):
-                out[key] = max(va, vb)
-            elif key in ("maximum", "exclusiveMaximum", "maxLength", "maxItems", "maxProperties"):
-                out[key] = min(va, vb)
-            elif key == "required":
-                out[key] = list(va) + [n for n in vb if n not in va]
-            elif key == "properties":
-                props = dict(va)
-                for name, s in vb.items():
-                    props[name] = self.merge(props[name], s, f"{where}/properties/{name}", depth + 1) \
-                        if name in props else s
-                out[key] = props
-            elif key in ("items", "additionalProperties", "propertyNames"):
-                if va is True or vb is False:
-                    out[key] = vb
-                elif vb is True or va is False:
-                    out[key] = va
-                else:
-                    out[key] = self.merge(va, vb, f"{where}/{key}", depth + 1)
-            elif key == "enum":
-                keys = {_key(v) for v in vb}
-                out[key] = [v for v in va if _key(v) in keys]
-                if not out[key]:
-                    raise _Unsatisfiable("allOf", where)
-            elif key == "const":
-                raise _Unsatisfiable("allOf", where)  # two different constants
-            elif key == "multipleOf" and isinstance(va, int) and isinstance(vb, int):
-                import math
-                out[key] = va * vb // math.gcd(va, vb)
-            else:
-                raise _refuse("allOf", where, f"its members give '{key}' two different values, which cannot be "
-                                              "merged into one schema")
-        # additionalProperties of one member also governs the properties only the other lists.
-        for one, other in ((a, b), (b, a)):
-            extra = one.get("additionalProperties")
-            if extra is None or extra is True or "patternProperties" in one:
-                continue
-            own = set(one.get("properties", {}))
-            props = dict(out.get("properties", {}))
-            for name in list(props):
-                if name in own or name not in other.get("properties", {}):
-                    continue
-                if extra is False:
-                    if name in out.get("required", []):
-                        raise _Unsatisfiable("allOf", where)
-                    del props[name]
-                else:
-                    props[name] = self.merge(props[name], extra, f"{where}/properties/{name}", depth + 1)
-            if "properties" in out:
-                out["properties"] = props
-        if "const" in out or "enum" in out:
-            return self._values(out, where)
-        if "properties" in out or "required" in out:
-            self._objects(out, where)
-        return out
-
-    # ------------------------------------------------------------------ oneOf
-    def _values_of(self, s: dict[str, Any]) -> list[Any] | None:
-        if "const" in s:
-            return [s["const"]]
-        return s.get("enum")
-
-    def _disjoint(self, branches: list[Any], where: str) -> bool:
-        resolved = [self.resolve(b, where) for b in branches]
-        return all(self._pair_disjoint(resolved[i], resolved[j], where)
-                   for i in range(len(resolved)) for j in range(i + 1, len(resolved)))
-
-    def _pair_disjoint(self, a: Any, b: Any, where: str) -> bool:
-        import jsonschema
-
-        if a is False or b is False:
-            return True
-        if "anyOf" in a or "anyOf" in b:
-            parts_a = a.get("anyOf", [a])
-            parts_b = b.get("anyOf", [b])
-            return all(self._pair_disjoint(self.resolve(x, where), self.resolve(y, where), where)
-                       for x in parts_a for y in parts_b)
-        va, vb = self._values_of(a), self._values_of(b)
-        defs = {"$defs": self.defs} if self.defs else {}
-        if va is not None and vb is not None:
-            return not ({_key(v) for v in va} & {_key(v) for v in vb})
-        if va is not None:
-            return not any(jsonschema.Draft202012Validator({**b, **defs}).is_valid(v) for v in va)
-        if vb is not None:
-            return not any(jsonschema.Draft202012Validator({**a, **defs}).is_valid(v) for v in vb)
-        ta, tb = _types(a), _types(b)
-        if ta is not None and tb is not None:
-            widen = lambda t: t | ({"integer"} if "number" in t else set())  # noqa: E731
-            if not (widen(ta) & widen(tb)):
-                return True
-        pa, pb = a.get("properties", {}), b.get("properties", {})
-        for name in set(a.get("required", [])) & set(b.get("required", [])):
-            if name in pa and name in pb:
-                sa, sb = self.resolve(pa[name], where), self.resolve(pb[name], where)
-                xa, xb = self._values_of(sa) if sa else None, self._values_of(sb) if sb else None
-                if xa is not None and xb is not None and not ({_key(v) for v in xa} & {_key(v) for v in xb}):
-                    return True
-        return False
-
-
 _FORMAT_WIDTHS = {"date": (10, 10), "uuid": (36, 36), "ipv4": (7, 15)}
 _OCTET = "(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
 _IPV4 = rf"^{_OCTET}(\.{_OCTET}){{3}}$"  # RFC 2673 dotted quad, no leading zeros (Python's ipaddress)
@@ -686,13 +448,3 @@ def split_defs(schema: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(schema without $defs, $defs)`` of a normalized schema."""
     rest = {k: v for k, v in schema.items() if k != "$defs"}
     return rest, dict(schema.get("$defs", {}))
-
-
-def keyword_table_markdown() -> str:
-    """:data:`KEYWORDS` as a Markdown table (the README's), grouped by handling."""
-    rows = ["| keyword | handling | how |", "|---|---|---|"]
-    order = {ENFORCED: 0, REWRITTEN: 1, REFUSED: 2, ANNOTATION: 3}
-    for name, (handling, how) in sorted(KEYWORDS.items(), key=lambda kv: (order[kv[1][0]], kv[0].lstrip("$"))):
-        rows.append(f"| `{name}` | {handling} | {how} |")
-    rows.append("| any other keyword | annotation | not a JSON Schema 2020-12 assertion: dropped |")
-    return "\n".join(rows)

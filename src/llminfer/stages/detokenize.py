@@ -27,8 +27,11 @@ from llminfer.protocols.messages import (
     DeltaBatch,
     EngineStepOutput,
     FinishRequest,
+    GenerationRequest,
     RequestDelta,
+    RequestFailed,
     SequenceUpdate,
+    TokenizedRequest,
 )
 from llminfer.sampling.params import SamplingParams
 from llminfer.trace import Tracer
@@ -121,7 +124,12 @@ class _RequestState:
 class DetokenizeStage:
     """:class:`EngineStepOutput` → :class:`DeltaBatch` (one message per step); other messages pass on.
 
-    Updates for requests it does not know (they finished here already) are dropped.
+    A request's output state (its incremental detokenizer and stop-string matcher) is made when it is
+    submitted (:meth:`add_request`, called by :meth:`Pipeline.submit <llminfer.pipeline.Pipeline.submit>`,
+    as vLLM's ``OutputProcessor.add_request``), so its parameters never travel through the engine core to
+    get here. It is dropped at the request's final update, or when a :class:`RequestFailed` or a final
+    delta made by a core that detokenizes itself (vLLM) passes by. Updates for requests it does not know
+    (they finished here already) are dropped.
     """
 
     name = "detokenize"
@@ -135,6 +143,10 @@ class DetokenizeStage:
     def bind_upstream(self, upstream: Upstream) -> None:
         self.upstream = upstream
 
+    def add_request(self, request: GenerationRequest | TokenizedRequest) -> None:
+        """Make the output state of a request being submitted (:class:`~llminfer.protocols.TracksRequests`)."""
+        self.states[request.request_id] = _RequestState(self.tokenizer, request.params)
+
     def process(self, msg: EngineStepOutput) -> tuple[list[RequestDelta], list[FinishRequest | Abort]]:
         """Detokenize one step. Returns the deltas and the messages to send upstream: stop-string
         finishes, and aborts of requests whose detokenization failed (each gets an error delta; the
@@ -142,11 +154,6 @@ class DetokenizeStage:
         deltas: list[RequestDelta] = []
         upstream: list[FinishRequest | Abort] = []
         now = msg.time_ns
-        for req in msg.admitted:
-            try:
-                self.states[req.request_id] = _RequestState(self.tokenizer, req.params)
-            except Exception as exc:  # noqa: BLE001 - that request fails alone
-                self._failed(req.request_id, exc, now, deltas, upstream)
         for up in msg.updates:
             state = self.states.get(up.request_id)
             if state is None:
@@ -199,6 +206,7 @@ class DetokenizeStage:
         async with outbox:
             async for msg in inbox:
                 if not isinstance(msg, EngineStepOutput):
+                    self._forget_ended(msg)
                     await outbox.send(msg)
                     continue
                 deltas, upstream = self.process(msg)
@@ -207,3 +215,13 @@ class DetokenizeStage:
                         self.upstream(message)
                 if deltas:
                     await outbox.send(DeltaBatch(msg.step_id, tuple(deltas), time.perf_counter_ns()))
+
+    def _forget_ended(self, msg: Any) -> None:
+        """Drop the state of requests that ended without an update from this core: failed before
+        admission, or finished by a core that makes its own deltas (vLLM)."""
+        if isinstance(msg, RequestFailed):
+            self.states.pop(msg.request_id, None)
+        elif isinstance(msg, DeltaBatch):
+            for delta in msg.deltas:
+                if delta.finished:
+                    self.states.pop(delta.request_id, None)

@@ -1,5 +1,6 @@
 """Tokenize stage: :class:`GenerationRequest` → :class:`TokenizedRequest` through the shared
-:class:`~llminfer.frontend.input.InputProcessor` (the HTTP layer validates with the same object).
+:class:`~llminfer.frontend.input.InputProcessor`. A :class:`TokenizedRequest` (the HTTP routes tokenize and
+validate with the same object, once, and submit the result) passes through untouched.
 
 A long prompt is tokenized in a worker thread, so that the event loop (every stream, ``/healthz``) keeps
 running meanwhile; a short one inline, where a thread hop would cost more than the tokenizer. Requests
@@ -14,7 +15,7 @@ from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from llminfer.errors import EngineError, LLMInferError, is_fatal
 from llminfer.frontend.input import INLINE_TOKENIZE_CHARS, InputProcessor
-from llminfer.protocols.messages import GenerationRequest, RequestFailed
+from llminfer.protocols.messages import GenerationRequest, RequestFailed, TokenizedRequest
 from llminfer.trace import Tracer
 
 
@@ -69,4 +70,6 @@ class TokenizeStage:
                     self.tracer.record(msg.request_id, self.name, "arrived", t_ns=msg.arrival_ns)
                     await outbox.send(await self.tokenize(msg))
                 else:
+                    if isinstance(msg, TokenizedRequest):  # tokenized by its HTTP route
+                        self.tracer.record(msg.request_id, self.name, "arrived", t_ns=msg.arrival_ns)
                     await outbox.send(msg)

@@ -1,0 +1,114 @@
+"""How the compiled backend drives ``torch.compile``: the padded step sizes (buckets), inductor's options,
+a backend that counts the graphs it compiles, and dynamo's per-thread cache limit.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+COMPILE_BACKEND_ENV = "LLMINFER_COMPILE_BACKEND"
+"""Environment variable naming the ``torch.compile`` backend (default ``inductor``; ``aot_eager`` and
+``eager`` are useful to debug or to test quickly on slow machines)."""
+
+
+def token_buckets(max_tokens: int, smallest: int = 1) -> tuple[int, ...]:
+    """Padded sizes for a step of up to ``max_tokens`` tokens: powers of two from ``smallest``, and
+    ``max_tokens`` itself as the last bucket.
+
+    Returns:
+        Increasing bucket sizes (tokens); ``max_tokens`` is always the last one.
+    """
+    if max_tokens < 1:
+        raise ValueError("max_tokens must be >= 1")
+    out = []
+    b = max(1, smallest)
+    while b < max_tokens:
+        out.append(b)
+        b *= 2
+    out.append(max_tokens)
+    return tuple(out)
+
+
+def bucket_for(n: int, buckets: Sequence[int]) -> int | None:
+    """The smallest bucket >= ``n``, or None when ``n`` exceeds every bucket."""
+    for b in buckets:
+        if b >= n:
+            return b
+    return None
+
+
+def inductor_options(mode: str, cudagraphs: bool, device: torch.device, own_graphs: bool = False) -> dict[str, Any]:
+    """Inductor config patches for ``compile_mode`` and the CUDA-graph toggle.
+
+    ``"reduce-overhead"`` means CUDA graphs; ``"max-autotune"`` means GEMM autotuning, with CUDA graphs
+    only when ``cudagraphs`` is set; ``"default"`` uses CUDA graphs only when ``cudagraphs`` is set.
+    CUDA graphs are never used off CUDA, and inductor's own are off when llminfer captures whole decode
+    steps itself (``own_graphs``: a graph captured inside another's capture is not allowed).
+    """
+    import torch._inductor
+
+    opts = dict(torch._inductor.list_mode_options(mode))
+    use_cg = device.type == "cuda" and (cudagraphs or mode == "reduce-overhead") and not own_graphs
+    opts["triton.cudagraphs"] = use_cg
+    if use_cg:
+        opts["graph_partition"] = True  # run the cudagraph-unsafe attention op between captured pieces
+    return opts
+
+
+class CountingBackend:
+    """A ``torch.compile`` backend that counts the graphs it compiles, then hands them to the real one."""
+
+    def __init__(self, name: str | Callable, options: dict[str, Any]) -> None:
+        self.name = name
+        self.options = options
+        self.count = 0
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
+        self.count += 1
+        if callable(self.name):
+            return self.name(gm, example_inputs)
+        if self.name == "inductor":
+            from torch._inductor.compile_fx import compile_fx
+
+            return compile_fx(gm, example_inputs, config_patches=self.options)
+        from torch._dynamo import lookup_backend
+
+        return lookup_backend(self.name)(gm, example_inputs)
+
+
+def fresh_function(fn: Callable, tag: str) -> Callable:
+    """A copy of ``fn`` with its own code object, so dynamo keeps a separate compile cache for it (one per
+    backend: engines in one process never share, or evict, each other's compiled graphs)."""
+    code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_{tag}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+
+
+def raise_recompile_limit(needed: int) -> None:
+    """Make room in dynamo's per-code-object cache for every bucket, times a few adapter / grad-mode states
+    (never lowers the limit; a full cache would make dynamo run new shapes uncompiled). torch 2.13's dynamo
+    config is per thread (a value set in one thread reads as the default in another), so every thread
+    that compiles or runs the graph calls this first."""
+    import torch._dynamo.config as dcfg
+
+    want = max(64, 4 * needed)
+    for attr in ("recompile_limit", "cache_size_limit"):
+        if hasattr(dcfg, attr) and getattr(dcfg, attr) < want:
+            setattr(dcfg, attr, want)
+
+
+def describe_error(exc: BaseException) -> str:
+    """``Type: first line`` of ``exc`` and of its root cause (dynamo wraps backend errors)."""
+    def line(e: BaseException) -> str:
+        text = str(e).strip()
+        return f"{type(e).__name__}: {text.splitlines()[0][:200]}" if text else type(e).__name__
+
+    root = getattr(exc, "inner_exception", None) or exc.__cause__
+    seen = {id(exc)}
+    while root is not None and id(root) not in seen and (getattr(root, "inner_exception", None) or root.__cause__):
+        seen.add(id(root))
+        root = getattr(root, "inner_exception", None) or root.__cause__
+    return line(exc) if root is None else f"{line(exc)} <- {line(root)}"

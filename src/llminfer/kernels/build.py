@@ -1,0 +1,274 @@
+"""Building and loading llminfer's CPU kernel library, and what the loaded build can do.
+
+The C++ sources (``csrc/``: one ``.cpp`` per op and the headers they share) are compiled with
+``torch.utils.cpp_extension`` (a C++ compiler and ninja; about 30 s once) into one library registering the
+``torch.ops.llminfer_cpu`` ops, in ``~/.cache/llminfer/cpu_kernels/<key>`` (``$LLMINFER_CACHE_DIR`` moves
+``~/.cache/llminfer``, as for the built-in model), keyed by every source and header, torch's version, the
+flags and the sources' folder. The library is built on first use (:func:`skinny_linear_available`); the ops'
+wrappers are in :mod:`llminfer.kernels.linear`, :mod:`~llminfer.kernels.int4_linear`,
+:mod:`~llminfer.kernels.bf16_linear` and :mod:`~llminfer.kernels.q8_linear`, the layers that run on them in
+:mod:`llminfer.kernels.layers`.
+
+It is built for AVX-512 (16 fp32 lanes, 32 registers: six output channels per tile instead of three) where the
+CPU has AVX-512 F/BW/DQ/VL (:func:`best_isa`), else for AVX2 + FMA; ``LLMINFER_CPU_KERNEL_ISA=avx2`` forces the
+AVX2 build, and :func:`vector_isa` tells which one is loaded. The AVX-512 build adds AVX-512 VNNI
+(:func:`int8_activation_bits`) and AVX-512 BF16 (:func:`bf16_kernel_available`) where the CPU has them.
+
+Every output element of every op is one fixed sequence of float operations whatever the row count, the thread
+count or the row's place in a tile (the build passes ``-ffp-contract=off``, so the compiler cannot fuse the
+scale-and-bias epilogue in some code paths and not others), so a row's result does not depend on what else is in
+the batch. torch's GEMM does not give that: a row's bits change with ``M``, which is why no product size goes
+back to it. Speed against torch's kernels: ``bench/bench_cpu_kernels.py`` and the README.
+
+Where the library cannot be built or loaded (no compiler, no AVX2/FMA, not x86-64),
+:func:`skinny_linear_available` is False with the reason in :func:`unavailable_reason`, one warning is logged,
+and the callers keep torch's kernels. ``LLMINFER_CPU_KERNELS=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import platform
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+
+from llminfer.kernels.cpu_info import cpu_flags
+
+log = structlog.get_logger("llminfer.cpu_kernels")
+
+
+#: The library's C++ folder: one ``.cpp`` per op (``skinny_linear.cpp``, ``int8_linear.cpp``, ...,
+#: ``library.cpp`` defining the library) and the headers they share.
+CSRC = Path(__file__).resolve().parent / "csrc"
+#: The translation units compiled into the one extension.
+SOURCES = tuple(sorted(CSRC.glob("*.cpp")))
+#: The headers they share; the build key hashes them with :data:`SOURCES`, so a changed header rebuilds too.
+HEADERS = tuple(sorted(CSRC.glob("*.h")))
+CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off")
+#: Added to :data:`CFLAGS` for the AVX-512 build, which needs every one of :data:`AVX512_CPU_FLAGS`.
+AVX512_CFLAGS = ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl")
+AVX512_CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512dq", "avx512vl"})
+#: Added to the AVX-512 build where the CPU has ``avx512_vnni`` (unless ``$LLMINFER_CPU_KERNEL_VNNI`` is
+#: ``0``): int8 products then run on integer dot products (:func:`~llminfer.kernels.linear.int8_linear`).
+VNNI_CFLAGS = ("-mavx512vnni",)
+VNNI_ENV = "LLMINFER_CPU_KERNEL_VNNI"
+#: Added to the AVX2 build where the CPU has ``avx_vnni`` (Intel Alder Lake and later): the q8 path's u8 x s8
+#: products then run on ``vpdpbusd`` instead of ``vpmaddubsw``.
+AVXVNNI_CFLAGS = ("-mavxvnni",)
+#: Added to the AVX-512 build where the CPU has ``avx512_bf16``: bf16 products then run on ``vdpbf16ps``
+#: (:func:`~llminfer.kernels.bf16_linear.bf16_linear`).
+BF16_CFLAGS = ("-mavx512bf16",)
+#: ``0`` keeps bf16 layers on torch's matmul even where :func:`~llminfer.kernels.bf16_linear.bf16_linear` runs
+#: (to compare the two).
+BF16_ENV = "LLMINFER_CPU_KERNEL_BF16"
+DISABLE_ENV = "LLMINFER_CPU_KERNELS"
+ISA_ENV = "LLMINFER_CPU_KERNEL_ISA"
+
+_lock = threading.Lock()
+_state: dict[str, Any] = {"loaded": None, "reason": None}
+
+
+def best_isa() -> str:
+    """The widest ISA this CPU can run the kernel in: ``"avx512"`` where it has all of
+    :data:`AVX512_CPU_FLAGS`, else ``"avx2"``."""
+    return "avx512" if AVX512_CPU_FLAGS <= cpu_flags() else "avx2"
+
+
+def target_isa() -> str:
+    """The ISA the kernel is (to be) built for: :func:`best_isa`, unless ``$LLMINFER_CPU_KERNEL_ISA`` is
+    ``avx2`` (the AVX2 build on any CPU). ``avx512`` or ``auto`` (or unset) ask for the best; a CPU without
+    AVX-512 then gets the AVX2 build."""
+    if os.environ.get(ISA_ENV, "").strip().lower() == "avx2":
+        return "avx2"
+    return best_isa()
+
+
+def build_cflags(isa: str) -> tuple[str, ...]:
+    """The compiler flags of the build for ``isa`` (``"avx2"`` or ``"avx512"``; the AVX-512 build adds
+    :data:`VNNI_CFLAGS` where the CPU has ``avx512_vnni``)."""
+    if isa != "avx512":  # AVX-VNNI (vpdpbusd on ymm) for the q8 path where the CPU has it
+        return CFLAGS + (AVXVNNI_CFLAGS if "avx_vnni" in cpu_flags() else ())
+    bf16 = BF16_CFLAGS if "avx512_bf16" in cpu_flags() else ()
+    return CFLAGS + AVX512_CFLAGS + (VNNI_CFLAGS if vnni_wanted() else ()) + bf16
+
+
+def vnni_wanted() -> bool:
+    """Whether the AVX-512 build takes VNNI: the CPU has ``avx512_vnni`` and ``$LLMINFER_CPU_KERNEL_VNNI``
+    is not ``0`` / ``false`` / ``off`` / ``no`` (which keeps int8 products on float32 activations)."""
+    off = os.environ.get(VNNI_ENV, "1").strip().lower() in ("0", "false", "off", "no")
+    return "avx512_vnni" in cpu_flags() and not off
+
+
+def _cache_dir(isa: str = "avx2") -> Path:
+    from llminfer.models.builtin import default_cache_dir
+
+    root = default_cache_dir()
+    flags = " ".join(build_cflags(isa)).encode()
+    # The sources' folder is part of the key: ninja's build file names them by absolute path, so two checkouts
+    # sharing one folder would rebuild it in turn.
+    where = str(SOURCES[0].resolve().parent).encode()
+    key = hashlib.sha256(b"".join(src.name.encode() + src.read_bytes() for src in SOURCES + HEADERS) + flags
+                         + torch.__version__.encode() + where).hexdigest()
+    return root / "cpu_kernels" / key[:16]
+
+
+def _why_not_here() -> str | None:
+    if os.environ.get(DISABLE_ENV, "1").strip().lower() in ("0", "false", "off", "no"):
+        return f"{DISABLE_ENV}=0"
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"not x86-64 ({platform.machine()})"
+    flags = cpu_flags()
+    if flags and not {"avx2", "fma"} <= flags:
+        return "the CPU lacks AVX2 or FMA"
+    return None
+
+
+@contextlib.contextmanager
+def _build_lock(build: Path) -> Iterator[None]:
+    """Hold an OS file lock on ``build`` while torch builds or loads the kernels there. torch's own lock is
+    a file that a killed build leaves behind, after which every later process waits for it forever; the OS
+    releases ours when its holder dies, so holding it proves torch's leftover file stale, and it is removed."""
+    import fcntl  # POSIX; the kernels build only on x86-64 Linux-like systems anyway
+
+    with open(build / "llminfer.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # waits only for a live build in another process
+        try:
+            (build / "lock").unlink(missing_ok=True)  # torch's FileBaton of a build that died
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _load() -> bool:
+    with _lock:
+        if _state["loaded"] is not None:
+            return bool(_state["loaded"])
+        reason = _why_not_here()
+        if reason is None:
+            try:
+                from torch.utils import cpp_extension
+
+                isa = target_isa()
+                build = _cache_dir(isa)
+                build.mkdir(parents=True, exist_ok=True)
+                with _build_lock(build):
+                    cpp_extension.load(name="llminfer_cpu_kernels", sources=[str(src) for src in SOURCES],
+                                       extra_cflags=list(build_cflags(isa)), extra_ldflags=["-fopenmp"],
+                                       build_directory=str(build), is_python_module=False, verbose=False)
+                torch.ops.llminfer_cpu.skinny_linear  # noqa: B018 - raises if the library did not register
+                _register_fake_impls()
+            except Exception as exc:  # noqa: BLE001 - compiler, ninja, loader: any failure means "use torch"
+                lines = str(exc).strip().splitlines()
+                reason = f"build failed: {lines[-1][:200] if lines else type(exc).__name__}"
+        _state["loaded"] = reason is None
+        _state["reason"] = reason
+        if reason is not None and not reason.startswith(DISABLE_ENV):
+            log.warning("llminfer CPU kernel unavailable; torch's kernels are used", reason=reason)
+        return reason is None
+
+
+_fakes_registered = False
+
+
+def _register_fake_impls() -> None:
+    """Shape-only implementations of the ops (skinny_linear, int8_linear, int4_linear, their q8 forms,
+    bf16_linear, paged_decode_attention), so
+    ``torch.compile`` (the compiled backend) traces through them and inductor calls them as extern kernels
+    instead of breaking the graph. Once per process:
+    the C++ library outlives :func:`_reset_for_tests`."""
+    global _fakes_registered
+    if _fakes_registered:
+        return
+
+    @torch.library.register_fake("llminfer_cpu::skinny_linear")
+    def _skinny_linear_fake(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
+                            bias: torch.Tensor | None = None) -> torch.Tensor:
+        return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+
+    @torch.library.register_fake("llminfer_cpu::int8_linear")
+    def _int8_linear_fake(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                          bias: torch.Tensor | None = None) -> torch.Tensor:
+        return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+
+    @torch.library.register_fake("llminfer_cpu::int4_linear")
+    def _int4_linear_fake(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                          group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return x.new_empty(x.shape[0], codes.shape[0], dtype=torch.float32)
+
+    @torch.library.register_fake("llminfer_cpu::int8_linear_q8")
+    def _int8_linear_q8_fake(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                             bias: torch.Tensor | None = None) -> torch.Tensor:
+        return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+
+    @torch.library.register_fake("llminfer_cpu::int4_linear_q8")
+    def _int4_linear_q8_fake(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                             group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return x.new_empty(x.shape[0], codes.shape[0], dtype=torch.float32)
+
+    @torch.library.register_fake("llminfer_cpu::bf16_linear")
+    def _bf16_linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.bfloat16)
+
+    @torch.library.register_fake("llminfer_cpu::paged_decode_attention")
+    def _paged_decode_attention_fake(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                     block_tables: torch.Tensor, ctx_lens: torch.Tensor, scale: float) -> torch.Tensor:
+        return query.new_empty(query.shape, dtype=torch.float32)
+
+    _fakes_registered = True
+
+
+def skinny_linear_available() -> bool:
+    """Whether ``torch.ops.llminfer_cpu.skinny_linear`` is loaded (building it on the first call)."""
+    return _load()
+
+
+def vector_isa() -> str | None:
+    """``"AVX-512"`` or ``"AVX2"``: what the loaded kernel was built for (None where it is not loaded)."""
+    if not _state["loaded"]:
+        return None
+    return "AVX-512" if torch.ops.llminfer_cpu.vector_bits() == 512 else "AVX2"
+
+
+def int8_activation_bits() -> int | None:
+    """The bits :func:`~llminfer.kernels.linear.int8_linear` rounds activations to: 14 on the AVX-512 VNNI
+    build (integer dot products), None where int8 products keep float32 activations (other builds) or the
+    kernel is not loaded."""
+    if not _state["loaded"]:
+        return None
+    return int(torch.ops.llminfer_cpu.int8_activation_bits()) or None
+
+
+def bf16_kernel_available() -> bool:
+    """Whether :func:`~llminfer.kernels.bf16_linear.bf16_linear` runs here (the kernel loads, built for AVX-512
+    with AVX-512 BF16) and ``$LLMINFER_CPU_KERNEL_BF16`` is not ``0`` / ``false`` / ``off`` / ``no``. Does not
+    build the kernel."""
+    if not _state["loaded"]:
+        return False
+    off = os.environ.get(BF16_ENV, "1").strip().lower() in ("0", "false", "off", "no")
+    return not off and bool(torch.ops.llminfer_cpu.bf16_supported())
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernel is not in use (None when it is, or before the first :func:`skinny_linear_available`)."""
+    return _state["reason"]  # type: ignore[return-value]
+
+
+def q8_instruction() -> str | None:
+    """The instruction the q8 path multiplies with in the loaded build (None where it is not loaded)."""
+    if not _state["loaded"]:
+        return None
+    return str(torch.ops.llminfer_cpu.q8_instruction())
+
+
+def _reset_for_tests() -> None:
+    with _lock:
+        _state["loaded"] = None
+        _state["reason"] = None
+        _state.pop("paths", None)

@@ -1,0 +1,129 @@
+"""int8-wo's group-wise format: 8-bit codes with a scale and a minimum per group of input columns.
+
+``W[n, k] ≈ codes[n, k] * scale[n, g] + minimum[n, g]`` for ``g = k // group_size``, codes uint8 in
+[0, 255]. Per group the quantizer tries two grids and keeps the one with the smaller squared error:
+
+- asymmetric: ``minimum`` the group's minimum, ``scale = (max - min) / 255`` (the min-max grid of GGUF's
+  Q4_1 and Q5_1 blocks, at 8 bits);
+- symmetric: ``scale = max|W| / 127``, ``minimum = -128 * scale``, ``codes = round(W / scale) + 128``
+  (exactly GGUF's Q8_0 block, ``d * q`` with ``q`` in [-127, 127]).
+
+Groups of 32 are the block size of llama.cpp's Q8_0, and the reason for the format: a per-output-channel
+scale (:func:`llminfer.models.weight_only.quantize_int8_per_channel`) spends its 255 levels on the
+channel's largest weight, which trained weights' outliers make coarse for every other group. And because
+both grids are tried, weights that were themselves dequantized from a Q8_0, Q4_0 or Q4_1 GGUF (every
+trained model llminfer ships) come back on their own grid, up to float rounding: re-quantizing them loses
+nothing.
+
+The product is :func:`int8_group_linear`, llminfer's CPU kernel (``kernels/csrc/int8_group_linear.cpp``) on every
+x86 build: AVX2 (``vpmaddwd``), AVX-512 and AVX-512 VNNI (``vpdpwssd``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llminfer.kernels import build
+
+INT8_GROUP_SIZES = (32, 64, 128, 256)
+
+_fake_registered = False
+
+
+def quantize_int8_groupwise(weight: torch.Tensor, group_size: int = 32
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group-wise 8-bit codes, per group the asymmetric or the symmetric grid, whichever is closer.
+
+    Args:
+        weight: ``[N, K]`` float, ``K % group_size == 0``.
+        group_size: input columns per group (one of :data:`INT8_GROUP_SIZES`).
+
+    Returns:
+        ``(codes, scale, minimum)``: ``codes`` uint8 ``[N, K]``; ``scale`` and ``minimum`` float32
+        ``[N, K // group_size]``, with ``weight ≈ codes * scale + minimum`` per group (an all-equal group
+        gets ``scale`` 1 and its value as ``minimum``).
+
+    Raises:
+        ValueError: ``group_size`` is not one of :data:`INT8_GROUP_SIZES` or does not divide ``K``.
+    """
+    if group_size not in INT8_GROUP_SIZES:
+        raise ValueError(f"int8 group size must be one of {INT8_GROUP_SIZES}, got {group_size}")
+    n, k = weight.shape
+    if k % group_size:
+        raise ValueError(f"int8 groups of {group_size} need in_features % {group_size} == 0, got {k}")
+    w = weight.detach().float().reshape(n, k // group_size, group_size)
+    lo, hi = w.amin(-1), w.amax(-1)
+
+    a_scale = (hi - lo) / 255.0
+    a_scale = torch.where(a_scale > 0, a_scale, torch.ones_like(a_scale))
+    a_codes = torch.round((w - lo[..., None]) / a_scale[..., None]).clamp_(0, 255)
+    a_err = ((a_codes * a_scale[..., None] + lo[..., None]) - w).square().sum(-1)
+
+    s_scale = torch.maximum(hi.abs(), lo.abs()) / 127.0
+    s_scale = torch.where(s_scale > 0, s_scale, torch.ones_like(s_scale))
+    s_q = torch.round(w / s_scale[..., None]).clamp_(-127, 127)
+    s_min = -128.0 * s_scale
+    s_err = ((s_q + 128.0) * s_scale[..., None] + s_min[..., None] - w).square().sum(-1)
+
+    sym = s_err < a_err
+    codes = torch.where(sym[..., None], s_q + 128.0, a_codes).to(torch.uint8).reshape(n, k)
+    scale = torch.where(sym, s_scale, a_scale).contiguous()
+    minimum = torch.where(sym, s_min, lo).contiguous()
+    return codes, scale, minimum
+
+
+def dequantize_int8_groupwise(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
+    """The float32 ``[N, K]`` weight of :func:`quantize_int8_groupwise`'s output."""
+    group_size = codes.shape[1] // scale.shape[1]
+    return (codes.float() * scale.repeat_interleave(group_size, 1)
+            + minimum.repeat_interleave(group_size, 1))
+
+
+def kernel_available() -> bool:
+    """Whether :func:`int8_group_linear` can run here (llminfer's CPU kernel loads, building it on the first
+    call)."""
+    if not build.skinny_linear_available():
+        return False
+    _register_fake()
+    return hasattr(torch.ops.llminfer_cpu, "int8_group_linear")
+
+
+def _register_fake() -> None:
+    """A shape-only implementation, so torch.compile traces through the op (once per process)."""
+    global _fake_registered
+    if _fake_registered:
+        return
+
+    @torch.library.register_fake("llminfer_cpu::int8_group_linear")
+    def _int8_group_linear_fake(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+                                group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return x.new_empty(x.shape[0], codes.shape[0], dtype=torch.float32)
+
+    _fake_registered = True
+
+
+def int8_group_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+                      group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T + bias`` for group-wise 8-bit weights, on llminfer's CPU kernel.
+
+    Activations are rounded per row to 14 bits (``max|x| / 8191`` steps) and the products are exact integer
+    dot products per group (llama.cpp's block dot product of a Q4_1-style block, at 8 bits); a row's result
+    does not depend on the other rows or the threads.
+
+    Args:
+        x: float32 ``[M, K]``, contiguous.
+        codes: uint8 ``[N, K]``, contiguous.
+        scale, minimum: float32 ``[N, K // group_size]``, contiguous.
+        group_size: 32, 64, 128 or 256, dividing ``K``.
+        bias: float32 ``[N]`` or None.
+
+    Returns:
+        float32 ``[M, N]``.
+
+    Raises:
+        RuntimeError: the kernel is not loaded, or the arguments break the rules above.
+    """
+    if not kernel_available():
+        raise RuntimeError("int8_group_linear: llminfer's CPU kernel is not loaded "
+                           f"({build.unavailable_reason() or 'unknown reason'})")
+    return torch.ops.llminfer_cpu.int8_group_linear(x, codes, scale, minimum, group_size, bias)

@@ -1,0 +1,448 @@
+"""Weight-only int8 / int4 quantization for CPU decode, on torch's own CPU kernels (no extra dependency).
+
+Batch-1 decode on CPU is bound by the bytes of weights read per step, so storing the linear layers' weights
+in 8 or 4 bits and dequantizing them inside the matmul cuts the step time roughly with the bytes. The
+activations stay in floating point ("weight-only"), which keeps the accuracy close to the unquantized model.
+
+- ``int8-wo`` (:class:`Int8WeightOnlyLinear`): symmetric per-output-channel int8,
+  ``W[n, k] ≈ q[n, k] * scale[n]`` with ``scale[n] = max_k |W[n, k]| / 127``; the product runs in
+  ``torch.ops.aten._weight_int8pack_mm`` (the kernel gpt-fast's int8 mode uses on CPU).
+- ``int4-wo`` (:class:`Int4WeightOnlyLinear`): asymmetric group-wise uint4 along the input dimension,
+  ``W[n, k] ≈ (q[n, k] - 8) * scale[n, g] + zero[n, g]`` for ``g = k // group_size``, where
+  ``zero = min + 8 * scale`` and ``scale = (max - min) / 15`` over the group (torch's tinygemm layout, as in
+  torch's own ``test_linalg`` int4 tests); ``torch.ops.aten._convert_weight_to_int4pack_for_cpu`` packs the
+  codes and ``torch.ops.aten._weight_int4pack_mm_for_cpu`` multiplies. Where llminfer's CPU kernel has its
+  AVX-512 VNNI path, :func:`llminfer.models.kernel_swap.enable_cpu_kernels` re-lays the codes out for
+  :func:`llminfer.kernels.int4_linear.int4_linear` instead (:meth:`Int4WeightOnlyLinear.use_llminfer_kernel`),
+  or, on any build where :func:`llminfer.kernels.path_choice.quant_paths` chose the q8 path, for
+  :func:`llminfer.kernels.q8_linear.int4_linear_q8`.
+
+Activation dtype: torch vectorizes both kernels on x86 (AVX2 and AVX-512) for **bfloat16** activations
+only; float32 and float16 activations take a scalar loop there that is several times slower than the fp32
+matmul it replaces. The layers therefore cast their input to ``compute_dtype`` (default bfloat16,
+:attr:`llminfer.config.QuantConfig.compute_dtype`) for the kernel and the result back to the input's dtype;
+the rest of the model (attention, norms, the KV cache) keeps the model dtype. ``compute_dtype="float32"``
+gives products exact up to fp32 rounding, at the scalar kernel's speed.
+
+Shape rules of the kernels (layers that do not meet them stay unquantized, listed in the report):
+int8 needs ``in_features % 8 == 0`` (the AVX2 kernel reads 8 columns at a time and has no tail);
+int4 needs ``in_features % group_size == 0`` and pads ``out_features`` up to a multiple of 16.
+
+The quantized modules subclass ``nn.Linear`` (without allocating a float weight) so PEFT wraps them with
+LoRA like any linear layer: the LoRA product runs in floating point on top of the quantized base
+(QLoRA-style), the adapters stay in the model dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from llminfer.kernels.int4_linear import int4_linear, pack_int4_codes, unpack_int4_codes
+from llminfer.kernels.linear import int8_linear
+from llminfer.kernels.q8_linear import (
+    int4_linear_q8,
+    int8_linear_q8,
+    pack_int4_codes_q8,
+    unpack_int4_codes_q8,
+)
+
+INT4_GROUP_SIZES = (32, 64, 128, 256)
+_INT4_N_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu: "expect N to be dividable by 16"
+_INT8_K_MULTIPLE = 8
+
+
+# ------------------------------------------------------------------------------------------ quantizers
+def quantize_int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8.
+
+    Args:
+        weight: ``[N, K]`` float.
+
+    Returns:
+        ``(q, scales)``: ``q`` int8 ``[N, K]`` in [-127, 127], ``scales`` float32 ``[N]`` with
+        ``weight ≈ q * scales[:, None]`` (an all-zero row gets scale 1, not 0).
+    """
+    w = weight.detach().float()
+    scales = w.abs().amax(dim=1) / 127.0
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scales
+
+
+def quantize_int4_groupwise(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric group-wise uint4 in torch's tinygemm layout.
+
+    Args:
+        weight: ``[N, K]`` float with ``K % group_size == 0``.
+        group_size: input columns sharing one scale and zero point.
+
+    Returns:
+        ``(q, scales_and_zeros)``: ``q`` int32 ``[N, K]`` codes in [0, 15]; ``scales_and_zeros`` float32
+        ``[K // group_size, N, 2]`` (``[..., 0]`` the scale, ``[..., 1]`` the zero point) with
+        ``weight[n, k] ≈ (q[n, k] - 8) * scale[g, n] + zero[g, n]``, ``g = k // group_size``.
+
+    Raises:
+        ValueError: ``K`` is not a multiple of ``group_size``.
+    """
+    n, k = weight.shape
+    if k % group_size:
+        raise ValueError(f"in_features {k} is not a multiple of the int4 group size {group_size}")
+    groups = weight.detach().float().reshape(n, k // group_size, group_size)
+    lo = groups.amin(dim=2, keepdim=True)
+    hi = groups.amax(dim=2, keepdim=True)
+    scales = (hi - lo).clamp(min=1e-6) / 15.0
+    zeros = lo + 8.0 * scales
+    q = torch.round((groups - lo) / scales).clamp_(0, 15).to(torch.int32).reshape(n, k)
+    scales_and_zeros = torch.stack([scales.squeeze(2), zeros.squeeze(2)], dim=2).transpose(0, 1).contiguous()
+    return q, scales_and_zeros
+
+
+def dequantize_int4(q: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The float32 ``[N, K]`` weight that codes from :func:`quantize_int4_groupwise` stand for."""
+    n, k = q.shape
+    s = scales_and_zeros[..., 0].float().t().unsqueeze(2)  # [N, K/G, 1]
+    z = scales_and_zeros[..., 1].float().t().unsqueeze(2)
+    return ((q.reshape(n, k // group_size, group_size).float() - 8.0) * s + z).reshape(n, k)
+
+
+# --------------------------------------------------------------------------------------------- modules
+class _WeightOnlyLinear(nn.Linear):
+    """Shared parts: an ``nn.Linear`` (for PEFT) holding no float weight, input cast to the kernel's dtype."""
+
+    mode = ""
+
+    def __init__(self, linear: nn.Linear, compute_dtype: torch.dtype) -> None:
+        nn.Module.__init__(self)  # not nn.Linear.__init__: it would allocate a float weight
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.compute_dtype = compute_dtype
+        #: True for an LM head quantized from a weight it shared with the input embedding.
+        self.tied_to_input_embedding = False
+        bias = linear.bias
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(self.compute_dtype)
+        # The AVX kernels use aligned 16-byte loads of the activation rows. Under torch.compile inductor's
+        # buffers are aligned and a data pointer cannot be traced, so only eager checks it.
+        if not flat.is_contiguous() or (not torch.compiler.is_compiling() and flat.data_ptr() % 64):
+            flat = flat.clone(memory_format=torch.contiguous_format)
+        out = self._kernel(flat).to(x.dtype)
+        if self.bias is not None:
+            out = out + self.bias.to(x.dtype)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"mode={self.mode}, compute_dtype={str(self.compute_dtype).replace('torch.', '')}")
+
+    def quantized_bytes(self) -> int:
+        """Bytes of the quantized weight and its scales (bias excluded)."""
+        return sum(b.numel() * b.element_size() for b in self.buffers(recurse=False))
+
+
+class Int8WeightOnlyLinear(_WeightOnlyLinear):
+    """``nn.Linear`` replacement with an int8 per-output-channel weight.
+
+    Buffers: ``weight`` int8 ``[out_features, in_features]``; ``scales`` ``[out_features]`` in
+    ``compute_dtype``. Input ``[..., in_features]`` (any float dtype) gives ``[..., out_features]`` of the
+    input's dtype: ``x @ (weight * scales[:, None]).T + bias`` with ``x`` rounded to ``compute_dtype`` and
+    the result rounded to ``compute_dtype`` before the cast back (fp32 accumulation inside the kernel).
+
+    Raises:
+        ValueError: ``in_features`` is not a multiple of 8.
+    """
+
+    mode = "int8-wo"
+
+    def __init__(self, linear: nn.Linear, compute_dtype: torch.dtype = torch.bfloat16) -> None:
+        if linear.in_features % _INT8_K_MULTIPLE:
+            raise ValueError(f"int8 weight-only needs in_features % {_INT8_K_MULTIPLE} == 0, "
+                             f"got {linear.in_features}")
+        super().__init__(linear, compute_dtype)
+        q, scales = quantize_int8_per_channel(linear.weight)
+        self.register_buffer("weight", q)
+        self.register_buffer("scales", scales.to(compute_dtype))
+
+    #: Set by :func:`llminfer.models.kernel_swap.enable_cpu_kernels`: CPU inputs of any row count run on
+    #: llminfer's kernel (:func:`~llminfer.kernels.linear.int8_linear`: float32 activations, or on the
+    #: AVX-512 VNNI build activations rounded to 14 bits per row and exact integer sums), or, where
+    #: ``kernel_path`` is ``"q8"``, :func:`~llminfer.kernels.q8_linear.int8_linear_q8` (activations rounded
+    #: to 8 bits per block of 32 columns, as llama.cpp's Q8_0). ``compute_dtype`` is not applied: the first two
+    #: are more exact than bf16 activations, the third about as exact, and all faster than torch's kernel; one
+    #: kernel for prefill and decode keeps a row's result independent of how the step was packed.
+    use_cpu_kernel = False
+    #: ``"q8"`` or ``"wide"``: which of the kernel's int8 products this layer runs (set with use_cpu_kernel,
+    #: from :func:`llminfer.kernels.path_choice.quant_paths`).
+    kernel_path = "wide"
+    _kernel_scales: torch.Tensor | None = None  # ``scales`` in float32 for that kernel (enable_cpu_kernels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.use_cpu_kernel or x.device.type != "cpu":
+            return super().forward(x)
+        rows = x.numel() // self.in_features
+        scales = self._kernel_scales
+        if scales is None or scales.dtype != torch.float32:  # made by enable_cpu_kernels (before any trace)
+            scales = self._kernel_scales = self.scales.float().contiguous()
+        bias = None if self.bias is None else self.bias.float()
+        flat = x.reshape(rows, self.in_features).float().contiguous()
+        product = int8_linear_q8 if self.kernel_path == "q8" else int8_linear
+        out = product(flat, self.weight, scales, bias)
+        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The float32 ``[out_features, in_features]`` weight the layer computes with."""
+        return self.weight.float() * self.scales.float()[:, None]
+
+
+class Int8GroupWeightOnlyLinear(_WeightOnlyLinear):
+    """``nn.Linear`` replacement with int8-wo's group-wise weight (:mod:`llminfer.kernels.int8_group_linear`).
+
+    Buffers: ``weight``, the codes, uint8 ``[out_features, in_features]``; ``scale`` and ``minimum`` float32
+    ``[out_features, in_features // group_size]``. Input ``[..., in_features]`` (any float dtype) gives
+    ``[..., out_features]`` of the input's dtype, computed by
+    :func:`llminfer.kernels.int8_group_linear.int8_group_linear` (14-bit activations per row, exact integer sums
+    per group, float32 out); ``compute_dtype`` is not applied. Where that kernel cannot load, the weight is
+    dequantized for each call (correct, slow); :func:`quantize_model` does not pick this layer there.
+
+    Raises:
+        ValueError: ``in_features`` is not a multiple of ``group_size``, or ``group_size`` is not one of
+            :data:`llminfer.kernels.int8_group_linear.INT8_GROUP_SIZES`.
+    """
+
+    mode = "int8-wo"
+
+    def __init__(self, linear: nn.Linear, group_size: int = 32, compute_dtype: torch.dtype = torch.bfloat16) -> None:
+        from llminfer.kernels.int8_group_linear import quantize_int8_groupwise
+
+        codes, scale, minimum = quantize_int8_groupwise(linear.weight, group_size)
+        super().__init__(linear, compute_dtype)
+        self.group_size = group_size
+        self.register_buffer("weight", codes)
+        self.register_buffer("scale", scale)
+        self.register_buffer("minimum", minimum)
+
+    #: The kernel op once it is known to load (None: not asked yet; False: it cannot), looked up once, not
+    #: per call: a decode step makes one call per linear layer.
+    _op: Any = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._op is None:
+            from llminfer.kernels import int8_group_linear as int8_group
+
+            type(self)._op = torch.ops.llminfer_cpu.int8_group_linear if int8_group.kernel_available() else False
+        rows = x.numel() // self.in_features
+        flat = x.reshape(rows, self.in_features)
+        if flat.dtype != torch.float32 or not flat.is_contiguous():
+            flat = flat.float().contiguous()
+        bias = self.bias if self.bias is None or self.bias.dtype == torch.float32 else self.bias.float()
+        if self._op and x.device.type == "cpu":
+            out = self._op(flat, self.weight, self.scale, self.minimum, self.group_size, bias)
+        else:
+            out = torch.nn.functional.linear(flat, self.dequantized_weight().to(flat.device), bias)
+        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The float32 ``[out_features, in_features]`` weight the layer computes with."""
+        from llminfer.kernels.int8_group_linear import dequantize_int8_groupwise
+
+        return dequantize_int8_groupwise(self.weight, self.scale, self.minimum)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", group_size={self.group_size}"
+
+
+class Int4WeightOnlyLinear(_WeightOnlyLinear):
+    """``nn.Linear`` replacement with a group-wise uint4 weight packed for torch's CPU int4 kernel.
+
+    Buffers: ``weight`` uint8 ``[N_pad, in_features // 2]`` (two codes a byte, the kernel's packed layout;
+    ``N_pad`` = ``out_features`` rounded up to 16, padding rows zero); ``scales_and_zeros``
+    ``[in_features // group_size, N_pad, 2]`` in ``compute_dtype``. After :meth:`use_llminfer_kernel`,
+    ``weight`` is uint8 ``[out_features, ceil(in_features / 128) * 64]`` in :func:`pack_int4_codes`'s layout,
+    ``scales_and_zeros`` gives way to float32 ``kernel_scales`` and ``kernel_zeros`` (zero point less 8 *
+    scale) ``[out_features, in_features // group_size]``, and the products take llminfer's kernel (float32
+    activations rounded to 14 bits per row, not ``compute_dtype``). Input and output as
+    :class:`Int8WeightOnlyLinear`, with the weight of :func:`dequantize_int4`.
+
+    Raises:
+        ValueError: ``group_size`` is not 32/64/128/256 or does not divide ``in_features``.
+    """
+
+    mode = "int4-wo"
+
+    def __init__(self, linear: nn.Linear, group_size: int = 32, compute_dtype: torch.dtype = torch.bfloat16) -> None:
+        if group_size not in INT4_GROUP_SIZES:
+            raise ValueError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group_size}")
+        if linear.in_features % group_size:
+            raise ValueError(f"int4 weight-only needs in_features % {group_size} == 0, got {linear.in_features}")
+        super().__init__(linear, compute_dtype)
+        self.group_size = group_size
+        w = linear.weight.detach()
+        pad = (-w.shape[0]) % _INT4_N_MULTIPLE
+        if pad:
+            w = torch.cat([w, w.new_zeros(pad, w.shape[1])])
+        q, sz = quantize_int4_groupwise(w, group_size)
+        self.register_buffer("weight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
+        self.register_buffer("scales_and_zeros", sz.to(compute_dtype))
+
+    #: Set by :meth:`use_llminfer_kernel`: ``weight`` then holds the codes in the layout of
+    #: :func:`llminfer.kernels.int4_linear.int4_linear` (``kernel_path`` ``"wide"``) or of
+    #: :func:`llminfer.kernels.q8_linear.int4_linear_q8` (``"q8"``) and every product runs there.
+    use_cpu_kernel = False
+    kernel_path = "wide"
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.weight, self.group_size, self.scales_and_zeros)
+        return out[:, : self.out_features] if out.shape[1] != self.out_features else out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.use_cpu_kernel:
+            return super().forward(x)
+        rows = x.numel() // self.in_features
+        flat = x.reshape(rows, self.in_features).float().contiguous()
+        bias = None if self.bias is None else self.bias.float()
+        product = int4_linear_q8 if self.kernel_path == "q8" else int4_linear
+        out = product(flat, self.weight, self.kernel_scales, self.kernel_zeros, self.group_size, bias)
+        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def codes(self) -> torch.Tensor:
+        """The int32 ``[out_features, in_features]`` codes in [0, 15] (of either layout)."""
+        if self.use_cpu_kernel:
+            unpack = unpack_int4_codes_q8 if self.kernel_path == "q8" else unpack_int4_codes
+            return unpack(self.weight, self.in_features)[: self.out_features]
+        # torch's packed layout is opaque: its own kernel with scale 1 and zero point 8 computes
+        # (q - 8) * 1 + 8 = q, and rows of the identity pick each column (exact: one term per output)
+        n_pad = self.weight.shape[0]
+        ones = torch.ones(self.in_features // self.group_size, n_pad, dtype=torch.bfloat16)
+        sz = torch.stack([ones, ones * 8], dim=2)
+        eye = torch.eye(self.in_features, dtype=torch.bfloat16)
+        cols = [torch.ops.aten._weight_int4pack_mm_for_cpu(eye[i:i + 256], self.weight, self.group_size, sz)
+                for i in range(0, self.in_features, 256)]
+        return torch.cat(cols).t()[: self.out_features].round().to(torch.int32)
+
+    def use_llminfer_kernel(self, path: str = "wide") -> None:
+        """Re-lay ``weight`` out for :func:`llminfer.kernels.int4_linear.int4_linear` (``path="wide"``,
+        :func:`pack_int4_codes`, the caller checks that the kernel has its VNNI path) or
+        :func:`~llminfer.kernels.q8_linear.int4_linear_q8` (``"q8"``, :func:`pack_int4_codes_q8`), without
+        torch's row padding; replace ``scales_and_zeros`` by the kernel's float32 ``kernel_scales`` /
+        ``kernel_zeros`` buffers, and run every product there from now on. Idempotent (the first path stays).
+
+        Raises:
+            ValueError: ``path`` is neither ``"wide"`` nor ``"q8"``.
+        """
+        if path not in ("wide", "q8"):
+            raise ValueError(f"int4 kernel path must be 'wide' or 'q8', got {path!r}")
+        if self.use_cpu_kernel:
+            return
+        q = self.codes()
+        sz = self.scales_and_zeros[:, : self.out_features].float()  # [K/G, N, 2]
+        scales, zeros = sz[..., 0].t().contiguous(), sz[..., 1].t().contiguous()
+        # The kernel's state replaces torch's: buffers (so state_dict, load_state_dict and the byte counts
+        # see what the products read), under other names than torch's layout, so a state_dict of one layout
+        # does not load into the other.
+        del self.scales_and_zeros
+        self.weight = pack_int4_codes_q8(q) if path == "q8" else pack_int4_codes(q)
+        self.kernel_path = path
+        self.register_buffer("kernel_scales", scales)                           # float32 [N, K / G]
+        self.register_buffer("kernel_zeros", (zeros - 8.0 * scales).contiguous())  # zero - 8 * scale
+        self.use_cpu_kernel = True
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The float32 ``[out_features, in_features]`` weight the layer computes with."""
+        if self.use_cpu_kernel:
+            g = self.group_size
+            return (self.codes().double() * self.kernel_scales.double().repeat_interleave(g, 1)
+                    + self.kernel_zeros.double().repeat_interleave(g, 1)).float()
+        sz = self.scales_and_zeros[:, : self.out_features].float()
+        return dequantize_int4(self.codes(), sz, self.group_size)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, group_size={self.group_size}"
+
+
+WEIGHT_ONLY_TYPES = (Int8WeightOnlyLinear, Int8GroupWeightOnlyLinear, Int4WeightOnlyLinear)
+
+
+# ----------------------------------------------------------------------------------------- model pass
+def quantize_model(model: nn.Module, mode: str, *, group_size: int = 32, compute_dtype: torch.dtype = torch.bfloat16,
+                   quantize_lm_head: bool = True, int4_lm_head: str = "int8",
+                   int8_group_size: int = 32) -> dict[str, Any]:
+    """Replace ``model``'s ``nn.Linear`` layers by weight-only quantized ones, in place.
+
+    Only modules whose type is exactly ``nn.Linear`` are replaced (GPT-2's ``Conv1D`` projections, for
+    one, stay as they are). The LM head is the output embedding; with tied embeddings it shares its weight
+    with the input embedding, which keeps its float weight (the token lookup is unchanged) while the head
+    gets its own quantized copy.
+
+    Args:
+        model: a transformers causal LM on CPU (float weights).
+        mode: ``"int8-wo"`` or ``"int4-wo"``.
+        group_size: int4 group size (32, 64, 128 or 256).
+        compute_dtype: the kernels' activation dtype (see the module docstring).
+        quantize_lm_head: replace the LM head too.
+        int4_lm_head: with ``mode="int4-wo"``, the head's format: ``"int8"`` (int8-wo's) or ``"int4"``.
+        int8_group_size: int8 layers' (int8-wo's, and an int8 head's) input columns per scale and minimum
+            (:class:`Int8GroupWeightOnlyLinear`), or 0 for one scale per output channel
+            (:class:`Int8WeightOnlyLinear`). Where llminfer's CPU kernel cannot load, per channel.
+
+    Returns:
+        ``{"quantized": [names], "skipped": {name: reason}}``.
+
+    Raises:
+        ValueError: an unknown ``mode``.
+    """
+    if mode not in ("int8-wo", "int4-wo"):
+        raise ValueError(f"unknown weight-only mode {mode!r}")
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    report: dict[str, Any] = {"quantized": [], "skipped": {}}
+    if int8_group_size:
+        from llminfer.kernels import int8_group_linear as int8_group
+
+        if not int8_group.kernel_available():
+            report["int8_format"] = "per channel (llminfer's CPU kernel for groups is not available)"
+            int8_group_size = 0
+    report.setdefault("int8_format", f"groups of {int8_group_size}" if int8_group_size else "per channel")
+    targets = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear]
+    for name, linear in targets:
+        if linear is head and not quantize_lm_head:
+            report["skipped"][name] = "quantize_lm_head is off"
+            continue
+        try:
+            new: nn.Module
+            if mode == "int8-wo" or (linear is head and int4_lm_head == "int8"):
+                grouped = int8_group_size and linear.in_features % int8_group_size == 0
+                new = (Int8GroupWeightOnlyLinear(linear, int8_group_size, compute_dtype) if grouped
+                       else Int8WeightOnlyLinear(linear, compute_dtype))
+            else:
+                new = Int4WeightOnlyLinear(linear, group_size, compute_dtype)
+        except ValueError as exc:
+            report["skipped"][name] = str(exc)
+            continue
+        in_emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        new.tied_to_input_embedding = in_emb is not None and getattr(in_emb, "weight", None) is linear.weight
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+        report["quantized"].append(name)
+    return report
+
+
+def check_kernels_available() -> str | None:
+    """Why torch's CPU weight-only kernels cannot run here, or None when they can (a tiny product each)."""
+    try:
+        lin = nn.Linear(32, 16, bias=False)
+        x = torch.randn(1, 32)
+        with torch.inference_mode():
+            Int8WeightOnlyLinear(lin)(x)
+            Int4WeightOnlyLinear(lin, 32)(x)
+    except (RuntimeError, AttributeError, NotImplementedError) as exc:
+        return str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+    return None

@@ -1,0 +1,137 @@
+"""The JSON Schema keyword table (:data:`KEYWORDS`): how each keyword is handled on the way to xgrammar
+(enforced, rewritten, refused or dropped as an annotation, and why), the errors a refusal raises, and the
+README's table generated from it (:func:`keyword_table_markdown`). The rewriting itself is
+:mod:`llminfer.sampling.schema`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from llminfer.errors import InvalidRequestError
+
+PARAM = "structured_output"
+CODE = "unsupported_schema"
+
+ENFORCED, REWRITTEN, REFUSED, ANNOTATION = "enforced", "rewritten", "refused", "annotation"
+
+KEYWORDS: dict[str, tuple[str, str]] = {
+    "type": (ENFORCED, ""),
+    "enum": (ENFORCED, "values that break the sibling keywords are removed first (checked with jsonschema)"),
+    "const": (ENFORCED, "as a one-value enum, checked against its siblings the same way"),
+    "properties": (ENFORCED, "generated in the order given"),
+    "required": (REWRITTEN, "a name missing from properties is added to them, with additionalProperties' "
+                            "schema (any value if none); refused if additionalProperties is false"),
+    "additionalProperties": (ENFORCED, "absent means an open object, unless the request is strict"),
+    "patternProperties": (ENFORCED, ""),
+    "propertyNames": (ENFORCED, ""),
+    "minProperties": (ENFORCED, ""),
+    "maxProperties": (ENFORCED, ""),
+    "items": (ENFORCED, "a list (draft 4-7 tuple form) is rewritten to prefixItems"),
+    "prefixItems": (ENFORCED, ""),
+    "additionalItems": (REWRITTEN, "becomes items, next to a tuple-form items list"),
+    "minItems": (ENFORCED, ""),
+    "maxItems": (ENFORCED, ""),
+    "minLength": (ENFORCED, "next to pattern or format (which xgrammar then ignores it for): dropped where the "
+                            "pattern's or format's own lengths are within the bounds, refused otherwise"),
+    "maxLength": (ENFORCED, "as minLength"),
+    "pattern": (ENFORCED, "the whole string matches it (a subset of what the unanchored pattern allows)"),
+    "format": (ENFORCED, "xgrammar's rules for date-time, date, time, duration, email, hostname, ipv6, uri, "
+                         "uri-reference, uuid...; 'date' bounds the day at 31 whatever the month; 'ipv4' is "
+                         "rewritten to an exact pattern (xgrammar's allows leading zeros, '055')"),
+    "minimum": (ENFORCED, ""),
+    "maximum": (ENFORCED, ""),
+    "exclusiveMinimum": (ENFORCED, "draft-4 boolean form rewritten to the number form"),
+    "exclusiveMaximum": (ENFORCED, "draft-4 boolean form rewritten to the number form"),
+    "multipleOf": (ENFORCED, "integers only (an integer type and an integer divisor); refused on numbers"),
+    "anyOf": (ENFORCED, "sibling keywords are merged into each branch (xgrammar drops them)"),
+    "oneOf": (REWRITTEN, "becomes anyOf when the branches are provably disjoint (types, const/enum values, "
+                         "or a required discriminator property); refused otherwise"),
+    "allOf": (REWRITTEN, "merged into one schema (properties, required, bounds, enums intersected); refused "
+                         "where two members conflict in a way a merge cannot express"),
+    "$ref": (REWRITTEN, "targets inside the document only ('#', '#/$defs/...', any '#/...' pointer), "
+                        "hoisted into the root $defs; sibling keywords merged with the target"),
+    "$defs": (REWRITTEN, "hoisted to the root, renamed when schemas are combined"),
+    "definitions": (REWRITTEN, "as $defs"),
+    "unevaluatedProperties": (REWRITTEN, "as additionalProperties where no applicator (allOf, anyOf, oneOf, "
+                                         "$ref) could evaluate other properties; refused otherwise"),
+    "unevaluatedItems": (REWRITTEN, "as items where no applicator could evaluate other items; refused "
+                                    "otherwise"),
+    "uniqueItems": (REFUSED, "a grammar cannot enforce it (false is accepted: it changes nothing)"),
+    "contains": (REFUSED, "ignored by xgrammar"),
+    "minContains": (REFUSED, "with contains; alone it is an annotation"),
+    "maxContains": (REFUSED, "with contains; alone it is an annotation"),
+    "not": (REFUSED, "ignored by xgrammar"),
+    "if": (REFUSED, "ignored by xgrammar (then / else without if are annotations)"),
+    "dependentRequired": (REFUSED, "ignored by xgrammar"),
+    "dependentSchemas": (REFUSED, "ignored by xgrammar"),
+    "dependencies": (REFUSED, "draft-7 form of the two above"),
+    "$dynamicRef": (REFUSED, "ignored by xgrammar"),
+    "$recursiveRef": (REFUSED, "draft 2019-09 form of $dynamicRef"),
+    "$id": (REFUSED, "below the root (it changes what $ref resolves to); at the root an annotation"),
+}
+_ANNOTATIONS = ("title", "description", "default", "examples", "example", "$comment", "deprecated", "readOnly",
+                "writeOnly", "contentEncoding", "contentMediaType", "contentSchema", "$schema", "$anchor",
+                "$dynamicAnchor", "$recursiveAnchor", "$vocabulary", "discriminator", "nullable", "then", "else")
+for _name in _ANNOTATIONS:
+    KEYWORDS[_name] = (ANNOTATION, "dropped: it does not constrain the value")
+KEYWORDS["nullable"] = (ANNOTATION, "OpenAPI 3.0, not JSON Schema: dropped (use type [..., 'null'])")
+KEYWORDS["discriminator"] = (ANNOTATION, "OpenAPI hint next to oneOf / anyOf: dropped (the branches decide)")
+
+REFUSED_KEYWORDS = frozenset(k for k, (h, _) in KEYWORDS.items() if h == REFUSED) - {"$id"}
+KNOWN_KEYWORDS = frozenset(k for k, (h, _) in KEYWORDS.items() if h != ANNOTATION)
+
+
+class SchemaError(InvalidRequestError):
+    """A schema refused by :func:`normalize_schema`; ``keyword`` is the JSON Schema keyword at fault."""
+
+    def __init__(self, message: str, *, keyword: str, param: str = PARAM) -> None:
+        super().__init__(message, param=param, code=CODE)
+        self.keyword = keyword
+
+
+class _Unsatisfiable(Exception):
+    """A schema no value matches (an anyOf branch that can be dropped; elsewhere a refusal)."""
+
+    def __init__(self, keyword: str = "allOf", where: str = "") -> None:
+        super().__init__(keyword, where)
+        self.keyword = keyword
+        self.where = where
+
+
+def _refuse(keyword: str, where: str, why: str) -> SchemaError:
+    at = f" at {where}" if where else ""
+    return SchemaError(f"JSON Schema keyword '{keyword}'{at} is not supported: {why}", keyword=keyword)
+
+
+def _types(schema: dict[str, Any]) -> set[str] | None:
+    t = schema.get("type")
+    if t is None:
+        return None
+    return {t} if isinstance(t, str) else set(t)
+
+
+def _key(value: Any) -> str:
+    """Identity of a JSON value as JSON Schema compares them (``1 == 1.0``, ``true != 1``)."""
+    def canon(v: Any) -> Any:
+        if isinstance(v, bool) or v is None or isinstance(v, str):
+            return v
+        if isinstance(v, (int, float)):
+            return float(v) if v == v else v
+        if isinstance(v, list):
+            return [canon(x) for x in v]
+        if isinstance(v, dict):
+            return {k: canon(x) for k, x in v.items()}
+        return v
+    return json.dumps(canon(value), sort_keys=True)
+
+
+def keyword_table_markdown() -> str:
+    """:data:`KEYWORDS` as a Markdown table (the README's), grouped by handling."""
+    rows = ["| keyword | handling | how |", "|---|---|---|"]
+    order = {ENFORCED: 0, REWRITTEN: 1, REFUSED: 2, ANNOTATION: 3}
+    for name, (handling, how) in sorted(KEYWORDS.items(), key=lambda kv: (order[kv[1][0]], kv[0].lstrip("$"))):
+        rows.append(f"| `{name}` | {handling} | {how} |")
+    rows.append("| any other keyword | annotation | not a JSON Schema 2020-12 assertion: dropped |")
+    return "\n".join(rows)

@@ -1,0 +1,140 @@
+"""int8-wo's group-wise format (llminfer.kernels.int8_group_linear) and its CPU kernel (csrc/int8_group_linear.cpp).
+
+The kernel is checked against the dequantized weight in float64 within the bound its 14-bit activation
+rounding allows, for batch invariance (a row's bits do not depend on the other rows), for NaN rows and for
+its argument checks. The quantizer is checked to recover GGUF's Q8_0 and Q4_1 grids exactly, and with
+hypothesis never to be worse than either grid alone.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from llminfer.kernels import int8_group_linear as int8_group
+from llminfer.kernels.int8_group_linear import dequantize_int8_groupwise, quantize_int8_groupwise
+from llminfer.models.weight_only import Int8GroupWeightOnlyLinear, Int8WeightOnlyLinear, quantize_model
+
+needs_kernel = pytest.mark.skipif(not int8_group.kernel_available(), reason="llminfer's CPU kernel does not build here")
+
+
+def _q8_0_weight(n: int, k: int, seed: int) -> torch.Tensor:
+    """A weight dequantized from GGUF Q8_0 blocks: d * q, q in [-127, 127], each block's largest |q| 127."""
+    g = torch.Generator().manual_seed(seed)
+    d = torch.rand(n, k // 32, generator=g).half().float() * 0.01 + 1e-4
+    q = torch.randint(-127, 128, (n, k // 32, 32), generator=g).float()
+    q[..., 0] = 127.0
+    return (q * d[..., None]).reshape(n, k)
+
+
+def _q4_1_weight(n: int, k: int, seed: int) -> torch.Tensor:
+    """A weight dequantized from GGUF Q4_1 blocks: m + d * q, q in [0, 15], both ends used."""
+    g = torch.Generator().manual_seed(seed)
+    d = torch.rand(n, k // 32, generator=g).half().float() * 0.01 + 1e-4
+    m = -torch.rand(n, k // 32, generator=g).half().float() * 0.1
+    q = torch.randint(0, 16, (n, k // 32, 32), generator=g).float()
+    q[..., 0], q[..., 1] = 0.0, 15.0
+    return (m[..., None] + q * d[..., None]).reshape(n, k)
+
+
+@pytest.mark.parametrize("make", [_q8_0_weight, _q4_1_weight])
+def test_gguf_grids_come_back_exactly(make) -> None:
+    w = make(24, 128, 0)
+    codes, scale, minimum = quantize_int8_groupwise(w, 32)
+    assert codes.dtype == torch.uint8 and scale.shape == minimum.shape == (24, 4)
+    torch.testing.assert_close(dequantize_int8_groupwise(codes, scale, minimum), w, rtol=0, atol=2e-7)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(st.integers(0, 2**31 - 1), st.sampled_from([32, 64]), st.floats(0.0, 3.0))
+def test_each_group_takes_the_closer_grid(seed: int, group_size: int, shift: float) -> None:
+    w = torch.randn(4, 128, generator=torch.Generator().manual_seed(seed)) + shift
+    codes, scale, minimum = quantize_int8_groupwise(w, group_size)
+    err = (dequantize_int8_groupwise(codes, scale, minimum) - w).reshape(4, -1, group_size).square().sum(-1)
+    g = w.reshape(4, -1, group_size)
+    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+    a_scale = (hi - lo) / 255
+    asym = torch.round((g - lo) / a_scale).clamp(0, 255) * a_scale + lo
+    s_scale = torch.maximum(hi.abs(), lo.abs()) / 127
+    sym = torch.round(g / s_scale).clamp(-127, 127) * s_scale
+    best = torch.minimum((asym - g).square().sum(-1), (sym - g).square().sum(-1))
+    assert bool((err <= best * (1 + 1e-4) + 1e-10).all())
+    assert int(codes.min()) >= 0 and int(codes.max()) <= 255
+
+
+def test_quantizer_refuses_bad_group_sizes() -> None:
+    with pytest.raises(ValueError, match="group size"):
+        quantize_int8_groupwise(torch.randn(4, 96), 48)
+    with pytest.raises(ValueError, match="in_features % 64"):
+        quantize_int8_groupwise(torch.randn(4, 96), 64)
+
+
+@needs_kernel
+@pytest.mark.parametrize(("n", "k", "group_size"), [(37, 64, 32), (100, 576, 32), (19, 1536, 64), (8, 256, 256)])
+def test_kernel_matches_the_dequantized_product_and_is_batch_invariant(n: int, k: int, group_size: int) -> None:
+    gen = torch.Generator().manual_seed(n * k)
+    w = torch.randn(n, k, generator=gen) * 0.05
+    codes, scale, minimum = quantize_int8_groupwise(w, group_size)
+    wd = dequantize_int8_groupwise(codes, scale, minimum).double()
+    x = torch.randn(9, k, generator=gen)
+    bias = torch.randn(n, generator=gen)
+    out = int8_group.int8_group_linear(x, codes, scale, minimum, group_size, bias)
+    ref = x.double() @ wd.T + bias.double()
+    # 14-bit activations: each element off by at most max|x| / 8191 / 2, times sum |w| of its channel.
+    bound = (x.abs().amax(1, keepdim=True).double() / 8191 / 2) * wd.abs().sum(1)[None, :] + 1e-4
+    assert bool(((out.double() - ref).abs() <= bound).all())
+    for rows in (slice(0, 1), slice(3, 5), slice(2, 9)):
+        part = int8_group.int8_group_linear(x[rows].contiguous(), codes, scale, minimum, group_size, bias)
+        assert torch.equal(part, out[rows])
+
+
+@needs_kernel
+def test_kernel_nan_row_stays_in_its_row_and_zero_row_gives_bias() -> None:
+    codes, scale, minimum = quantize_int8_groupwise(torch.randn(16, 64), 32)
+    x = torch.randn(3, 64)
+    x[1, 7] = float("nan")
+    x[2] = 0.0
+    bias = torch.randn(16)
+    out = int8_group.int8_group_linear(x, codes, scale, minimum, 32, bias)
+    assert out[1].isnan().all() and not out[0].isnan().any()
+    torch.testing.assert_close(out[2], bias)
+
+
+@needs_kernel
+def test_kernel_argument_errors_are_clear() -> None:
+    codes, scale, minimum = quantize_int8_groupwise(torch.randn(16, 64), 32)
+    with pytest.raises(RuntimeError, match="group_size must be"):
+        int8_group.int8_group_linear(torch.randn(1, 64), codes, scale, minimum, 48)
+    with pytest.raises(RuntimeError, match="float32"):
+        int8_group.int8_group_linear(torch.randn(1, 64).double(), codes, scale, minimum, 32)
+    with pytest.raises(RuntimeError, match="scale and minimum"):
+        int8_group.int8_group_linear(torch.randn(1, 64), codes, scale[:, :1].contiguous(), minimum, 32)
+
+
+def test_layer_and_quantize_model_choose_the_format() -> None:
+    model = nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 16), nn.Linear(40, 8))
+    report = quantize_model(model, "int8-wo", int8_group_size=32)
+    if int8_group.kernel_available():
+        assert report["int8_format"] == "groups of 32"
+        assert isinstance(model[0], Int8GroupWeightOnlyLinear) and isinstance(model[1], Int8GroupWeightOnlyLinear)
+        assert isinstance(model[2], Int8WeightOnlyLinear)  # 40 columns: not a whole number of groups
+    per_channel = nn.Sequential(nn.Linear(64, 32))
+    assert quantize_model(per_channel, "int8-wo", int8_group_size=0)["int8_format"] == "per channel"
+    assert isinstance(per_channel[0], Int8WeightOnlyLinear)
+
+
+def test_layer_fallback_without_the_kernel_equals_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    lin = nn.Linear(64, 24)
+    layer = Int8GroupWeightOnlyLinear(lin, 32)
+    x = torch.randn(2, 3, 64)
+    ref = x.double() @ layer.dequantized_weight().double().T + lin.bias.double()
+    monkeypatch.setattr(Int8GroupWeightOnlyLinear, "_op", False)
+    fallback = layer(x)
+    assert fallback.shape == (2, 3, 24)
+    torch.testing.assert_close(fallback.double(), ref, rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(Int8GroupWeightOnlyLinear, "_op", None)
+    if int8_group.kernel_available():
+        torch.testing.assert_close(layer(x).double(), ref, rtol=2e-3, atol=2e-3)
