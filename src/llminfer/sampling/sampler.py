@@ -9,7 +9,7 @@ Order inside one step, for each row (the semantics of the named Hugging Face pro
    allow next becomes -inf; EOS is allowed only where the grammar accepts). The grammar wins: if the bans
    of step 1 and the grammar together leave no token, the row's bans are dropped;
 3. log-probabilities are read here when asked for (``logprobs``);
-4. the warpers of :data:`~llminfer.sampling.processors.WARPERS`, vectorised over the sampling rows
+4. the warpers of :data:`~llminfer.sampling.warpers.WARPERS`, vectorised over the sampling rows
    (temperature, top-k, top-p, min-p);
 5. greedy rows take the argmax; sampling rows draw from the softmax with their own ``torch.Generator``
    when seeded, so a seeded request gives the same tokens whatever else shares its batch. A constrained
@@ -25,16 +25,9 @@ import torch
 
 from llminfer.results import TokenLogprob
 from llminfer.sampling.params import SamplingParams
-from llminfer.sampling.processors import (
-    ROW_PROCESSORS,
-    WARPERS,
-    ForcedWords,
-    RequestHistory,
-    RowProcessor,
-    apply_top_k,
-    apply_top_p,
-)
+from llminfer.sampling.processors import ROW_PROCESSORS, ForcedWords, RequestHistory, RowProcessor
 from llminfer.sampling.structured import GrammarMatcher, allocate_bitmask, apply_bitmask
+from llminfer.sampling.warpers import WARPERS, apply_top_k, apply_top_p
 
 NEG_INF = float("-inf")
 __all__ = ["ForcedWords", "SamplingState", "apply_top_k", "apply_top_p", "argmax_rows", "draw", "sample", "warp"]
@@ -182,7 +175,7 @@ def draw(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> l
 
 
 def warp(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """The :data:`~llminfer.sampling.processors.WARPERS` that any row uses, in order, over ``[S, V]`` float32
+    """The :data:`~llminfer.sampling.warpers.WARPERS` that any row uses, in order, over ``[S, V]`` float32
     logits (one row per params entry; a warper leaves the rows that do not use it unchanged)."""
     for warper in WARPERS:
         if any(warper.applies(p) for p in params):
