@@ -138,12 +138,12 @@ def test_sampling_kwargs_defaults_and_extras():
 def test_one_builder_serves_every_route_and_follows_sampling_params_fields():
     from llminfer.api.responses import ResponsesRequest
 
-    for body in (s.parse_body({"prompt": "x", "top_k": 3, "min_p": 0.1}, s.CompletionRequest),
-                 s.parse_body({"messages": [{"role": "user", "content": "x"}], "top_k": 3, "min_p": 0.1},
-                              s.ChatCompletionRequest),
-                 s.parse_body({"input": "x", "top_k": 3, "min_p": 0.1}, ResponsesRequest)):
+    extras = {"top_k": 3, "min_p": 0.1, "epsilon_cutoff": 0.02}
+    for body in (s.parse_body({"prompt": "x", **extras}, s.CompletionRequest),
+                 s.parse_body({"messages": [{"role": "user", "content": "x"}], **extras}, s.ChatCompletionRequest),
+                 s.parse_body({"input": "x", "top_k": 3, "min_p": 0.1}, ResponsesRequest)):  # a subset of extras
         kw = sampling_kwargs(body, max_new_tokens=8)
-        assert (kw["top_k"], kw["min_p"]) == (3, 0.1)
+        assert {k: kw[k] for k in extras if k in kw} == {k: v for k, v in extras.items() if hasattr(body, k)}
 
 
 def test_engine_errors_map_to_openai_errors():

@@ -56,7 +56,8 @@ def test_sampling_kwargs_mapping():
     assert greedy["logprobs"] is None and "bad_words" not in greedy
 
 
-@pytest.mark.parametrize("field", [{"no_repeat_ngram_size": 3}, {"force_words": ["x"]}, {"typical_p": 0.5}])
+@pytest.mark.parametrize("field", [{"no_repeat_ngram_size": 3}, {"force_words": ["x"]}, {"typical_p": 0.5},
+                                   {"epsilon_cutoff": 0.01}])
 def test_sampling_kwargs_refuses_unmappable(field):
     with pytest.raises(InvalidRequestError, match="not supported by the vLLM backend") as exc:
         vb.sampling_kwargs(SamplingParams(**field))
@@ -64,7 +65,8 @@ def test_sampling_kwargs_refuses_unmappable(field):
 
 
 def test_every_processor_names_its_sampling_params_field():
-    from llminfer.sampling.processors import ROW_PROCESSORS, WARPERS
+    from llminfer.sampling.processors import ROW_PROCESSORS
+    from llminfer.sampling.warpers import WARPERS
 
     fields = {a.name for a in SamplingParams.__attrs_attrs__}
     assert all(p.field in fields for p in (*ROW_PROCESSORS, *WARPERS))

@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from transformers.generation.logits_process import (
+    EpsilonLogitsWarper,
     MinPLogitsWarper,
     NoBadWordsLogitsProcessor,
     NoRepeatNGramLogitsProcessor,
@@ -93,6 +94,16 @@ def test_typical_p_matches_hf_and_leaves_other_rows_alone(logits, typical_p, oth
     x = torch.tensor([logits, other])
     ours = warp(x.clone(), [SamplingParams(temperature=1.0, typical_p=typical_p), SamplingParams(temperature=1.0)])
     theirs = TypicalLogitsWarper(typical_p)(torch.zeros(1, 1, dtype=torch.long), x[:1].clone())
+    _same(ours[0], theirs[0])
+    _same(ours[1], x[1])
+
+
+@settings(max_examples=200, deadline=None)
+@given(logits=logits_st, epsilon=st.floats(1e-4, 0.99), other=logits_st)
+def test_epsilon_cutoff_matches_hf_and_leaves_other_rows_alone(logits, epsilon, other):
+    x = torch.tensor([logits, other])
+    ours = warp(x.clone(), [SamplingParams(temperature=1.0, epsilon_cutoff=epsilon), SamplingParams(temperature=1.0)])
+    theirs = EpsilonLogitsWarper(epsilon)(torch.zeros(1, 1, dtype=torch.long), x[:1].clone())
     _same(ours[0], theirs[0])
     _same(ours[1], x[1])
 

@@ -66,6 +66,7 @@ class _Common(Struct, kw_only=True):
     top_k: Annotated[int, Meta(ge=-1, le=2**31 - 1)] | None = None
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
     typical_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    epsilon_cutoff: Annotated[float, Meta(ge=0.0, lt=1.0)] | None = None
     repetition_penalty: Annotated[float, Meta(ge=0.01, le=10.0)] | None = None
     no_repeat_ngram_size: Annotated[int, Meta(ge=0, le=64)] | None = None
     bad_words: WordList | None = None

@@ -64,6 +64,7 @@ class SamplingParams:
         min_p: drop tokens whose probability is below ``min_p`` times the top token's.
         typical_p: locally typical sampling, keep the tokens whose surprisal is closest to the entropy
             until their probability reaches ``typical_p`` (1 = off).
+        epsilon_cutoff: drop tokens whose probability is below it, keeping the top one (0 = off).
         stop_sequences: strings that end generation; the text stops before the earliest match.
         stop_token_ids: extra token ids that end generation (the token is not part of the text).
         ignore_eos: keep generating past the model's EOS token.
@@ -102,6 +103,7 @@ class SamplingParams:
     top_k: int = 0
     min_p: float = 0.0
     typical_p: float = 1.0
+    epsilon_cutoff: float = 0.0
     stop_sequences: tuple[str, ...] = attrs.field(default=(), converter=_as_tuple)
     stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_as_tuple)
     ignore_eos: bool = False
@@ -139,6 +141,8 @@ class SamplingParams:
                "min_p", f"min_p must be in [0, 1], got {self.min_p!r}")
         _check(_is_num(self.typical_p) and 0.0 < self.typical_p <= 1.0,
                "typical_p", f"typical_p must be in (0, 1], got {self.typical_p!r}")
+        _check(_is_num(self.epsilon_cutoff) and 0.0 <= self.epsilon_cutoff < 1.0,
+               "epsilon_cutoff", f"epsilon_cutoff must be in [0, 1), got {self.epsilon_cutoff!r}")
         _check(all(isinstance(s, str) and s for s in self.stop_sequences),
                "stop_sequences", "stop_sequences must be non-empty strings")
         _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),

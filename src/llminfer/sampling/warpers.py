@@ -121,8 +121,26 @@ class TypicalP(Warper):
         return torch.where(keep | (mass[:, None] >= 1.0), logits, NEG_INF)
 
 
+class EpsilonCutoff(Warper):
+    """Truncation sampling (Hewitt et al. 2022; Hugging Face ``EpsilonLogitsWarper``): drop the tokens whose
+    probability is below ``epsilon_cutoff``, always keeping the most likely (and any tied with it). 0 = off."""
+
+    field = "epsilon_cutoff"
+    in_vllm = False
+
+    @staticmethod
+    def applies(params: Any) -> bool:
+        return params.epsilon_cutoff > 0.0
+
+    def __call__(self, logits: torch.Tensor, params: Sequence[Any]) -> torch.Tensor:
+        epsilon = torch.tensor([p.epsilon_cutoff for p in params], device=logits.device, dtype=logits.dtype)
+        probs = logits.softmax(dim=-1)
+        drop = (probs < epsilon[:, None]) & (logits < logits.max(dim=-1, keepdim=True).values)
+        return logits.masked_fill(drop, NEG_INF)
+
+
 #: The warpers, in the order they run on the sampling rows.
-WARPERS: tuple[Warper, ...] = (Temperature(), TopK(), TopP(), TypicalP(), MinP())
+WARPERS: tuple[Warper, ...] = (Temperature(), TopK(), TopP(), TypicalP(), EpsilonCutoff(), MinP())
 
 
 def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:

@@ -24,10 +24,11 @@ def sampling_kwargs(params: SamplingParams) -> dict[str, Any]:
 
     Raises:
         InvalidRequestError: a setting vLLM has no equivalent for: a processor or warper of
-            :mod:`llminfer.sampling.processors` with ``in_vllm = False`` (``no_repeat_ngram_size``,
-            ``force_words``, ``typical_p``), named in ``param``.
+            :mod:`llminfer.sampling.processors` or :mod:`llminfer.sampling.warpers` with ``in_vllm = False``
+            (``no_repeat_ngram_size``, ``force_words``, ``typical_p``, ``epsilon_cutoff``), named in ``param``.
     """
-    from llminfer.sampling.processors import ROW_PROCESSORS, WARPERS
+    from llminfer.sampling.processors import ROW_PROCESSORS
+    from llminfer.sampling.warpers import WARPERS
 
     for processor in (*ROW_PROCESSORS, *WARPERS):
         if not processor.in_vllm and processor.applies(params):
