@@ -6,6 +6,8 @@ fixture of conftest.py). End-to-end tests on vLLM itself are marked
 
 from __future__ import annotations
 
+import os
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -220,6 +222,24 @@ def test_engine_close_shuts_vllm_down(fake_vllm, qwen2_dir):
     engine.close()
     engine.close()
     assert closed == [True]
+
+
+def test_vllm_logs_at_llminfers_level_unless_the_user_chose(monkeypatch):
+    from llminfer.backends.vllm.install import follow_log_level
+    from llminfer.logging import configure_logging, reset_logging
+
+    monkeypatch.delitem(sys.modules, "vllm", raising=False)  # vLLM reads the variable at its first import
+    monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
+    try:
+        configure_logging("info")
+        follow_log_level()
+        assert os.environ["VLLM_LOGGING_LEVEL"] == "INFO"
+        monkeypatch.setenv("VLLM_LOGGING_LEVEL", "DEBUG")
+        configure_logging("error")
+        follow_log_level()
+        assert os.environ["VLLM_LOGGING_LEVEL"] == "DEBUG"
+    finally:
+        reset_logging()
 
 
 def test_install_hint_names_the_cpu_build():

