@@ -416,8 +416,8 @@ def test_sigterm_with_streams_in_flight_ends_every_stream_with_done(subprocess_s
         waited = time.monotonic() - t0
         for t in threads:
             t.join(60)
-    # uvicorn re-raises the signal once it has shut down gracefully: the exit status is SIGTERM's.
-    assert proc.returncode in (0, -signal.SIGTERM), log_path.read_text()[-3000:]
+    # uvicorn re-raises the signal once it has shut down; serve catches it, closes its engine and exits 0
+    assert proc.returncode == 0, log_path.read_text()[-3000:]
     assert waited <= GRACE_S + 2  # a bound (grace period + 2 s), not a speed measurement
     finished = ended = 0
     for frames in results:

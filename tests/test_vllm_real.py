@@ -18,6 +18,7 @@ import subprocess
 import sys
 
 import httpx
+import psutil
 import pytest
 
 from helpers import wait_until
@@ -188,6 +189,8 @@ def test_cli_serve_with_openai_client(tiny, tmp_path):
         assert wait_until(lambda: _aborted(url) >= 1, timeout_s=120)
         again = client.completions.create(model="tiny", prompt="Hello", max_tokens=3)
         assert again.usage.completion_tokens == 3
+        vllm_processes = psutil.Process(proc.pid).children(recursive=True)
+        assert vllm_processes
     finally:
         proc.terminate()
         try:
@@ -198,6 +201,11 @@ def test_cli_serve_with_openai_client(tiny, tmp_path):
         log.close()
     output = log_path.read_text()
     assert "Traceback" not in output and "Exception ignored" not in output, output[-3000:]
+    # SIGTERM closes the engine: vLLM's engine-core and worker processes exit with the server (uvicorn's
+    # re-raised SIGTERM used to kill serve before that, and they lived on, holding the model)
+    assert proc.returncode == 0, output[-3000:]
+    _, alive = psutil.wait_procs(vllm_processes, timeout=60)
+    assert not alive, [p.pid for p in alive]
 
 
 def _aborted(url: str) -> float:

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import resource
+import signal
 import socket
 import threading
 import time
@@ -262,9 +263,21 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+class _Terminated(Exception):
+    """SIGTERM, raised in the main thread once uvicorn has shut down (see :func:`run_server`)."""
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise _Terminated
+
+
 def run_server(app: Any, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
                limits: ServerLimits | None = None, sock: socket.socket | None = None) -> None:
     """Serve ``app`` until Ctrl-C or SIGTERM, then shut down gracefully (see :class:`ServerLimits`) and return.
+
+    Both signals return normally, so the caller's cleanup runs (``llminfer serve`` then closes its engine:
+    vLLM's engine processes exit with it). uvicorn re-raises the signal it handled once it has stopped; left
+    to the default handler, a re-raised SIGTERM would kill the process before that cleanup.
 
     Args:
         sock: a socket from :func:`bind_socket` to serve on (then ``host`` and ``port`` only name it in logs).
@@ -274,12 +287,17 @@ def run_server(app: Any, host: str = "127.0.0.1", port: int = 8000, log_level: s
     """
     limits = limits or ServerLimits()
     raise_open_files_limit()
+    on_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) if on_main else None
     try:
         server = _Server(uvicorn_config(app, host, port, log_level, limits), app, limits.shutdown_grace_s)
         server.run(sockets=[sock] if sock is not None else None)
-    except KeyboardInterrupt:
-        # uvicorn re-raises the Ctrl-C it handled; the server has already stopped cleanly.
+    except (KeyboardInterrupt, _Terminated):
+        # the re-raised signal: the server has already stopped cleanly
         pass
+    finally:
+        if on_main:
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
 @contextlib.contextmanager
