@@ -414,3 +414,20 @@ def test_the_mask_never_offers_a_special_token_for_its_text(tokenizer):
         assert allowed and not allowed & special_token_ids(tokenizer)
     finally:
         compiler.close()
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--json-schema", '{"type": "nonsense"}'], "json schema"), (["--regex", "[a-"], "regex"),
+    (["--grammar", "root ::="], "grammar"), (["--stop", ""], "--stop"), (["--stop", ","], "--stop")])
+def test_cli_refuses_a_bad_constraint_or_stop_before_loading_the_model(monkeypatch, capsys, args, needle):
+    import llminfer.cli.generate as generate
+    from llminfer.cli import main
+
+    def never(*_a, **_k):
+        raise AssertionError("the model was loaded before the flags were checked")
+
+    monkeypatch.setattr(generate, "load_engine", never)
+    with pytest.raises(SystemExit) as code:
+        main(["run", "x", *args])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code.value.code not in (0, None) and len(err) == 1 and needle in err[0], err

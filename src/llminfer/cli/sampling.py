@@ -56,7 +56,14 @@ GrammarOpt = Annotated[str | None, typer.Option("--grammar", help="Constrain the
 
 
 def _stop_list(value: str | tuple | list | None) -> tuple[str, ...]:
-    """``--stop`` text (comma-separated; ``\\n`` and ``\\t`` stand for a newline and a tab) as strings."""
+    """``--stop`` text (comma-separated; ``\\n`` and ``\\t`` stand for a newline and a tab) as strings.
+
+    Raises:
+        typer.BadParameter: ``--stop`` was given with no stop string in it (``""``, ``","``): left as it is,
+            it would silently mean "no stop string".
+    """
+    if isinstance(value, str) and not split_csv(value):
+        raise typer.BadParameter(f"--stop: no stop string in {value!r} (give one or more, comma-separated)")
     if value is None or isinstance(value, str):
         return tuple(x.replace("\\n", "\n").replace("\\t", "\t") for x in split_csv(value))
     return tuple(value)
@@ -109,14 +116,17 @@ class SamplingOptions:
             InvalidRequestError: more than one given, or an invalid value (``param="structured_output"``).
             typer.BadParameter: an ``@path`` that cannot be read.
         """
+        from llminfer.sampling.grammar_compiler import check_grammar_syntax
         from llminfer.sampling.structured import StructuredOutput
 
         if self.json_schema is None and not self.json_object and self.regex is None and not self.choice \
                 and self.grammar is None:
             return None
-        return StructuredOutput(json_schema=_text_or_file(self.json_schema, "--json-schema"),
+        spec = StructuredOutput(json_schema=_text_or_file(self.json_schema, "--json-schema"),
                                 json_object=self.json_object, regex=self.regex, choice=self.choice or None,
                                 grammar=_text_or_file(self.grammar, "--grammar"))
+        check_grammar_syntax(spec)  # before the model loads: a bad --regex fails in a second, not after it
+        return spec
 
     def to_params(self) -> SamplingParams:
         """The :class:`SamplingParams` these flags describe: every field named like one of its fields, and

@@ -320,6 +320,35 @@ def _compile_spec(compiler: Any, spec: StructuredOutput) -> Any:
     return compiler.compile_grammar(spec.to_ebnf_choice())
 
 
+def check_grammar_syntax(spec: StructuredOutput) -> None:
+    """Build ``spec``'s grammar without a tokenizer, so that a schema, regular expression or grammar
+    xgrammar cannot read is refused before a model is loaded (the CLI calls it first). Parsing is cheap:
+    the costly part of compiling, the token mask tables, needs the tokenizer and is left to
+    :class:`GrammarCompiler`. Does nothing without xgrammar (the compiler then says so).
+
+    Raises:
+        InvalidRequestError: xgrammar refuses the constraint (``param="structured_output"``).
+    """
+    try:
+        import xgrammar
+    except ImportError:
+        return
+    kind = spec.kind
+    try:
+        if kind == "json_schema":
+            xgrammar.Grammar.from_json_schema(spec.json_schema, any_whitespace=False, separators=COMPACT,
+                                              strict_mode=False)
+        elif kind == "regex":
+            xgrammar.Grammar.from_regex(spec.regex)
+        elif kind == "grammar":
+            xgrammar.Grammar.from_ebnf(spec.grammar)
+        elif kind == "choice":
+            xgrammar.Grammar.from_ebnf(spec.to_ebnf_choice())
+    except Exception as exc:  # noqa: BLE001 - xgrammar reports bad input as RuntimeError
+        raise InvalidRequestError(f"invalid or unsupported {kind.replace('_', ' ')}: {_clean(exc)}",
+                                  param=PARAM) from None
+
+
 def special_token_ids(tokenizer: Any) -> set[int]:
     """Ids of the tokenizer's special tokens (``<|im_end|>``, ``<|endoftext|>``, ...)."""
     ids = {int(i) for i in getattr(tokenizer, "all_special_ids", ())}
