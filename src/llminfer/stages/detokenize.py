@@ -7,7 +7,7 @@ The released pieces join to ``tokenizer.decode(ids)``.
 
 Stop strings: only the window that new text can complete is searched, the earliest match wins, and the
 last ``max(len(stop)) - 1`` characters are held back while streaming so a half-formed stop string is never
-sent. A stop-string hit sends :class:`FinishRequest` upstream, into the core's ordered inbox: the core
+sent. A stop-string hit sends :class:`FinishRequest` upstream, straight to the core's direct inbox: the core
 frees the request's blocks at once and sends its final update (with the stats), which becomes the final
 delta. Tokens the request produced meanwhile (the step already under way) are dropped here.
 """
