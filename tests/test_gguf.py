@@ -160,6 +160,26 @@ def test_the_gguf_answers_and_info_names_it(trained_gguf, trained_model, monkeyp
 
 
 @pytest.mark.slow
+def test_info_names_the_gguf_file_given_not_the_one_converted_first(trained_gguf, trained_model, tmp_path,
+                                                                    monkeypatch):
+    """The converted folder is keyed by the file's content, so a second copy of a file loads the folder made
+    from the first; ``info`` must still name the file this load was given."""
+    monkeypatch.setattr(gg, "convert_gguf", lambda *a: pytest.fail("converted again: the cache missed"))
+    copy = tmp_path / "my-copy.gguf"
+    try:
+        os.link(trained_gguf, copy)  # same content, another path, no bytes copied
+    except OSError:  # another file system
+        import shutil
+
+        shutil.copyfile(trained_gguf, copy)
+    with InferenceEngine(EngineConfig(model_name=str(copy), device="cpu")).load() as engine:
+        facts = engine.info()
+    assert facts["model_path"] == trained_model  # the one cached folder ...
+    assert facts["gguf_file"] == os.path.realpath(copy) != os.path.realpath(trained_gguf)  # ... named after the
+    # file given
+
+
+@pytest.mark.slow
 def test_the_converted_folder_is_an_ordinary_checkpoint(trained_model):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

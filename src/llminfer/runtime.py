@@ -60,7 +60,8 @@ class Runtime:
         cpu_kernel_layers: how many linear layers run on llminfer's CPU kernel
             (:mod:`llminfer.kernels.build`; 0 off CPU, with it off, or where it cannot be built).
         gguf: for a model loaded from a GGUF file, the file's facts
-            (:func:`llminfer.models.gguf.read_gguf_info`); None otherwise.
+            (:func:`llminfer.models.gguf.read_gguf_info`; ``file`` is the file given, see
+            :func:`~llminfer.models.gguf.source_info`); None otherwise.
     """
 
     model_path: str
@@ -288,11 +289,12 @@ def _config_and_tokenizer(cfg: EngineConfig, device: torch.device) -> Runtime:
     model_max = getattr(model_config.get_text_config(), "max_position_embeddings", None) or 2048
     if cfg.max_model_len is not None and cfg.max_model_len > model_max:
         raise ConfigError(f"max_model_len {cfg.max_model_len} exceeds the model's context of {model_max} tokens")
-    from llminfer.models.gguf import source_info
+    from llminfer.models.gguf import is_gguf_name, source_info
 
+    given_gguf = cfg.model_name if is_gguf_name(cfg.model_name) else None  # info names the user's file
     return Runtime(model_path=model_path, model_config=model_config, device=device, dtype=dtype,
                    max_model_len=cfg.max_model_len or model_max, tokenizer=load_tokenizer(model_path, cfg),
-                   dtype_reason=dtype_reason, gguf=source_info(model_path))
+                   dtype_reason=dtype_reason, gguf=source_info(model_path, given_gguf))
 
 
 def resolve_quant(cfg: EngineConfig) -> EngineConfig:

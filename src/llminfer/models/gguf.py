@@ -274,11 +274,22 @@ def _quiet_gguf_bar():
         gguf_utils.tqdm = bar
 
 
-def source_info(model_path: str) -> dict[str, Any] | None:
-    """The GGUF facts a converted folder was made from (its ``llminfer_gguf.json``), None for other folders."""
-    with contextlib.suppress(OSError, ValueError):
-        return json.loads((Path(model_path) / "llminfer_gguf.json").read_text())
-    return None
+def source_info(model_path: str, gguf_file: str | os.PathLike | None = None) -> dict[str, Any] | None:
+    """The GGUF facts a converted folder was made from (its ``llminfer_gguf.json``), None for other folders.
+
+    Args:
+        model_path: the folder loaded.
+        gguf_file: the ``.gguf`` file this load was given. Its absolute path replaces the recorded
+            ``"file"``: the folder is keyed by the file's content, so every copy of one file shares it, and
+            the recorded path is only the copy that happened to be converted first.
+    """
+    try:
+        info = json.loads((Path(model_path) / "llminfer_gguf.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if gguf_file is not None:
+        info["file"] = str(Path(gguf_file).expanduser().resolve())  # as read_gguf_info writes it
+    return info
 
 
 def weight_only_mode(info: dict[str, Any]) -> str:
