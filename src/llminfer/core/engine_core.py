@@ -3,17 +3,19 @@
 Start reading here. :meth:`EngineCore._step_loop` is the loop that explains the system::
 
     while there is work:
-        take every message waiting in the inbox, in order    (requests, aborts, stop-string finishes, control)
+        take every message waiting, direct inbox first       (direct: aborts, stop-string finishes;
+                                                              ordered: requests, aborts, control)
         plan = scheduler.schedule()                          (which tokens of which requests, this step)
         output = await model_thread.run(backend.execute, plan)  (the model step, off the event loop, on the
                                                              engine's one model thread: core.model_thread)
         updates = scheduler.update_from_output(plan, output) (append tokens, finish requests, free blocks)
         emit one EngineStepOutput                            (→ detokenize → sink → the request's handle)
 
-Everything that changes scheduling state arrives on the one ordered inbox, so an abort always reaches the
-core after the request it cancels (no tombstones, no time-to-live), and a ``Control("drain")`` placed in
-the inbox resolves exactly when every request that entered before it has finished and freed its blocks.
-Nothing else touches the scheduler, the block pool or the backend.
+Requests, aborts and control arrive on the one ordered inbox, so an abort always reaches the core after the
+request it cancels (no tombstones, no time-to-live), and a ``Control("drain")`` placed in the inbox resolves
+exactly when every request that entered before it has finished and freed its blocks. Aborts and stop-string
+finishes also arrive on the direct inbox (:meth:`EngineCore.bind_direct`), read first, so they need not wait
+behind requests still in the front stages. Nothing else touches the scheduler, the block pool or the backend.
 """
 
 from __future__ import annotations
