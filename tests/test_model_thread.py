@@ -149,9 +149,9 @@ def work(k):
     try:
         first = engine.run(f"job {k}", max_new_tokens=24, ignore_eos=True)
         second = engine.run(f"again {k}", max_new_tokens=3, ignore_eos=True)
-        line = f"ok {k} {len(first.token_ids)} {len(second.token_ids)}\n"
+        line = f"ok {k} {len(first.token_ids)} {len(second.token_ids)}\\n"
     except Exception as exc:
-        line = f"FAILED {k} {exc!r}\n"
+        line = f"FAILED {k} {exc!r}\\n"
     sys.stdout.write(line)  # one write per line: print() writes its pieces separately, and two threads interleave them
     sys.stdout.flush()
 for k in range(2):
