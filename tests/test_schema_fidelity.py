@@ -160,6 +160,8 @@ def test_objects_are_open_unless_closed_or_strict(compiler):
       "exclusiveMinimum": True}, "4", "3"),
     # a pattern that bounds the length itself keeps the schema
     ({"type": "string", "pattern": "^[0-9]{5}$", "maxLength": 5}, '"12345"', '"1234"'),
+    # a branch whose bounds cross matches nothing and is dropped
+    ({"anyOf": [{"type": "integer", "minimum": 4, "maximum": 3}, {"type": "string"}]}, '"x"', "5"),
 ])
 def test_rewritten_keywords_are_enforced(compiler, schema, good, bad):
     spec = _schema(schema)
@@ -186,6 +188,8 @@ REFUSED = [
     ({"$dynamicRef": "#meta"}, "$dynamicRef"),
     ({"type": "object", "properties": {"a": {"$ref": "other.json#/x"}}}, "$ref"),
     ({"allOf": [{"type": "string", "pattern": "^a"}, {"type": "string", "pattern": "b$"}]}, "allOf"),
+    ({"type": "string", "minLength": 5, "maxLength": 3}, "minLength"),  # crossed bounds: nothing matches
+    ({"type": ["array", "null"], "minItems": 3, "maxItems": 1}, "minItems"),
 ]
 
 

@@ -418,7 +418,8 @@ def test_the_mask_never_offers_a_special_token_for_its_text(tokenizer):
 
 @pytest.mark.parametrize("args, needle", [
     (["--json-schema", '{"type": "nonsense"}'], "json schema"), (["--regex", "[a-"], "regex"),
-    (["--grammar", "root ::="], "grammar"), (["--stop", ""], "--stop"), (["--stop", ","], "--stop")])
+    (["--grammar", "root ::="], "grammar"), (["--stop", ""], "--stop"), (["--stop", ","], "--stop"),
+    (["--bad-words", ""], "--bad-words"), (["--force-words", ","], "--force-words")])
 def test_cli_refuses_a_bad_constraint_or_stop_before_loading_the_model(monkeypatch, capsys, args, needle):
     import llminfer.cli.generate as generate
     from llminfer.cli import main

@@ -55,23 +55,23 @@ GrammarOpt = Annotated[str | None, typer.Option("--grammar", help="Constrain the
                                                 "(xgrammar's, root rule 'root'): text, or @path to a file.")]
 
 
-def _stop_list(value: str | tuple | list | None) -> tuple[str, ...]:
-    """``--stop`` text (comma-separated; ``\\n`` and ``\\t`` stand for a newline and a tab) as strings.
+def _comma_list(flag: str, *, escapes: bool = False) -> typing.Callable[[str | tuple | list | None], tuple[str, ...]]:
+    """The converter of a comma-separated flag: its text as strings (a sequence, from Python, as is).
 
-    Raises:
-        typer.BadParameter: ``--stop`` was given with no stop string in it (``""``, ``","``): left as it is,
-            it would silently mean "no stop string".
+    With ``escapes``, ``\\n`` and ``\\t`` stand for a newline and a tab (``--stop``). The converter raises
+    typer.BadParameter when the flag was given with nothing in it (``""``, ``","``): left as it is, that
+    would silently mean "none".
     """
-    if isinstance(value, str) and not split_csv(value):
-        raise typer.BadParameter(f"--stop: no stop string in {value!r} (give one or more, comma-separated)")
-    if value is None or isinstance(value, str):
-        return tuple(x.replace("\\n", "\n").replace("\\t", "\t") for x in split_csv(value))
-    return tuple(value)
 
+    def convert(value: str | tuple | list | None) -> tuple[str, ...]:
+        if not isinstance(value, str):
+            return () if value is None else tuple(value)
+        items = split_csv(value)
+        if not items:
+            raise typer.BadParameter(f"{flag}: nothing in {value!r} (give one or more, comma-separated)")
+        return tuple(x.replace("\\n", "\n").replace("\\t", "\t") for x in items) if escapes else tuple(items)
 
-def _csv(value: str | tuple | list | None) -> tuple[str, ...]:
-    """A comma-separated flag as strings (a sequence, from Python, as is)."""
-    return tuple(split_csv(value)) if value is None or isinstance(value, str) else tuple(value)
+    return convert
 
 
 #: the structured-output flags: together they make ``SamplingParams.structured_output``
@@ -94,12 +94,12 @@ class SamplingOptions:
     top_k: TopK = 0
     min_p: MinP = 0.0
     seed: Seed = None
-    stop_sequences: Stop = attrs.field(default=None, converter=_stop_list)
+    stop_sequences: Stop = attrs.field(default=None, converter=_comma_list("--stop", escapes=True))
     ignore_eos: IgnoreEos = False
     repetition_penalty: RepPen = 1.0
     no_repeat_ngram_size: NoRepeat = 0
-    bad_words: BadWords = attrs.field(default=None, converter=_csv)
-    force_words: ForceWords = attrs.field(default=None, converter=_csv)
+    bad_words: BadWords = attrs.field(default=None, converter=_comma_list("--bad-words"))
+    force_words: ForceWords = attrs.field(default=None, converter=_comma_list("--force-words"))
     logprobs: Logprobs = None
     n: NSamples = 1
     json_schema: JsonSchemaOpt = None

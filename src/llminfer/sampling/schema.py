@@ -66,6 +66,15 @@ def _sanitize(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_]", "_", name) or "_"
 
 
+#: lower and upper bounds of one keyword family: a schema with lower > upper matches nothing
+_BOUND_PAIRS = (("minLength", "maxLength", {"string"}), ("minItems", "maxItems", {"array"}),
+                ("minProperties", "maxProperties", {"object"}), ("minimum", "maximum", {"number", "integer"}))
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 class _Normalizer(SchemaCombiner):
     def __init__(self, doc: Any, strict: bool, prefix: str) -> None:
         self.doc = doc
@@ -258,12 +267,25 @@ class _Normalizer(SchemaCombiner):
         if out.get("format") == "ipv4" and "pattern" not in out:
             del out["format"]
             out["pattern"] = _IPV4
+        self._check_bounds(out, where)
         if ("minLength" in out or "maxLength" in out) and ("pattern" in out or "format" in out):
             self._check_lengths(out, where)
         self._objects(out, where)
         if "const" in out or "enum" in out:
             return self._values(out, where)
         return out
+
+    @staticmethod
+    def _check_bounds(out: dict[str, Any], where: str) -> None:
+        """A lower bound above its upper bound (minLength 5, maxLength 3): no value of that type matches.
+        Where the schema allows only that type, nothing matches it (an anyOf branch is dropped); otherwise
+        it is refused, because xgrammar refuses such a grammar when it compiles."""
+        for low, high, family in _BOUND_PAIRS:
+            if _is_number(out.get(low)) and _is_number(out.get(high)) and out[low] > out[high]:
+                types = _types(out)
+                if types is not None and types <= family:
+                    raise _Unsatisfiable(low, where)
+                raise _refuse(low, where, f"{low} {out[low]} is above {high} {out[high]}")
 
     def _check_lengths(self, out: dict[str, Any], where: str) -> None:
         """xgrammar drops minLength / maxLength next to a pattern or a format. Keep the schema only where the
