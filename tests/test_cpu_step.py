@@ -170,6 +170,27 @@ def test_llamacpp_repack_probe(tmp_path, monkeypatch, capsys):
     assert peer._no_repack(tmp_path / "m-f32.gguf") == []
 
 
+def test_llamacpp_peer_isa_avx2_uses_the_second_build_and_the_avx2_kernels(monkeypatch, tmp_path):
+    """``peer.py --isa avx2``: llama.cpp from ``build-avx2`` (``ISA=avx2 build.sh``) and llminfer's kernels
+    forced to AVX2 through the environment its servers inherit."""
+    from llminfer.kernels.build import ISA_ENV
+
+    spec = importlib.util.spec_from_file_location("peer", BENCH / "llamacpp" / "peer.py")
+    peer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(peer)
+    monkeypatch.delenv(ISA_ENV, raising=False)
+    peer.use_isa("native")
+    assert peer.BIN.parent.name == "build" and ISA_ENV not in os.environ
+    monkeypatch.setenv(ISA_ENV, "")  # restored (removed) after the test
+    peer.use_isa("avx2")
+    assert peer.BIN.parent.name == "build-avx2" and os.environ[ISA_ENV] == "avx2" and peer.ISA == "avx2"
+    bad = subprocess.run(["bash", str(BENCH / "llamacpp" / "build.sh")], capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "ISA": "sse2", "LLAMACPP_CACHE": str(tmp_path / "c")})
+    if "SKIP:" not in bad.stdout:  # without cmake the script stops at its first check
+        assert bad.returncode == 2 and "ISA must be native or avx2" in bad.stderr
+    assert not (tmp_path / "c").exists()  # refused before anything was downloaded or built
+
+
 def test_steal_meter_reports_the_stolen_share(monkeypatch):
     """``StealMeter`` (recorded by the CPU benchmarks): steal jiffies over all jiffies between two reads of
     ``/proc/stat``, None where it cannot be read or no time passed; ``cpu_jiffies`` parses the real file."""

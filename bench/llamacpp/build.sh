@@ -4,6 +4,8 @@
 # machines this runs on are shared. Prints one "SKIP: ..." line and exits 0 where it cannot build.
 #
 #   bench/llamacpp/build.sh            # env: LLAMACPP_CACHE (~/.cache/llminfer/llamacpp), JOBS (2), PIP
+#   ISA=avx2 bench/llamacpp/build.sh   # a second build into build-avx2: GGML_NATIVE=OFF, only AVX/AVX2/FMA/F16C/BMI2,
+#                                      # so that the AVX2 class can be measured on an AVX-512 machine
 set -euo pipefail
 CACHE="${LLAMACPP_CACHE:-$HOME/.cache/llminfer/llamacpp}"
 JOBS="${JOBS:-2}"
@@ -15,7 +17,16 @@ for tool in cmake c++ cc; do
     exit 0
   fi
 done
-BIN="$CACHE/build/bin"
+ISA="${ISA:-native}"
+case "$ISA" in
+  native) BUILD="$CACHE/build"; ISA_FLAGS=(-DGGML_NATIVE=ON) ;;
+  avx2) BUILD="$CACHE/build-avx2"
+        ISA_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+                   -DGGML_AVX_VNNI=OFF -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF
+                   -DGGML_AVX512_BF16=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF) ;;
+  *) echo "ISA must be native or avx2, got '$ISA'" >&2; exit 2 ;;
+esac
+BIN="$BUILD/bin"
 if [[ -x "$BIN/llama-bench" && -x "$BIN/llama-server" && -x "$BIN/llama-quantize" && -x "$BIN/llama-perplexity" ]]; then
   echo "llama.cpp already built in $BIN"; exit 0
 fi
@@ -30,9 +41,9 @@ TOP="${SDIST%.tar.gz}"
 [[ -d "$TOP" ]] || tar xzf "$SDIST" -C "$CACHE/src"
 ln -sfn "$TOP/vendor/llama.cpp" "$CACHE/llama.cpp"
 start=$(date +%s)
-nice -n 19 cmake -S "$CACHE/llama.cpp" -B "$CACHE/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+nice -n 19 cmake -S "$CACHE/llama.cpp" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release "${ISA_FLAGS[@]}" \
   -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DBUILD_SHARED_LIBS=OFF
-nice -n 19 cmake --build "$CACHE/build" --config Release -j "$JOBS" --target llama-bench llama-server llama-quantize llama-perplexity
+nice -n 19 cmake --build "$BUILD" --config Release -j "$JOBS" --target llama-bench llama-server llama-quantize llama-perplexity
 end=$(date +%s)
-echo "$((end - start))" > "$CACHE/build_seconds.txt"
-echo "llama.cpp built in $((end - start)) s (jobs=$JOBS, load average at end: $(cut -d' ' -f1-3 /proc/loadavg)) -> $BIN"
+echo "$((end - start))" > "$BUILD/build_seconds.txt"
+echo "llama.cpp ($ISA) built in $((end - start)) s (jobs=$JOBS, load average at end: $(cut -d' ' -f1-3 /proc/loadavg)) -> $BIN"

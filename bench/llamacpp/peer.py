@@ -49,7 +49,8 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 CACHE = Path(os.environ.get("LLAMACPP_CACHE", Path.home() / ".cache" / "llminfer" / "llamacpp"))
-BIN = CACHE / "build" / "bin"
+BIN = CACHE / "build" / "bin"  # build-avx2/bin with --isa avx2 (use_isa)
+ISA = "native"
 PAIRS = (("float32", "none", "f32"), ("float32", "int8-wo", "q8_0"), ("float32", "int4-wo", "q4_0"))
 
 
@@ -92,9 +93,23 @@ def quant_modes() -> set[str]:
     return {m.value for m in QuantMode}
 
 
+def use_isa(isa: str) -> None:
+    """Measure the ``isa`` class on this machine: ``avx2`` runs llama.cpp's second build (``ISA=avx2
+    build.sh``: no AVX-512, no VNNI) and llminfer's AVX2 kernels (``LLMINFER_CPU_KERNEL_ISA=avx2``, set
+    before any kernel loads, and inherited by the servers); ``native`` is each engine's own choice."""
+    global BIN, ISA
+    ISA = isa
+    if isa == "avx2":
+        from llminfer.kernels.build import ISA_ENV
+
+        BIN = CACHE / "build-avx2" / "bin"
+        os.environ[ISA_ENV] = "avx2"
+
+
+
 def build() -> bool:
     out = subprocess.run(["bash", str(HERE / "build.sh")], capture_output=True, text=True,
-                         env={**os.environ, "PIP": os.environ.get("PIP", f"{sys.executable} -m pip")})
+                         env={**os.environ, "PIP": os.environ.get("PIP", f"{sys.executable} -m pip"), "ISA": ISA})
     lines = out.stdout.strip().splitlines()
     print(lines[-1] if lines else out.stderr.strip()[-500:])
     return out.returncode == 0 and (BIN / "llama-bench").exists()
@@ -271,8 +286,10 @@ def _output_tokens_per_s(artifact: dict[str, Any]) -> float | None:
     return points[0].get("summary", {}).get("output_tokens_per_s")
 
 
-def serve_pair(model_dir: Path, gguf: Path, quant: str, threads: int, work: Path) -> dict[str, Any]:
-    """``llama-server -np 32`` and ``llminfer serve`` at matched precision, one after the other."""
+def serve_pair(model_dir: Path, gguf: Path, quant: str, threads: int, work: Path,
+               llminfer_first: bool = False) -> dict[str, Any]:
+    """``llama-server -np 32`` and ``llminfer serve`` at matched precision, one after the other (llama-server
+    first unless ``llminfer_first``)."""
     from llminfer.benchmark.environment import StealMeter
 
     results = {}
@@ -282,14 +299,15 @@ def serve_pair(model_dir: Path, gguf: Path, quant: str, threads: int, work: Path
         "llminfer": [sys.executable, "-m", "llminfer", "serve", "--model", str(model_dir), "--dtype", "float32",
                      "--max-batch-size", "32", "--quant", quant, "--host", "127.0.0.1"],
     }
-    for name, cmd in servers.items():
+    order = ["llminfer", "llama_server"] if llminfer_first else ["llama_server", "llminfer"]
+    for name, cmd in ((n, servers[n]) for n in order):
         port = _free_port()
         proc = subprocess.Popen([*cmd, "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                 env={**os.environ, "OMP_NUM_THREADS": str(threads)}, start_new_session=True)
         try:
             _wait_http(f"http://127.0.0.1:{port}/health", proc)
             meter = StealMeter()
-            results[name] = bench_serve(f"http://127.0.0.1:{port}", work / f"serve_{name}_{quant}.json")
+            results[name] = bench_serve(f"http://127.0.0.1:{port}", work / f"serve_{name}_{quant}_{ISA}.json")
             results[name]["steal_pct"] = meter.pct()
         except (RuntimeError, subprocess.CalledProcessError) as exc:  # the server died, or the workload failed
             print(f"SKIP: serving {quant} on {name}: {exc}")
@@ -307,16 +325,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--backends", type=lambda v: v.split(","), default=["eager", "compiled"],
                     help="llminfer backends for the batch-1 rows, comma-separated (default eager,compiled)")
     ap.add_argument("--serve", action="store_true", help="also the 64-request serving workload on both servers")
+    ap.add_argument("--rounds", type=int, default=2, help="with --serve: rounds per pair, the servers' order "
+                    "alternating (default 2)")
+    ap.add_argument("--isa", choices=("native", "avx2"), default="native", help="avx2: llama.cpp built for "
+                    "AVX2/FMA/F16C only and llminfer's AVX2 kernels, to measure that class on a newer CPU")
+    ap.add_argument("--no-agreement", action="store_true", help="skip llama.cpp's top-1 agreement rows")
     ap.add_argument("--json-out", type=Path, default=None)
     ap.add_argument("--gguf", type=Path, default=None, help="a trained model's GGUF: llama.cpp runs this file, "
                     "llminfer what it loads from it (see --model)")
     ap.add_argument("--model", default=None, help="with --gguf: what llminfer loads (default: the GGUF itself; "
                     "a folder of the same weights dequantized also enables the agreement rows)")
     args = ap.parse_args(argv)
+    use_isa(args.isa)
     from llminfer.benchmark.environment import StealMeter
 
     whole_run = StealMeter()
-    payload: dict[str, Any] = {"benchmark": "llamacpp_peer", "loadavg_before": loadavg()}
+    payload: dict[str, Any] = {"benchmark": "llamacpp_peer", "loadavg_before": loadavg(), "isa": args.isa}
     if shutil.which("cmake") is None or shutil.which("c++") is None:
         print("SKIP: llama.cpp peer benchmark: cmake or a C++ compiler is missing")
         return {"skipped": "no cmake/compiler"}
@@ -352,21 +376,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     payload["batch1_decode"] = rows
     work = CACHE / "serve"
     work.mkdir(exist_ok=True)
-    agreement = {kind: llamacpp_top1_agreement(files["f32"], files[kind], threads, work) for kind in ("q8_0", "q4_0")}
+    agreement = {} if args.no_agreement else {
+        kind: llamacpp_top1_agreement(files["f32"], files[kind], threads, work) for kind in ("q8_0", "q4_0")}
     payload["llamacpp_top1_agreement"] = agreement
     for kind, a in agreement.items():
         if a:
             print(f"llama.cpp {kind.upper()} vs f32 top-1 agreement: {a['same_top1_pct']:.1f} ± "
                   f"{a['stderr_pct']:.1f} % over {a['positions']} positions (compare bench_quant.py's)")
     if args.serve:
-        payload["serving"] = {quant: serve_pair(model_dir, files[kind], quant, threads, work)
-                              for _dtype, quant, kind in PAIRS if quant in have}
-        for quant, res in payload["serving"].items():
-            ours, peer = (_output_tokens_per_s(res.get(name, {})) for name in ("llminfer", "llama_server"))
-            if ours and peer:
-                print(f"serving {quant}: llminfer {ours:.1f} output tok/s, llama-server {peer:.1f}, ratio "
-                      f"{ours / peer:.2f} (steal {_fmt_pct(res['llminfer']['steal_pct'])} / "
-                      f"{_fmt_pct(res['llama_server']['steal_pct'])})")
+        payload["serving"] = {}
+        for rnd in range(args.rounds):
+            for _dtype, quant, kind in PAIRS:
+                if quant not in have:
+                    continue
+                res = serve_pair(model_dir, files[kind], quant, threads, work, llminfer_first=rnd % 2 == 1)
+                payload["serving"].setdefault(quant, []).append(res)
+                ours, peer = (_output_tokens_per_s(res.get(name, {})) for name in ("llminfer", "llama_server"))
+                if ours and peer:
+                    print(f"serving {quant}, round {rnd + 1}: llminfer {ours:.1f} output tok/s, llama-server "
+                          f"{peer:.1f}, ratio {ours / peer:.2f} (steal {_fmt_pct(res['llminfer']['steal_pct'])} / "
+                          f"{_fmt_pct(res['llama_server']['steal_pct'])}, load {loadavg()})")
     payload.update({"loadavg_after": loadavg(), "threads": threads, "environment": environment(),
                     "build_seconds": _build_seconds(), "steal_pct": whole_run.pct()})
     print(f"load average before {payload['loadavg_before']}, after {payload['loadavg_after']}; CPU time stolen "
@@ -450,7 +479,7 @@ def gguf_main(args: argparse.Namespace, payload: dict[str, Any]) -> dict[str, An
 
 def _build_seconds() -> float | None:
     try:
-        return float((CACHE / "build_seconds.txt").read_text())
+        return float((BIN.parent / "build_seconds.txt").read_text())
     except (OSError, ValueError):
         return None
 
