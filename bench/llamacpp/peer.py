@@ -116,7 +116,14 @@ def build() -> bool:
 
 
 def convert(model_dir: Path) -> dict[str, Path]:
-    """GGUF files of the bench model by type: f32, f16/bf16 where native, q8_0, q4_0."""
+    """GGUF files of the bench model by type: f32, f16/bf16 where native, q8_0, q4_0.
+
+    Raises:
+        SystemExit: a file is to be converted and ``sentencepiece`` (which the vendored converter imports) is
+            not installed.
+    """
+    import importlib.util
+
     from llminfer.models.loading import cpu_half_support
 
     out_dir = CACHE / "models"
@@ -128,6 +135,9 @@ def convert(model_dir: Path) -> dict[str, Path]:
     for kind in kinds:
         dest = out_dir / f"{model_dir.name}-{kind}.gguf"
         if not dest.exists():
+            if importlib.util.find_spec("sentencepiece") is None:
+                raise SystemExit("peer.py: llama.cpp's convert_hf_to_gguf.py needs sentencepiece: "
+                                 "pip install 'llminfer[llamacpp-peer]'")
             subprocess.run([sys.executable, str(CACHE / "llama.cpp" / "convert_hf_to_gguf.py"), str(model_dir),
                             "--outtype", kind, "--outfile", str(dest)], check=True, env=env,
                            stdout=subprocess.DEVNULL)
