@@ -44,7 +44,8 @@ from gpu_check import copy_bandwidth, decode_bytes_per_step
 
 from common import BENCH_VOCAB, bench_model_path, environment, random_prompts, save
 from llminfer import CacheConfig, EngineConfig, InferenceEngine
-from llminfer.backends import hf as hf_backend
+from llminfer.backends import base as backend_base
+from llminfer.backends import packing
 from llminfer.backends.attention import ATTN_IMPLEMENTATION, paged_attention_forward
 from llminfer.benchmark.environment import StealMeter
 from llminfer.logging import configure_logging
@@ -126,9 +127,11 @@ class StepTimers:
             return self
         from transformers import AttentionInterface
 
-        for name, fn in (("build_metadata", hf_backend.build_metadata), ("sample", hf_backend.sample)):
-            setattr(hf_backend, name, self._timed("metadata" if name == "build_metadata" else "sampling", fn))
-            self._undo.append(lambda name=name, fn=fn: setattr(hf_backend, name, fn))
+        # where the eager step looks them up: packing builds the attention metadata, the base class samples
+        for module, name, part in ((packing, "build_metadata", "metadata"), (backend_base, "sample", "sampling")):
+            fn = getattr(module, name)
+            setattr(module, name, self._timed(part, fn))
+            self._undo.append(lambda module=module, name=name, fn=fn: setattr(module, name, fn))
         AttentionInterface.register(ATTN_IMPLEMENTATION, self._timed("attention", paged_attention_forward))
         self._undo.append(lambda: AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward))
         model = backend.model

@@ -123,6 +123,26 @@ def test_bandwidth_floor_and_step_split_arithmetic():
     assert sum(split[k] for k in prof.PARTS) == pytest.approx(50.0)  # the parts add up to the period
 
 
+def test_step_profile_times_every_part_of_a_real_step():
+    """The profile's timers sit where the eager step calls them (metadata in ``backends.packing``, sampling in
+    ``backends.base``, attention through transformers' registry): a module move that leaves a timer
+    unhooked shows as a zero part here, and removing the timers restores the originals."""
+    from llminfer import EngineConfig, InferenceEngine
+    from llminfer.backends import base, packing
+    from llminfer.models.builtin import builtin_model_path
+
+    prof = _load("bench_step_profile")
+    originals = (packing.build_metadata, base.sample)
+    cfg = EngineConfig(model_name=str(builtin_model_path()), dtype="float32", max_batch_size=2, batch_timeout_ms=0)
+    with InferenceEngine(cfg) as engine, prof.timers(engine, True) as t:
+        engine.run_batch_continuous(["a b c", "d e"], max_new_tokens=4, ignore_eos=True)
+        rows = t.decode_rows(2)
+    assert rows, "no decode step of two sequences was timed"
+    for part in ("linear_attn", "linear_mlp", "lm_head", "attention", "metadata", "sampling"):
+        assert all(r[part] > 0 for r in rows), (part, rows)
+    assert (packing.build_metadata, base.sample) == originals
+
+
 def test_llamacpp_script_skips_with_one_line_without_cmake(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
