@@ -384,6 +384,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                   f"{row['ratio_llminfer_over_llamacpp_ms']:.2f} ({threads} threads, load {loadavg()}, steal "
                   f"{_fmt_pct(ours['steal_pct'])} of llminfer's run, {_fmt_pct(peer['steal_pct'])} of llama.cpp's)")
     payload["batch1_decode"] = rows
+    from llminfer.kernels.build import vector_isa
+
+    payload["llminfer_kernel_isa"] = vector_isa()  # what the runs above used (AVX2 with --isa avx2)
+    print(f"llminfer's CPU kernels: {payload['llminfer_kernel_isa']} build; llama.cpp: {BIN.parent.name}")
     work = CACHE / "serve"
     work.mkdir(exist_ok=True)
     agreement = {} if args.no_agreement else {
