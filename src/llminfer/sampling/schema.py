@@ -53,6 +53,8 @@ from llminfer.sampling.schema_keywords import (
     _refuse,
     _types,
     _Unsatisfiable,
+    check_bounds,
+    check_multiple_of,
     keyword_table_markdown,
 )
 
@@ -64,15 +66,6 @@ _SUBSCHEMA_MAPS = ("properties", "patternProperties")
 
 def _sanitize(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_]", "_", name) or "_"
-
-
-#: lower and upper bounds of one keyword family: a schema with lower > upper matches nothing
-_BOUND_PAIRS = (("minLength", "maxLength", {"string"}), ("minItems", "maxItems", {"array"}),
-                ("minProperties", "maxProperties", {"object"}), ("minimum", "maximum", {"number", "integer"}))
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 class _Normalizer(SchemaCombiner):
@@ -263,29 +256,17 @@ class _Normalizer(SchemaCombiner):
                 raise _refuse("unevaluatedItems", where, "next to applicators or items")
             out["items"] = value
         if "multipleOf" in out:
-            self._check_multiple_of(out, where)
+            check_multiple_of(out, where)
         if out.get("format") == "ipv4" and "pattern" not in out:
             del out["format"]
             out["pattern"] = _IPV4
-        self._check_bounds(out, where)
+        check_bounds(out, where)
         if ("minLength" in out or "maxLength" in out) and ("pattern" in out or "format" in out):
             self._check_lengths(out, where)
         self._objects(out, where)
         if "const" in out or "enum" in out:
             return self._values(out, where)
         return out
-
-    @staticmethod
-    def _check_bounds(out: dict[str, Any], where: str) -> None:
-        """A lower bound above its upper bound (minLength 5, maxLength 3): no value of that type matches.
-        Where the schema allows only that type, nothing matches it (an anyOf branch is dropped); otherwise
-        it is refused, because xgrammar refuses such a grammar when it compiles."""
-        for low, high, family in _BOUND_PAIRS:
-            if _is_number(out.get(low)) and _is_number(out.get(high)) and out[low] > out[high]:
-                types = _types(out)
-                if types is not None and types <= family:
-                    raise _Unsatisfiable(low, where)
-                raise _refuse(low, where, f"{low} {out[low]} is above {high} {out[high]}")
 
     def _check_lengths(self, out: dict[str, Any], where: str) -> None:
         """xgrammar drops minLength / maxLength next to a pattern or a format. Keep the schema only where the
@@ -300,14 +281,6 @@ class _Normalizer(SchemaCombiner):
         other = "pattern" if "pattern" in out else "format"
         raise _refuse(keyword, where, f"xgrammar ignores string length bounds next to {other}; write the bound "
                                       "into the pattern (for example ^[a-z]{1,20}$), or drop one of them")
-
-    def _check_multiple_of(self, out: dict[str, Any], where: str) -> None:
-        m = out["multipleOf"]
-        if isinstance(m, float) and m.is_integer():
-            m = out["multipleOf"] = int(m)
-        if isinstance(m, bool) or not isinstance(m, int) or m <= 0 or _types(out) != {"integer"}:
-            raise _refuse("multipleOf", where, "xgrammar enforces it on integers only (type 'integer' and a "
-                                               "positive integer divisor)")
 
     def _objects(self, out: dict[str, Any], where: str) -> None:
         types = _types(out)

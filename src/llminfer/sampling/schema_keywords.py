@@ -135,3 +135,42 @@ def keyword_table_markdown() -> str:
         rows.append(f"| `{name}` | {handling} | {how} |")
     rows.append("| any other keyword | annotation | not a JSON Schema 2020-12 assertion: dropped |")
     return "\n".join(rows)
+
+
+#: lower and upper bounds of one keyword family: a schema with lower > upper matches nothing
+_BOUND_PAIRS = (("minLength", "maxLength", {"string"}), ("minItems", "maxItems", {"array"}),
+                ("minProperties", "maxProperties", {"object"}), ("minimum", "maximum", {"number", "integer"}))
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_bounds(out: dict[str, Any], where: str) -> None:
+    """A lower bound above its upper bound (minLength 5, maxLength 3): no value of that type matches.
+
+    Raises:
+        _Unsatisfiable: the schema allows only that type, so nothing matches it (an anyOf branch is dropped).
+        SchemaError: other types are allowed beside it (xgrammar refuses such a grammar when it compiles).
+    """
+    for low, high, family in _BOUND_PAIRS:
+        if _is_number(out.get(low)) and _is_number(out.get(high)) and out[low] > out[high]:
+            types = _types(out)
+            if types is not None and types <= family:
+                raise _Unsatisfiable(low, where)
+            raise _refuse(low, where, f"{low} {out[low]} is above {high} {out[high]}")
+
+
+def check_multiple_of(out: dict[str, Any], where: str) -> None:
+    """multipleOf as xgrammar enforces it: a positive integer divisor on type 'integer' (a float that is a
+    whole number becomes an int in ``out``).
+
+    Raises:
+        SchemaError: any other form.
+    """
+    m = out["multipleOf"]
+    if isinstance(m, float) and m.is_integer():
+        m = out["multipleOf"] = int(m)
+    if isinstance(m, bool) or not isinstance(m, int) or m <= 0 or _types(out) != {"integer"}:
+        raise _refuse("multipleOf", where, "xgrammar enforces it on integers only (type 'integer' and a "
+                                           "positive integer divisor)")
