@@ -21,28 +21,32 @@ def test_a_note_for_each_batch_where_compiled_is_slower():
     assert slower_than_eager(ComparisonResult({"compiled": _result({1: 1.0})}, {}, {})) == []
 
 
-def test_the_compiled_backends_cpu_head_takes_the_kernel_for_one_row_and_the_packed_gemm_beyond():
+def test_the_compiled_backends_cpu_head_takes_the_kernel_for_a_few_rows_and_the_packed_gemm_beyond():
     import pytest
     import torch
 
-    from llminfer.backends.compiled import _RowSplitHead, cpu_head
+    from llminfer.backends.compiled import cpu_head
     from llminfer.kernels.build import skinny_linear_available
     from llminfer.kernels.layers import SkinnyLinear
-    from llminfer.kernels.prepack import prepack_supported
+    from llminfer.kernels.linear import skinny_linear
+    from llminfer.kernels.prepack import FP32_HEAD_KERNEL_MAX_ROWS, PrepackedLinear, prepack_supported
 
     if not (skinny_linear_available() and prepack_supported(torch.float32, torch.device("cpu"))):
         pytest.skip("needs llminfer's CPU kernel and oneDNN")
     torch.manual_seed(0)
     plain = torch.nn.Linear(64, 96, bias=False)
     head = cpu_head(SkinnyLinear(plain))
-    assert isinstance(head, _RowSplitHead) and head.small_rows == 1
-    calls = []
-    head.small.register_forward_hook(lambda *a: calls.append("small"))
-    head.packed.register_forward_hook(lambda *a: calls.append("packed"))
+    assert isinstance(head, PrepackedLinear) and head.kernel_rows == FP32_HEAD_KERNEL_MAX_ROWS
     with torch.inference_mode():
-        for rows in (1, 8):
+        for rows in (1, FP32_HEAD_KERNEL_MAX_ROWS, FP32_HEAD_KERNEL_MAX_ROWS + 1, 8):
             x = torch.randn(rows, 64)
-            torch.testing.assert_close(head(x), x @ plain.weight.T, rtol=1e-4, atol=1e-4)
-    assert calls == ["small", "packed"]
-    assert head.packed.weight is plain.weight  # no second plain copy of the weight
+            out = head(x)
+            torch.testing.assert_close(out, x @ plain.weight.T, rtol=1e-4, atol=1e-4)
+            # which product ran: the kernel's bits, or oneDNN's on the packed weight
+            want = (skinny_linear(x, plain.weight) if rows <= FP32_HEAD_KERNEL_MAX_ROWS else
+                    torch.ops.mkldnn._linear_pointwise(x, head._packed_weight(), None, "none", [], ""))
+            assert torch.equal(out, want), rows
+    assert head.weight is plain.weight  # no second plain copy of the weight
+    plain_head = cpu_head(torch.nn.Linear(64, 96))  # not on the kernel: the packed GEMM at every row count
+    assert isinstance(plain_head, PrepackedLinear) and plain_head.kernel_rows == 0
     assert cpu_head(torch.nn.Identity()).__class__ is torch.nn.Identity  # not a linear head: unchanged

@@ -15,7 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llminfer.kernels.build import skinny_linear_available
 from llminfer.kernels.prepack import (
+    FP32_HEAD_KERNEL_MAX_ROWS,
     PrepackedLinear,
     prepack_lm_head,
     prepack_supported,
@@ -98,6 +100,8 @@ def test_fp32_engine_prepacks_its_head(qwen2_dir):
         head = engine.model.get_output_embeddings()
         if prepack_supported(torch.float32, torch.device("cpu")):
             assert isinstance(head, PrepackedLinear) and engine.runtime.lm_head_prepacked
+            # one or two rows (batch-1 decode) read the plain weight on llminfer's kernel
+            assert head.kernel_rows == (FP32_HEAD_KERNEL_MAX_ROWS if skinny_linear_available() else 0)
         else:
             assert head.weight.t().is_contiguous()
 

@@ -129,7 +129,7 @@ def test_bf16_engine_runs_its_layers_and_small_head_steps_on_the_kernel(model_di
         assert swapped and all(m.weight.dtype == torch.bfloat16 for m in swapped)
         assert len(swapped) == engine.runtime.cpu_kernel_layers
         head = model.get_output_embeddings()
-        assert isinstance(head, PrepackedLinear) and head.bf16_kernel_rows == BF16_KERNEL_MAX_ROWS
+        assert isinstance(head, PrepackedLinear) and head.kernel_rows == BF16_KERNEL_MAX_ROWS
         line = engine.info()["cpu_kernel"]
         assert line.startswith("bf16_linear on ") and "bf16 on AVX-512 BF16 up to" in line, line
         assert engine.info()["attention_backend"] == "cpu"  # decode attention reads the bf16 cache in place
@@ -140,7 +140,7 @@ def test_bf16_engine_runs_its_layers_and_small_head_steps_on_the_kernel(model_di
         with make_engine(model_dirs["qwen2"], max_batch_size=2, dtype="bfloat16", **kw) as engine:
             model = engine.runtime.model
             assert not any(isinstance(m, SkinnyLinear) for m in model.modules())
-            assert getattr(model.get_output_embeddings(), "bf16_kernel_rows", 0) == 0
+            assert getattr(model.get_output_embeddings(), "kernel_rows", 0) == 0
             assert engine.run("bf16 kernel", max_new_tokens=3, ignore_eos=True).token_ids[:1] == on[:1]
 
 
@@ -163,5 +163,5 @@ def test_bf16_engine_with_a_head_the_kernel_cannot_take(tmp_path):
                        num_layers=2)
     with make_engine(tmp_path / "m", max_batch_size=2, dtype="bfloat16") as engine:
         head = engine.runtime.model.get_output_embeddings()
-        assert isinstance(head, PrepackedLinear) and head.bf16_kernel_rows == 0
+        assert isinstance(head, PrepackedLinear) and head.kernel_rows == 0
         assert len(engine.run("Hello there", max_new_tokens=5, ignore_eos=True).token_ids) == 5

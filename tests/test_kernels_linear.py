@@ -24,7 +24,7 @@ def _ref(x, w, scale=None, bias=None):
     return out + bias.double() if bias is not None else out
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 33])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 9, 33])
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 7, 130])
 @pytest.mark.parametrize("k", [8, 520])
 @pytest.mark.parametrize("bias", [False, True])
@@ -102,7 +102,7 @@ def test_int8_linear_rows_with_nan_or_zeros():
 
 def test_skinny_linear_rows_are_batch_invariant():
     """A row's result has the same bits alone, in any batch (decode-sized or prefill-sized, which run the
-    tiles in different orders), at any place in a 4-row tile, with 1 or 2 threads, fp32 or int8 (both
+    tiles in different orders), at any place in a tile, with 1 or 2 threads, fp32 or int8 (both
     :func:`skinny_linear` and :func:`int8_linear`, whose VNNI path quantizes each row), with the scale and
     bias epilogue: the kernel's operations depend on nothing but K."""
     g = torch.Generator().manual_seed(0)
@@ -116,10 +116,11 @@ def test_skinny_linear_rows_are_batch_invariant():
     alone = [fn(row, *v) for fn, *v in variants]
     threads = torch.get_num_threads()
     try:
-        # 1-4 rows, up to 16 (int8 converted in registers), more (blocked, int8 converted once per block)
+        # streamed tiles of 1-8 rows, fp32 blocked past 8, int8 streamed up to 16 (converted in registers),
+        # more (blocked, int8 converted once per block)
         for num_threads, m, at in ((1, 7, 5), (threads, 7, 3), (threads, 32, 31), (threads, 2, 0), (threads, 4, 2),
-                                   (threads, 5, 4), (threads, 16, 13), (threads, 17, 16), (threads, 300, 150),
-                                   (1, 300, 299)):
+                                   (threads, 5, 4), (threads, 8, 7), (threads, 9, 8), (threads, 12, 10),
+                                   (threads, 16, 13), (threads, 17, 16), (threads, 300, 150), (1, 300, 299)):
             torch.set_num_threads(num_threads)
             x = torch.randn(m, 512, generator=g)
             x[at] = row[0]

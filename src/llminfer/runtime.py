@@ -179,15 +179,12 @@ def _prepare_model(rt: Runtime, cfg: EngineConfig, device: torch.device, dtype: 
                 and dtype in (torch.float32, torch.bfloat16) and skinny_linear_available()):
             attention_backend = "cpu"
     if cfg.cpu_prepack_lm_head and spec.cpu_lm_head == "prepacked":
-        from llminfer.kernels.bf16_linear import BF16_KERNEL_MAX_ROWS
-        from llminfer.kernels.build import bf16_kernel_available
-        from llminfer.kernels.prepack import PrepackedLinear, prepack_lm_head
+        from llminfer.kernels.prepack import PrepackedLinear, head_kernel_rows, prepack_lm_head
 
         prepack_lm_head(model)
         head = model.get_output_embeddings()
-        if (isinstance(head, PrepackedLinear) and kernel_layers and bf16_kernel_available()
-                and head.in_features % 32 == 0):  # bf16_linear's K rule
-            head.bf16_kernel_rows = BF16_KERNEL_MAX_ROWS
+        if isinstance(head, PrepackedLinear) and kernel_layers:
+            head.kernel_rows = head_kernel_rows(head)
     return model, kernel_layers, attention_backend
 
 

@@ -81,31 +81,16 @@ def _full_forward(model: torch.nn.Module, ids: torch.Tensor, pos: torch.Tensor, 
     return model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep).logits
 
 
-class _RowSplitHead(torch.nn.Module):
-    """The LM head run outside the graph on CPU: ``small`` (llminfer's kernel) for up to ``small_rows`` rows,
-    ``packed`` (the eager backend's oneDNN-prepacked head) for more.
-
-    Why: llminfer's kernel reads a weight fastest for one row (four in bf16), while for more rows a large
-    vocabulary head runs faster on the prepacked oneDNN GEMM than on the kernel or on ``F.linear`` over the
-    unpacked weight (measured in issue 35; see the README's CPU section). The head dominates large-batch
-    decode, so without the split the compiled backend decoded large batches slower than eager, whose head
-    is the prepacked one."""
-
-    def __init__(self, small: torch.nn.Module, packed: torch.nn.Module, small_rows: int) -> None:
-        super().__init__()
-        self.small, self.packed, self.small_rows = small, packed, small_rows
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // max(1, x.shape[-1])
-        return self.small(x) if rows <= self.small_rows else self.packed(x)
-
-
 def cpu_head(head: torch.nn.Module) -> torch.nn.Module:
-    """``head`` as the compiled backend runs it outside the graph on CPU (see :class:`_RowSplitHead`):
-    unchanged where oneDNN cannot prepack it (quantized, another dtype, no oneDNN)."""
-    from llminfer.kernels.bf16_linear import BF16_KERNEL_MAX_ROWS
+    """``head`` as the compiled backend runs it outside the graph on CPU: where ``head`` is on llminfer's
+    kernel (a :class:`~llminfer.kernels.layers.SkinnyLinear`), a
+    :class:`~llminfer.kernels.prepack.PrepackedLinear` that keeps the kernel for a few rows
+    (:func:`~llminfer.kernels.prepack.head_kernel_rows`) and takes oneDNN's packed GEMM beyond, as the eager
+    backend's head does: for more rows a large vocabulary head runs faster there, and it dominates
+    large-batch decode. A plain ``nn.Linear`` head gets the packed GEMM at every row count; ``head`` is
+    returned unchanged where oneDNN cannot prepack it (quantized, another dtype, no oneDNN)."""
     from llminfer.kernels.layers import SkinnyLinear
-    from llminfer.kernels.prepack import PrepackedLinear, prepack_supported
+    from llminfer.kernels.prepack import PrepackedLinear, head_kernel_rows, prepack_supported
 
     if not isinstance(head, torch.nn.Linear) or type(head) not in (torch.nn.Linear, SkinnyLinear):
         return head
@@ -117,9 +102,9 @@ def cpu_head(head: torch.nn.Module) -> torch.nn.Module:
             packed(torch.zeros(1, head.in_features, dtype=head.weight.dtype))
     except RuntimeError:  # an oneDNN build without this kernel
         return head
-    if type(head) is torch.nn.Linear:  # no kernel here: the prepacked head at every row count, as eager
-        return packed
-    return _RowSplitHead(head, packed, BF16_KERNEL_MAX_ROWS if head.weight.dtype == torch.bfloat16 else 1)
+    if type(head) is SkinnyLinear:
+        packed.kernel_rows = head_kernel_rows(packed)
+    return packed
 
 
 class CompiledBackend(HFBackend):

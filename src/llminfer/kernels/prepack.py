@@ -24,6 +24,7 @@ from torch import nn
 
 from llminfer.kernels.bf16_linear import bf16_linear
 from llminfer.kernels.layers import adopt_linear
+from llminfer.kernels.linear import skinny_linear
 
 log = structlog.get_logger("llminfer.prepack")
 
@@ -48,6 +49,32 @@ def prepack_supported(dtype: torch.dtype, device: torch.device) -> bool:
         return False
 
 
+#: fp32 products of at most this many rows run the LM head on :func:`~llminfer.kernels.linear.skinny_linear`
+#: rather than the oneDNN-packed weight: up to 8 rows the kernel streams the weight from memory once, at
+#: about the memory's bandwidth, while oneDNN's blocked GEMM wins from about 12 rows (measured on Zen 4 with
+#: both kernel builds: the README's CPU section, ``bench/bench_cpu_kernels.py``).
+FP32_HEAD_KERNEL_MAX_ROWS = 8
+
+
+def head_kernel_rows(head: nn.Linear) -> int:
+    """How many rows of a product the LM head ``head`` (plain weight ``[V, d]``) should run on llminfer's
+    kernel before oneDNN's packed GEMM: :data:`FP32_HEAD_KERNEL_MAX_ROWS` (fp32, K % 8 == 0),
+    :data:`~llminfer.kernels.bf16_linear.BF16_KERNEL_MAX_ROWS` (bf16 where
+    :func:`~llminfer.kernels.build.bf16_kernel_available`, K % 32 == 0), else 0 (the kernel not loaded, or
+    another dtype)."""
+    from llminfer.kernels.bf16_linear import BF16_KERNEL_MAX_ROWS
+    from llminfer.kernels.build import bf16_kernel_available, skinny_linear_available
+
+    dtype, k = head.weight.dtype, head.in_features
+    if not head.weight.is_contiguous():
+        return 0
+    if dtype == torch.float32 and k % 8 == 0 and skinny_linear_available():
+        return FP32_HEAD_KERNEL_MAX_ROWS
+    if dtype == torch.bfloat16 and k % 32 == 0 and bf16_kernel_available():
+        return BF16_KERNEL_MAX_ROWS
+    return 0
+
+
 class PrepackedLinear(nn.Linear):
     """A drop-in for an ``nn.Linear`` whose weight is also kept reordered for oneDNN.
 
@@ -60,15 +87,15 @@ class PrepackedLinear(nn.Linear):
         linear: the module to wrap; its weight must be ``[out_features, in_features]`` in fp32, bf16 or fp16.
 
     Input ``[..., in_features]`` of the weight's dtype on CPU gives ``[..., out_features]`` of that dtype.
-    Other inputs (another dtype or device, autograd on) fall back to ``F.linear``. bf16 inputs of at most
-    :attr:`bf16_kernel_rows` rows take :func:`~llminfer.kernels.bf16_linear.bf16_linear` on the plain
-    weight (faster there: see :data:`~llminfer.kernels.bf16_linear.BF16_KERNEL_MAX_ROWS`).
+    Other inputs (another dtype or device, autograd on) fall back to ``F.linear``. Inputs of at most
+    :attr:`kernel_rows` rows take llminfer's kernel on the plain weight instead
+    (:func:`~llminfer.kernels.linear.skinny_linear` for fp32,
+    :func:`~llminfer.kernels.bf16_linear.bf16_linear` for bf16; :func:`head_kernel_rows` says why and where).
     """
 
-    #: bf16 products of at most this many rows run on llminfer's kernel instead; 0 (the default) for none.
-    #: The runtime sets it where :func:`~llminfer.kernels.build.bf16_kernel_available` and the
-    #: engine's ``cpu_kernels`` is on.
-    bf16_kernel_rows = 0
+    #: Products of at most this many rows run on llminfer's kernel instead; 0 (the default) for none. Set
+    #: from :func:`head_kernel_rows` by the backends that run llminfer's CPU kernels.
+    kernel_rows = 0
 
     def __init__(self, linear: nn.Linear) -> None:
         adopt_linear(self, linear)
@@ -88,9 +115,10 @@ class PrepackedLinear(nn.Linear):
                 or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
             return F.linear(x, self.weight, self.bias)
         flat = x.reshape(-1, self.in_features)
-        if x.dtype == torch.bfloat16 and flat.shape[0] <= self.bf16_kernel_rows:
-            # a few rows read the plain weight faster on llminfer's kernel (see BF16_KERNEL_MAX_ROWS)
-            out = bf16_linear(flat.contiguous(), self.weight, self.bias)
+        if flat.shape[0] <= self.kernel_rows:  # a few rows read the plain weight faster on llminfer's kernel
+            flat = flat.contiguous()
+            out = (bf16_linear(flat, self.weight, self.bias) if x.dtype == torch.bfloat16
+                   else skinny_linear(flat, self.weight, None, self.bias))
         else:
             out = torch.ops.mkldnn._linear_pointwise(flat, self._packed_weight(), self.bias, "none", [], "")
         return out.reshape(*x.shape[:-1], self.out_features)

@@ -19,49 +19,65 @@
 namespace llminfer {
 namespace {
 
-// MT activation rows times NT weight rows over the whole of K (K % 8 == 0).
-template <int MT, int NT, typename W>
+// Rows per streamed tile (decode): one weight vector loaded, then one FMA for each of up to 8 rows. Up to 8
+// rows the weights are read once from memory at about the memory's bandwidth (measured on Zen 4, fp32 LM
+// head 151646 x 512, 2 threads: 8 rows 16.3 -> 10.0 ms against two groups of 4 from L2 blocks).
+constexpr int64_t kStreamRows = 8;
+
+// MT activation rows times NT weight rows over the whole of K (K % 8 == 0). kStream: the weights come from
+// memory (decode), so each channel is read in turn as one sequential stream against all MT rows (the rows
+// stay in L1); otherwise (weights in L2, prefill) the NT channels are read side by side so that each
+// activation vector loaded serves NT FMAs. Each output element gets the very same FMAs in the same order
+// either way (only the order across channels changes), so its bits do not change.
+template <bool kStream, int MT, int NT, typename W>
 inline void micro_tile(const float* x, int64_t ldx, const W* w, int64_t ldw, int64_t K, const float* scale,
                        const float* bias, float* out, int64_t ldo) {
   vec acc[MT][NT];
   for (int m = 0; m < MT; ++m)
     for (int n = 0; n < NT; ++n) acc[m][n] = vzero();
-  // One vector of columns from k; kHalf: the last 8 columns of a row, upper lanes zero in both operands.
-  // always_inline: GCC otherwise kept this lambda out of line, so every vector step was a call that
-  // loaded and stored all the accumulators (measured on Zen 4: the int8 LM head 6.9 -> 5.9 ms on 2 threads,
-  // 1-row int8 products from L2 10.8 -> 19.5 G weights/s on one; the same operations, so the same bits).
-  auto step = [&](int64_t k, auto half) __attribute__((always_inline)) {
-    constexpr bool kHalf = decltype(half)::value;
-    vec wv[NT];
-    for (int n = 0; n < NT; ++n) wv[n] = kHalf ? vload_half(w + n * ldw + k) : vload(w + n * ldw + k);
-    for (int m = 0; m < MT; ++m) {
-      const vec xv = kHalf ? vload_half(x + m * ldx + k) : vload(x + m * ldx + k);
-      for (int n = 0; n < NT; ++n) acc[m][n] = vfma(xv, wv[n], acc[m][n]);
-    }
-  };
-  constexpr std::false_type kFull{};
   // A cache line of weights at a time, prefetching the same line of the next NT rows (the next tile):
   // the hardware prefetcher alone leaves the int8 loop waiting on memory (measured on Zen: 3.5 -> 5.5 G
   // weights/s on one thread). Prefetching past the end of the weights is harmless (no fault).
   constexpr int64_t kLine = 64 / static_cast<int64_t>(sizeof(W));
   static_assert(kLine % kLanes == 0, "a cache line holds whole vectors");
-  if constexpr (MT == 1) {
-    // One row (decode): each channel's weights in turn, so the tile is read as one sequential stream
-    // instead of NT interleaved ones. Each output element gets the very same FMAs in the same order as in
-    // the interleaved loop below (only the order across channels changes), so its bits do not change.
+  constexpr std::false_type kFull{};
+  if constexpr (kStream || MT == 1) {
+    // Up to kStreamRows rows, each weight vector loaded serves MT FMAs, so reading from memory stays the
+    // bound; one stream at a time is what the prefetchers follow best.
     for (int n = 0; n < NT; ++n) {
       const W* wn = w + n * ldw;
-      vec a = vzero();
+      vec a[MT];
+      for (int m = 0; m < MT; ++m) a[m] = vzero();
+      // always_inline: GCC otherwise kept such lambdas out of line, so every vector step was a call that
+      // loaded and stored all the accumulators.
+      auto step = [&](int64_t k, auto half) __attribute__((always_inline)) {
+        constexpr bool kHalf = decltype(half)::value;
+        const vec wv = kHalf ? vload_half(wn + k) : vload(wn + k);
+        for (int m = 0; m < MT; ++m) a[m] = vfma(kHalf ? vload_half(x + m * ldx + k) : vload(x + m * ldx + k), wv, a[m]);
+      };
       int64_t k = 0;
       for (; k + kLine <= K; k += kLine) {
-        _mm_prefetch(reinterpret_cast<const char*>(wn + NT * ldw + k), _MM_HINT_T0);
-        for (int64_t j = k; j < k + kLine; j += kLanes) a = vfma(vload(x + j), vload(wn + j), a);
+        // Into L2 only: prefetches into L1 held the line-fill buffers that the loads of the row in hand
+        // were waiting for (measured on Zen 4, fp32 LM head, 2 threads, 4 rows: 11.1 -> 8.9 ms).
+        _mm_prefetch(reinterpret_cast<const char*>(wn + NT * ldw + k), _MM_HINT_T1);
+        for (int64_t j = k; j < k + kLine; j += kLanes) step(j, kFull);
       }
-      for (; k + kLanes <= K; k += kLanes) a = vfma(vload(x + k), vload(wn + k), a);
-      if (k < K) a = vfma(vload_half(x + k), vload_half(wn + k), a);  // AVX-512 only, as below
-      acc[0][n] = a;
+      for (; k + kLanes <= K; k += kLanes) step(k, kFull);
+      if (k < K) step(k, std::true_type{});  // AVX-512 only (with 8 lanes K % 8 == 0 leaves no half)
+      for (int m = 0; m < MT; ++m) acc[m][n] = a[m];
     }
   } else {
+    // One vector of columns from k; kHalf: the last 8 columns of a row, upper lanes zero in both operands.
+    // always_inline: see above (measured on Zen 4: the int8 LM head 6.9 -> 5.9 ms on 2 threads).
+    auto step = [&](int64_t k, auto half) __attribute__((always_inline)) {
+      constexpr bool kHalf = decltype(half)::value;
+      vec wv[NT];
+      for (int n = 0; n < NT; ++n) wv[n] = kHalf ? vload_half(w + n * ldw + k) : vload(w + n * ldw + k);
+      for (int m = 0; m < MT; ++m) {
+        const vec xv = kHalf ? vload_half(x + m * ldx + k) : vload(x + m * ldx + k);
+        for (int n = 0; n < NT; ++n) acc[m][n] = vfma(xv, wv[n], acc[m][n]);
+      }
+    };
     int64_t k = 0;
     for (; k + kLine <= K; k += kLine) {
       for (int n = 0; n < NT; ++n)
@@ -80,31 +96,40 @@ inline void micro_tile(const float* x, int64_t ldx, const W* w, int64_t ldw, int
     }
 }
 
-// One tile: `rows` (1..kRows) activation rows times NT weight rows.
-template <int NT, typename W>
+// One tile: `rows` activation rows (1..kStreamRows streamed, 1..kRows otherwise) times NT weight rows.
+template <bool kStream, int NT, typename W>
 inline void row_tile(int64_t rows, const float* x, int64_t K, const W* w, int64_t ldw, const float* scale,
                      const float* bias, float* out, int64_t N) {
+  if constexpr (kStream) {  // MT + 1 vector registers, so up to kStreamRows rows fit even in AVX2's 16
+    switch (rows) {
+      case 8: micro_tile<true, 8, NT>(x, K, w, ldw, K, scale, bias, out, N); return;
+      case 7: micro_tile<true, 7, NT>(x, K, w, ldw, K, scale, bias, out, N); return;
+      case 6: micro_tile<true, 6, NT>(x, K, w, ldw, K, scale, bias, out, N); return;
+      case 5: micro_tile<true, 5, NT>(x, K, w, ldw, K, scale, bias, out, N); return;
+      default: break;
+    }
+  }
   switch (rows) {
-    case 4: micro_tile<4, NT>(x, K, w, ldw, K, scale, bias, out, N); break;
-    case 3: micro_tile<3, NT>(x, K, w, ldw, K, scale, bias, out, N); break;
-    case 2: micro_tile<2, NT>(x, K, w, ldw, K, scale, bias, out, N); break;
-    default: micro_tile<1, NT>(x, K, w, ldw, K, scale, bias, out, N); break;
+    case 4: micro_tile<kStream, 4, NT>(x, K, w, ldw, K, scale, bias, out, N); break;
+    case 3: micro_tile<kStream, 3, NT>(x, K, w, ldw, K, scale, bias, out, N); break;
+    case 2: micro_tile<kStream, 2, NT>(x, K, w, ldw, K, scale, bias, out, N); break;
+    default: micro_tile<kStream, 1, NT>(x, K, w, ldw, K, scale, bias, out, N); break;
   }
 }
 
 // The tile of output channels [n, n + nt) (nt <= kCols) for activation rows [m, m + rows).
-template <typename W>
+template <bool kStream, typename W>
 inline void tile(int64_t nt, int64_t rows, const float* x, int64_t K, const W* w, const float* scale,
                  const float* bias, float* out, int64_t N) {
   switch (nt) {
 #if LLMINFER_KERNEL_AVX512
-    case 6: row_tile<6>(rows, x, K, w, K, scale, bias, out, N); break;
-    case 5: row_tile<5>(rows, x, K, w, K, scale, bias, out, N); break;
-    case 4: row_tile<4>(rows, x, K, w, K, scale, bias, out, N); break;
+    case 6: row_tile<kStream, 6>(rows, x, K, w, K, scale, bias, out, N); break;
+    case 5: row_tile<kStream, 5>(rows, x, K, w, K, scale, bias, out, N); break;
+    case 4: row_tile<kStream, 4>(rows, x, K, w, K, scale, bias, out, N); break;
 #endif
-    case 3: row_tile<3>(rows, x, K, w, K, scale, bias, out, N); break;
-    case 2: row_tile<2>(rows, x, K, w, K, scale, bias, out, N); break;
-    default: row_tile<1>(rows, x, K, w, K, scale, bias, out, N); break;
+    case 3: row_tile<kStream, 3>(rows, x, K, w, K, scale, bias, out, N); break;
+    case 2: row_tile<kStream, 2>(rows, x, K, w, K, scale, bias, out, N); break;
+    default: row_tile<kStream, 1>(rows, x, K, w, K, scale, bias, out, N); break;
   }
 }
 
@@ -130,15 +155,16 @@ void skinny_linear_impl(const float* x, int64_t M, int64_t K, const W* w, int64_
   const int64_t tiles = (N + kCols - 1) / kCols;
   // Enough tiles per task that a task reads at least ~64 KB of weights.
   const int64_t grain = std::max<int64_t>(1, (64 * 1024) / (kCols * K * static_cast<int64_t>(sizeof(W))));
-  // int8 weights are converted in registers for every group of rows up to this many rows; beyond, one
-  // converted copy of a block (kBlockBytes) costs less than converting again for each group.
-  constexpr int64_t kDirectRows = std::is_same<W, int8_t>::value ? 4 * kRows : kRows;
+  // Up to this many rows the weights are streamed from memory once per group of kStreamRows rows (int8
+  // weights converted in registers each time); beyond, blocks of tiles are held in L2 (int8: one converted
+  // copy of a block, kBlockBytes, costs less than converting again for each group).
+  constexpr int64_t kDirectRows = std::is_same<W, int8_t>::value ? 2 * kStreamRows : kStreamRows;
   at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
     if (M <= kDirectRows) {  // decode: each tile's weights are read once, straight from memory
       for (int64_t t = begin; t < end; ++t) {
         const int64_t n = t * kCols;
-        for (int64_t m = 0; m < M; m += kRows)
-          tile(std::min<int64_t>(kCols, N - n), std::min<int64_t>(kRows, M - m), x + m * K, K, w + n * K,
+        for (int64_t m = 0; m < M; m += kStreamRows)
+          tile<true>(std::min<int64_t>(kCols, N - n), std::min<int64_t>(kStreamRows, M - m), x + m * K, K, w + n * K,
                scale ? scale + n : nullptr, bias ? bias + n : nullptr, out + m * N + n, N);
       }
       return;
@@ -154,7 +180,7 @@ void skinny_linear_impl(const float* x, int64_t M, int64_t K, const W* w, int64_
       for (int64_t m = 0; m < M; m += kRows) {
         const int64_t rows = std::min<int64_t>(kRows, M - m);
         for (int64_t n = n0; n < n1; n += kCols)
-          tile(std::min<int64_t>(kCols, n1 - n), rows, x + m * K, K, wb + (n - n0) * K, scale ? scale + n : nullptr,
+          tile<false>(std::min<int64_t>(kCols, n1 - n), rows, x + m * K, K, wb + (n - n0) * K, scale ? scale + n : nullptr,
                bias ? bias + n : nullptr, out + m * N + n, N);
       }
     }
