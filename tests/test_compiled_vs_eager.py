@@ -50,3 +50,33 @@ def test_the_compiled_backends_cpu_head_takes_the_kernel_for_a_few_rows_and_the_
     plain_head = cpu_head(torch.nn.Linear(64, 96))  # not on the kernel: the packed GEMM at every row count
     assert isinstance(plain_head, PrepackedLinear) and plain_head.kernel_rows == 0
     assert cpu_head(torch.nn.Identity()).__class__ is torch.nn.Identity  # not a linear head: unchanged
+
+
+def test_settle_compile_workers_waits_for_inductors_pool_and_is_a_no_op_without_one(monkeypatch):
+    import concurrent.futures
+    import threading
+
+    from torch._inductor.async_compile import AsyncCompile
+
+    from llminfer.backends.compiled import settle_compile_workers
+
+    monkeypatch.setattr(AsyncCompile, "_ready_future", None, raising=False)
+    settle_compile_workers(timeout_s=0.01)  # no pool started: returns at once
+    pending: concurrent.futures.Future = concurrent.futures.Future()
+    monkeypatch.setattr(AsyncCompile, "_ready_future", pending, raising=False)
+    waited = threading.Event()
+
+    def wait() -> None:
+        settle_compile_workers(timeout_s=30)
+        waited.set()
+
+    t = threading.Thread(target=wait)
+    t.start()
+    assert not waited.wait(0.2)  # still waiting for the pool
+    pending.set_result("ready")
+    t.join(30)
+    assert waited.is_set()
+    failed: concurrent.futures.Future = concurrent.futures.Future()
+    failed.set_exception(RuntimeError("pool died"))
+    monkeypatch.setattr(AsyncCompile, "_ready_future", failed, raising=False)
+    settle_compile_workers()  # a broken pool is not the step's problem

@@ -81,6 +81,25 @@ def _full_forward(model: torch.nn.Module, ids: torch.Tensor, pos: torch.Tensor, 
     return model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep).logits
 
 
+def settle_compile_workers(timeout_s: float = 120.0) -> None:
+    """Wait until Inductor's pool of compile workers, if a compilation started one, is up.
+
+    Why: the pool starts at the first compilation, and its workers spend seconds of CPU importing torch
+    after the compilation itself has returned (from Inductor's cache, a compilation takes well under that).
+    Those seconds shared the cores with the steps that followed: on a 2-core Zen 4 VM the first measured
+    run after a one-run warm-up decoded at 13.8 instead of about 60 tok/s (batch 1, fp32 bench model), and
+    not at all with ``TORCHINDUCTOR_COMPILE_THREADS=1``. Waiting here moves that time into the compilation.
+    A no-op where no pool was started; any failure of torch's private API is ignored."""
+    try:
+        from torch._inductor.async_compile import AsyncCompile
+
+        ready = getattr(AsyncCompile, "_ready_future", None)
+        if ready is not None:
+            ready.result(timeout=timeout_s)
+    except Exception:  # noqa: BLE001 - another torch release, a pool that failed: the steps run anyway
+        log.debug("could not wait for Inductor's compile workers", exc_info=True)
+
+
 def cpu_head(head: torch.nn.Module) -> torch.nn.Module:
     """``head`` as the compiled backend runs it outside the graph on CPU: where ``head`` is on llminfer's
     kernel (a :class:`~llminfer.kernels.layers.SkinnyLinear`), a
@@ -282,6 +301,7 @@ class CompiledBackend(HFBackend):
 
                 with status(f"compiling the model step for {t_pad} tokens (first request of this size) ..."):
                     logits = self._compiled_forward(step, t_pad, k_pad)
+                    settle_compile_workers()
                 self._shapes_seen.add(shape)
         except Exception as exc:
             if not self.fallback_to_eager:
@@ -345,6 +365,7 @@ class CompiledBackend(HFBackend):
                 self.disable_compiled(exc)
             finally:
                 step_context.meta = None
+        settle_compile_workers()
         return self.num_compiles - before
 
     @torch.inference_mode()  # inputs must be inference tensors in every call, or dynamo's guards differ
