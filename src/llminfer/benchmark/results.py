@@ -262,7 +262,7 @@ def slower_than_eager(results: ComparisonResult, backend: str = Backend.COMPILED
         mine, theirs = c.get("output_tokens_per_s"), eager.get(c["batch_size"])
         if mine is not None and theirs and mine < theirs:
             out.append(f"{backend} is slower than eager at batch {c['batch_size']} ({mine:.1f} vs {theirs:.1f} "
-                       f"output tok/s, x{mine / theirs:.2f}): check for recompiles and eager fallbacks in its "
+                       f"output tok/s, x{mine / theirs:.3f}): check for recompiles and eager fallbacks in its "
                        "compile stats")
     return out
 
