@@ -130,6 +130,21 @@ def test_skinny_linear_rows_are_batch_invariant():
         torch.set_num_threads(threads)
 
 
+def test_skinny_linear_streamed_rows_of_a_large_weight_are_batch_invariant():
+    """An fp32 weight of 32 MiB or more (an LM head) streams tiles of up to 8 rows from memory; a row still has
+    the bits it has alone and in the L2-blocked path beyond 8 rows, and agrees with float64."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(16384 + 5, 512, generator=g)  # just over 32 MiB; 5 channels past a whole tile
+    b = torch.randn(w.shape[0], generator=g)
+    row = torch.randn(1, 512, generator=g)
+    alone = skinny_linear(row, w, None, b)
+    torch.testing.assert_close(alone.double(), _ref(row, w, None, b), atol=1e-4 * 512**0.5, rtol=1e-5)
+    for m, at in ((2, 1), (5, 3), (8, 7), (9, 8), (12, 10)):
+        x = torch.randn(m, 512, generator=g)
+        x[at] = row[0]
+        assert torch.equal(skinny_linear(x, w, None, b)[at], alone[0]), (m, at)
+
+
 @pytest.mark.parametrize("args, match", [
     ((torch.randn(2, 12), torch.randn(3, 12)), "multiple of 8"),
     ((torch.randn(2, 16).double(), torch.randn(3, 16)), "float32"),

@@ -19,10 +19,14 @@
 namespace llminfer {
 namespace {
 
-// Rows per streamed tile (decode): one weight vector loaded, then one FMA for each of up to 8 rows. Up to 8
-// rows the weights are read once from memory at about the memory's bandwidth (measured on Zen 4, fp32 LM
-// head 151646 x 512, 2 threads: 8 rows 16.3 -> 10.0 ms against two groups of 4 from L2 blocks).
+// Rows per streamed tile: one weight vector loaded, then one FMA for each of up to 8 rows. For fp32 weights
+// larger than any cache (kStreamMinBytes: an LM head), up to 8 rows read the weights once from memory at
+// about the memory's bandwidth (measured on Zen 4, fp32 LM head 151646 x 512, 2 threads: 8 rows 16.3 -> 10.0
+// ms against two groups of 4 from L2 blocks, 4 rows 13.4 -> 7.7). Weights that a cache can hold, and int8
+// weights (converted per vector), ran 5-45 % slower streamed at 2-16 rows than in the interleaved tiles, on
+// both builds, so they keep those (one row always streams).
 constexpr int64_t kStreamRows = 8;
+constexpr int64_t kStreamMinBytes = int64_t{32} << 20;
 
 // MT activation rows times NT weight rows over the whole of K (K % 8 == 0). kStream: the weights come from
 // memory (decode), so each channel is read in turn as one sequential stream against all MT rows (the rows
@@ -42,8 +46,8 @@ inline void micro_tile(const float* x, int64_t ldx, const W* w, int64_t ldw, int
   static_assert(kLine % kLanes == 0, "a cache line holds whole vectors");
   constexpr std::false_type kFull{};
   if constexpr (kStream || MT == 1) {
-    // Up to kStreamRows rows, each weight vector loaded serves MT FMAs, so reading from memory stays the
-    // bound; one stream at a time is what the prefetchers follow best.
+    // Each weight vector loaded serves MT FMAs, so reading from memory stays the bound; one stream at a time
+    // is what the prefetchers follow best.
     for (int n = 0; n < NT; ++n) {
       const W* wn = w + n * ldw;
       vec a[MT];
@@ -155,17 +159,25 @@ void skinny_linear_impl(const float* x, int64_t M, int64_t K, const W* w, int64_
   const int64_t tiles = (N + kCols - 1) / kCols;
   // Enough tiles per task that a task reads at least ~64 KB of weights.
   const int64_t grain = std::max<int64_t>(1, (64 * 1024) / (kCols * K * static_cast<int64_t>(sizeof(W))));
-  // Up to this many rows the weights are streamed from memory once per group of kStreamRows rows (int8
-  // weights converted in registers each time); beyond, blocks of tiles are held in L2 (int8: one converted
-  // copy of a block, kBlockBytes, costs less than converting again for each group).
-  constexpr int64_t kDirectRows = std::is_same<W, int8_t>::value ? 2 * kStreamRows : kStreamRows;
+  const bool stream = std::is_same<W, float>::value && N * K * static_cast<int64_t>(sizeof(W)) >= kStreamMinBytes;
+  // Up to this many rows each tile's weights are read once, straight from memory, for every group of rows
+  // (int8 weights converted in registers each time); beyond, blocks of tiles are held in L2 (int8: one
+  // converted copy of a block, kBlockBytes, costs less than converting again for each group).
+  const int64_t direct_rows = stream ? kStreamRows : std::is_same<W, int8_t>::value ? 4 * kRows : kRows;
+  const int64_t group_rows = stream ? kStreamRows : kRows;
   at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
-    if (M <= kDirectRows) {  // decode: each tile's weights are read once, straight from memory
+    if (M <= direct_rows) {  // decode
       for (int64_t t = begin; t < end; ++t) {
         const int64_t n = t * kCols;
-        for (int64_t m = 0; m < M; m += kStreamRows)
-          tile<true>(std::min<int64_t>(kCols, N - n), std::min<int64_t>(kStreamRows, M - m), x + m * K, K, w + n * K,
-               scale ? scale + n : nullptr, bias ? bias + n : nullptr, out + m * N + n, N);
+        for (int64_t m = 0; m < M; m += group_rows) {
+          const int64_t nt = std::min<int64_t>(kCols, N - n), rows = std::min<int64_t>(group_rows, M - m);
+          const float* sc = scale ? scale + n : nullptr;
+          const float* b = bias ? bias + n : nullptr;
+          if (stream)
+            tile<true>(nt, rows, x + m * K, K, w + n * K, sc, b, out + m * N + n, N);
+          else
+            tile<false>(nt, rows, x + m * K, K, w + n * K, sc, b, out + m * N + n, N);
+        }
       }
       return;
     }
