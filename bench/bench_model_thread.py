@@ -5,11 +5,18 @@ torch's OpenMP keeps a single thread team; ``LLMINFER_MODEL_THREAD=0`` restores 
 the calling thread, steps on whichever anyio worker is free), where libgomp manages more threads than CPUs,
 throttles its spin-wait and puts its workers to sleep between the step's parallel regions.
 
+With ``--foreign-team``, the steps stay on the model thread and the main thread starts an OpenMP team of its
+own (one large ``copy_``, as any torch op of more than 32768 elements there does) before the timed runs; the
+settings are then the kernels' parallel loops on torch's OpenMP team (``LLMINFER_KERNEL_THREAD_POOL=0``)
+against llminfer's own worker threads (``csrc/thread_pool.h``, the default), which libgomp's throttling does
+not reach.
+
 Each setting runs in its own process (a fresh OpenMP runtime), alternating for ``--rounds`` rounds, for
 each ``--quant`` and ``--backends`` pair: batch-1 decode ms/token on the bench model (median of 3 runs of
 ``--tokens`` tokens after a warm-up run), with the share of CPU time stolen by the hypervisor during it.
 
     python bench/bench_model_thread.py [--rounds 2] [--quant none,int8-wo] [--backends eager,compiled]
+    python bench/bench_model_thread.py --foreign-team [--rounds 2] [--quant none] [--backends eager]
 """
 
 from __future__ import annotations
@@ -30,12 +37,16 @@ from llminfer.benchmark.environment import StealMeter
 from llminfer.config import QuantConfig, QuantMode
 from llminfer.logging import configure_logging
 configure_logging("warning")
-quant, backend, tokens = sys.argv[2], sys.argv[3], int(sys.argv[4])
+quant, backend, tokens, foreign = sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5] == "1"
 cfg = EngineConfig(model_name=str(bench_model_path()), dtype="float32", device="cpu", max_batch_size=1,
                    batch_timeout_ms=0, quant=QuantConfig(mode=QuantMode(quant)), backend=backend)
 with InferenceEngine(cfg) as engine:
     prompt = random_prompts(1, 8, BENCH_VOCAB, seed=1)[0]
     engine.run(prompt, max_new_tokens=4, ignore_eos=True)
+    if foreign:  # a second OpenMP team, on this (the main) thread
+        import torch
+        big = torch.ones(4096, 4096)
+        big.clone().copy_(big)
     steal, tpot = StealMeter(), []
     for _ in range(3):
         st = engine.run(prompt, max_new_tokens=tokens, ignore_eos=True).stats
@@ -44,12 +55,15 @@ print("RESULT " + json.dumps({"ms_per_token": statistics.median(tpot), "runs_ms"
 """
 
 
-def run_setting(model_thread: bool, quant: str, backend: str, tokens: int) -> dict[str, Any]:
+def run_setting(model_thread: bool, quant: str, backend: str, tokens: int, foreign_team: bool = False,
+                thread_pool: bool = True) -> dict[str, Any]:
     from common import run_child
 
-    env = {**os.environ, "LLMINFER_MODEL_THREAD": "1" if model_thread else "0"}
-    return run_child(_CHILD, [str(HERE), quant, backend, str(tokens)], env,
-                     f"bench_model_thread: the run ({quant}, {backend}, model thread {model_thread})")
+    env = {**os.environ, "LLMINFER_MODEL_THREAD": "1" if model_thread else "0",
+           "LLMINFER_KERNEL_THREAD_POOL": "1" if thread_pool else "0"}
+    return run_child(_CHILD, [str(HERE), quant, backend, str(tokens), "1" if foreign_team else "0"], env,
+                     f"bench_model_thread: the run ({quant}, {backend}, model thread {model_thread}, "
+                     f"kernel thread pool {thread_pool})")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -58,6 +72,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--quant", type=lambda v: v.split(","), default=["none", "int8-wo"])
     ap.add_argument("--backends", type=lambda v: v.split(","), default=["eager", "compiled"])
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--foreign-team", action="store_true",
+                    help="model thread, a second OpenMP team on the main thread: OpenMP against llminfer's workers")
     args = ap.parse_args(argv)
     from common import environment, save
 
@@ -66,17 +82,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for quant in args.quant:
         for backend in args.backends:
             for r in range(args.rounds):
-                for model_thread in (False, True):
-                    res = run_setting(model_thread, quant, backend, args.tokens)
-                    res.update(round=r, quant=quant, backend=backend, model_thread=model_thread)
+                for second in (False, True):
+                    model_thread, pool = (True, second) if args.foreign_team else (second, True)
+                    res = run_setting(model_thread, quant, backend, args.tokens, args.foreign_team, pool)
+                    res.update(round=r, quant=quant, backend=backend, model_thread=model_thread,
+                               foreign_team=args.foreign_team, kernel_thread_pool=pool)
                     rows.append(res)
                     steal = "n/a" if res["steal_pct"] is None else f"{res['steal_pct']:.1f} %"
-                    where = "one model thread " if model_thread else "anyio's workers  "
+                    if args.foreign_team:
+                        where = "llminfer workers " if pool else "OpenMP team      "
+                    else:
+                        where = "one model thread " if model_thread else "anyio's workers  "
                     print(f"{quant:8s} {backend:8s} round {r} steps on {where} {res['ms_per_token']:6.1f} ms/token "
                           f"(runs {', '.join(f'{x:.1f}' for x in res['runs_ms'])}), steal {steal}", flush=True)
     payload = {"benchmark": "model_thread", "rows": rows, "loadavg_before": load_before,
                "loadavg_after": " ".join(f"{x:.2f}" for x in os.getloadavg()), "environment": environment()}
-    print(f"-> {save('model_thread', payload)}")
+    print(f"-> {save('model_thread_foreign_team' if args.foreign_team else 'model_thread', payload)}")
     return payload
 
 

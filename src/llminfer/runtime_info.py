@@ -125,7 +125,10 @@ def _cpu_kernel_line(rt: Runtime, cfg: EngineConfig) -> str:
             op = "bf16_linear"
             detail = (f"bf16 on AVX-512 BF16 up to {BF16_KERNEL_MAX_ROWS} rows, torch's matmul beyond"
                       if bf16_kernel_available() else "bf16 products on torch: no AVX-512 BF16 path here")
-        return f"{op} on {rt.cpu_kernel_layers} layers ({vector_isa()}, {detail})"
+        from llminfer.kernels.build import kernel_threads
+
+        threads = "llminfer's worker threads" if kernel_threads() == "llminfer" else "OpenMP threads"
+        return f"{op} on {rt.cpu_kernel_layers} layers ({vector_isa()}, {detail}; {threads})"
     if rt.device.type != "cpu" or not backend_spec(cfg.backend).cpu_fast_path:
         return f"off (CPU {titles_with('cpu_fast_path')} backends only)"
     if not cfg.cpu_kernels:

@@ -69,6 +69,9 @@ BF16_CFLAGS = ("-mavx512bf16",)
 #: (to compare the two).
 BF16_ENV = "LLMINFER_CPU_KERNEL_BF16"
 DISABLE_ENV = "LLMINFER_CPU_KERNELS"
+#: ``1`` runs the kernels' parallel loops on llminfer's own worker threads (``csrc/thread_pool.h``) instead of
+#: torch's OpenMP team (the default); see :func:`kernel_threads` for when that pays.
+THREAD_POOL_ENV = "LLMINFER_KERNEL_THREAD_POOL"
 ISA_ENV = "LLMINFER_CPU_KERNEL_ISA"
 
 _lock = threading.Lock()
@@ -163,6 +166,7 @@ def _load() -> bool:
                                        extra_cflags=list(build_cflags(isa)), extra_ldflags=["-fopenmp"],
                                        build_directory=str(build), is_python_module=False, verbose=False)
                 torch.ops.llminfer_cpu.skinny_linear  # noqa: B018 - raises if the library did not register
+                torch.ops.llminfer_cpu.use_kernel_thread_pool(_env_on(THREAD_POOL_ENV, default="0"))
                 _register_fake_impls()
             except Exception as exc:  # noqa: BLE001 - compiler, ninja, loader: any failure means "use torch"
                 lines = str(exc).strip().splitlines()
@@ -253,6 +257,52 @@ def bf16_kernel_available() -> bool:
         return False
     off = os.environ.get(BF16_ENV, "1").strip().lower() in ("0", "false", "off", "no")
     return not off and bool(torch.ops.llminfer_cpu.bf16_supported())
+
+
+def _env_on(name: str, default: str = "1") -> bool:
+    return os.environ.get(name, default).strip().lower() not in ("0", "false", "off", "no")
+
+
+def kernel_threads() -> str | None:
+    """Which threads run the kernels' parallel loops: ``"openmp"`` (torch's team, the default) or
+    ``"llminfer"`` (``$LLMINFER_KERNEL_THREAD_POOL=1``, or :func:`use_kernel_thread_pool` ``(True)``); None
+    where the kernel is not loaded.
+
+    Why the choice: libgomp keeps one team per thread that starts a parallel region, and once a second thread of
+    the process has a team (any torch op of more than 32768 elements on, say, a script's main thread while the
+    engine steps on its model thread) it lets idle team threads spin only about 100 iterations before they sleep:
+    every kernel of a decode step then waits for a futex wake. llminfer's workers spin 2 ms after each loop
+    whatever else the process runs, and keep torch's team in that short-spin regime (a parked second team), so
+    its idle threads never hold the cores the workers need. The price: each of torch's own parallel regions
+    wakes its thread. On a 2-core AMD EPYC (Zen 4) VM, the bench model, fp32, output tok/s:
+
+    * with a second team (``python bench/bench_model_thread.py --foreign-team``), batch-1 decode: 22.1-22.5
+      ms/token on OpenMP, 18.2-19.9 on the workers; int8-wo 11.6-12.2 against 8.3-9.1;
+    * without one, eager (``run_batch_continuous``, 64 tokens, two processes each): about equal at batch 1, 8
+      and 32 (47-63 / 275-334 / 509-579 OpenMP, 49-61 / 293-335 / 493-599 workers);
+    * without one, compiled (``llminfer bench --backend compiled``): batch 1 62.0 against 57.6, batch 8 333.9
+      against 360.6, batch 32 505.3 against 592.9: Inductor's kernels are OpenMP regions.
+
+    So the workers are for processes that run torch work on other threads next to an eager engine.
+    """
+    if not _state["loaded"]:
+        return None
+    previous = torch.ops.llminfer_cpu.use_kernel_thread_pool(True)
+    torch.ops.llminfer_cpu.use_kernel_thread_pool(previous)
+    return "llminfer" if previous else "openmp"
+
+
+def use_kernel_thread_pool(on: bool) -> bool:
+    """Run the kernels' parallel loops on llminfer's own worker threads (``on``) or on torch's OpenMP team;
+    returns the previous setting. Results are the same bits either way (tested). The first loop on the workers
+    starts them and the parked team (see :func:`kernel_threads`), which stay until the process exits.
+
+    Raises:
+        RuntimeError: the kernel is not loaded (see :func:`skinny_linear_available`).
+    """
+    if not _load():
+        raise RuntimeError(f"llminfer's CPU kernel is not loaded: {_state['reason']}")
+    return bool(torch.ops.llminfer_cpu.use_kernel_thread_pool(bool(on)))
 
 
 def unavailable_reason() -> str | None:

@@ -14,6 +14,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "thread_pool.h"
+
 #include <immintrin.h>
 
 #include <algorithm>
@@ -149,7 +151,7 @@ inline void for_each_tile(int64_t M, int64_t N, int64_t group_rows, int64_t tile
   const int64_t tile_bytes = tile_cols * row_bytes;
   const int64_t grain = std::max<int64_t>(1, (64 * 1024) / tile_bytes);
   const int64_t block_tiles = M <= group_rows ? tiles : std::max<int64_t>(1, kBlockBytes / tile_bytes);
-  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+  parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
     for (int64_t b0 = begin; b0 < end; b0 += block_tiles) {
       const int64_t b1 = std::min(end, b0 + block_tiles);
       for (int64_t m = 0; m < M; m += group_rows) {

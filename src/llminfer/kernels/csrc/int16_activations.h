@@ -22,7 +22,7 @@ inline QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
   QuantizedRows r;
   r.q.resize(static_cast<size_t>(M * K));
   r.scale.resize(static_cast<size_t>(M));
-  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+  parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       const float* row = x + m * K;
       __m512 mx = _mm512_setzero_ps();

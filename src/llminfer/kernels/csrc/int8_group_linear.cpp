@@ -22,6 +22,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "thread_pool.h"
+
 #include <immintrin.h>
 
 #include <algorithm>
@@ -91,7 +93,7 @@ inline float fsum(fvec v) {
 // Each row rounded on its own to 14 bits (AVX2 code: every build has it). scale[m] is NaN where the row holds
 // a NaN or an infinity, which makes its outputs NaN as a float product's would be; 0 for an all-zero row.
 void quantize_rows14(const float* x, int64_t M, int64_t K, int16_t* q, double* scale) {
-  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+  llminfer::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t m = begin; m < end; ++m) {
       const float* row = x + m * K;
@@ -236,7 +238,7 @@ void int8_group_linear_impl(const float* x, int64_t M, int64_t K, const uint8_t*
     }
   const int64_t block = std::max<int64_t>(1, kBlockBytes / K);
   const int64_t blocks = (N + block - 1) / block;
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+  llminfer::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = b * block, n1 = std::min(N, n0 + block);
       for (int64_t m = 0; m < M; m += kTileRows) {

@@ -27,6 +27,10 @@ std::string q8_instruction() {
 #endif
 }
 
+// Turn llminfer's own kernel threads (thread_pool.h) on or off (off: torch's OpenMP team, for comparison);
+// returns the previous setting.
+bool use_kernel_thread_pool(bool on) { return KernelThreadPool::enabled().exchange(on); }
+
 }  // namespace
 }  // namespace llminfer
 
@@ -35,4 +39,5 @@ TORCH_LIBRARY(llminfer_cpu, m) {
   m.def("int8_activation_bits() -> int", &llminfer::int8_activation_bits);
   m.def("bf16_supported() -> bool", &llminfer::bf16_supported);
   m.def("q8_instruction() -> str", &llminfer::q8_instruction);
+  m.def("use_kernel_thread_pool(bool on) -> bool", &llminfer::use_kernel_thread_pool);
 }

@@ -43,7 +43,7 @@ void paged_decode_attention_impl(const float* q, int64_t sq_b, int64_t sq_h, con
                                  const int64_t* tables, const int64_t* lens, int64_t B, int64_t H, int64_t H_kv,
                                  int64_t num_blocks, int64_t block_size, int64_t D, int64_t W, float sc, float* o) {
   const int64_t G = H / H_kv;
-  at::parallel_for(0, B * H_kv, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, B * H_kv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / H_kv, h = task % H_kv;

@@ -64,7 +64,7 @@ inline Q8Rows quantize_rows_q8(const float* x, int64_t M, int64_t K, int64_t pad
   r.corr.assign(static_cast<size_t>(M * Kp / 4), 0);
   r.dlane.assign(static_cast<size_t>(M * Kp / 4), 0.f);
   r.dblock.assign(static_cast<size_t>(M * Kp / kBlock), 0.f);
-  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+  parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       for (int64_t b = 0; b < K / kBlock; ++b) {
         const float* xb = x + m * K + b * kBlock;

@@ -165,7 +165,7 @@ void skinny_linear_impl(const float* x, int64_t M, int64_t K, const W* w, int64_
   // converted copy of a block, kBlockBytes, costs less than converting again for each group).
   const int64_t direct_rows = stream ? kStreamRows : std::is_same<W, int8_t>::value ? 4 * kRows : kRows;
   const int64_t group_rows = stream ? kStreamRows : kRows;
-  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+  parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
     if (M <= direct_rows) {  // decode
       for (int64_t t = begin; t < end; ++t) {
         const int64_t n = t * kCols;
