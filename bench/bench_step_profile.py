@@ -305,7 +305,10 @@ def run(quick: bool, reps: int, plain_only: bool = False, compare: bool = False)
             return {"benchmark": "step_profile_before_after", "cases": out, "reps": reps, "quick": quick,
                     "loadavg_before": load_before, "loadavg_after": _loadavg(), "steal_pct": steal.pct(),
                     "environment": environment()}
-        bw = copy_bandwidth("cpu", False, nbytes=256 << 20, reps=4 if quick else 10)
+        # On the engine's model thread: a copy this large on this thread would start a second OpenMP team,
+        # and libgomp would then throttle the engine's team for the rest of the run (see csrc/thread_pool.h).
+        measure = (engine.model_thread.call if engine.model_thread is not None else lambda f, *a: f(*a))
+        bw = measure(copy_bandwidth, "cpu", False, 256 << 20, 4 if quick else 10)
         for i, (batch, prompt_len, new_tokens, temperature) in enumerate([(*s, 0.0) for s in shapes] + sampled):
             case = profile_batch(engine, batch, prompt_len, new_tokens, reps, seed=100 * (i + 1),
                                  plain_only=plain_only, temperature=temperature)
