@@ -84,7 +84,13 @@ def test_a_forked_child_runs_the_loops_on_workers_of_its_own(pool_on):
     if pid == 0:  # the child: its parent's workers are gone
         ok = False
         try:
-            ok = all(torch.equal(skinny_linear(x, w, None, b), expected) for _ in range(3))
+            outs = []
+            for _ in range(3):
+                # torch sets a forked child to 1 thread; 2 make the loop split onto the pool's workers
+                torch.set_num_threads(2)
+                outs.append(skinny_linear(x, w, None, b))
+                torch.set_num_threads(1)  # torch's own ops stay off the parent's OpenMP team here
+            ok = all(torch.equal(out, expected) for out in outs)
         finally:
             os._exit(0 if ok else 1)
     deadline = time.monotonic() + 120
