@@ -27,6 +27,8 @@ def test_engine_reports_and_honours_the_switch(model_dirs):
         assert info["attention_backend"] == "cpu"
         assert info["cpu_kernel"].startswith("skinny_linear on ") and engine.runtime.cpu_kernel_layers > 0
         assert f"({build.vector_isa()}, " in info["cpu_kernel"]
+        threads = "llminfer's worker threads" if build.kernel_threads() == "llminfer" else "OpenMP threads"
+        assert info["cpu_kernel"].endswith(f"; {threads})"), info["cpu_kernel"]
         on = engine.run("kernels on", max_new_tokens=6, ignore_eos=True).token_ids
     with make_engine(model_dirs["qwen2"], max_batch_size=2, cpu_kernels=False) as engine:
         info = engine.info()

@@ -223,7 +223,7 @@ def test_int4_engine_runs_on_the_kernel_and_its_rows_do_not_depend_on_the_batch(
             elif build.int8_activation_bits():
                 assert line.startswith("int4_linear on ") and "int4 on the wide path" in line, line
             if paths["int4"]["path"] == "q8" or build.int8_activation_bits():
-                assert line.endswith(f"the LM head in int8 on {head})"), line
+                assert f"the LM head in int8 on {head};" in line, line
         prompts = random_prompts([5, 9, 14, 3, 20, 7], VOCAB, seed=4)
         alone = [list(engine.run(p, max_new_tokens=8, ignore_eos=True).token_ids) for p in prompts[:3]]
         together = engine.run_requests([engine.make_request(p, max_new_tokens=8, ignore_eos=True) for p in prompts])
