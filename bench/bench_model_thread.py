@@ -8,8 +8,8 @@ throttles its spin-wait and puts its workers to sleep between the step's paralle
 With ``--foreign-team``, the steps stay on the model thread and the main thread starts an OpenMP team of its
 own (one large ``copy_``, as any torch op of more than 32768 elements there does) before the timed runs; the
 settings are then the kernels' parallel loops on torch's OpenMP team (``LLMINFER_KERNEL_THREAD_POOL=0``)
-against llminfer's own worker threads (``csrc/thread_pool.h``, the default), which libgomp's throttling does
-not reach.
+(the default) against llminfer's own worker threads (``csrc/thread_pool.h``, ``=1``), which libgomp's
+throttling does not reach. Without it, both settings keep the kernels on OpenMP.
 
 Each setting runs in its own process (a fresh OpenMP runtime), alternating for ``--rounds`` rounds, for
 each ``--quant`` and ``--backends`` pair: batch-1 decode ms/token on the bench model (median of 3 runs of
@@ -56,7 +56,7 @@ print("RESULT " + json.dumps({"ms_per_token": statistics.median(tpot), "runs_ms"
 
 
 def run_setting(model_thread: bool, quant: str, backend: str, tokens: int, foreign_team: bool = False,
-                thread_pool: bool = True) -> dict[str, Any]:
+                thread_pool: bool = False) -> dict[str, Any]:
     from common import run_child
 
     env = {**os.environ, "LLMINFER_MODEL_THREAD": "1" if model_thread else "0",
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for backend in args.backends:
             for r in range(args.rounds):
                 for second in (False, True):
-                    model_thread, pool = (True, second) if args.foreign_team else (second, True)
+                    model_thread, pool = (True, second) if args.foreign_team else (second, False)
                     res = run_setting(model_thread, quant, backend, args.tokens, args.foreign_team, pool)
                     res.update(round=r, quant=quant, backend=backend, model_thread=model_thread,
                                foreign_team=args.foreign_team, kernel_thread_pool=pool)

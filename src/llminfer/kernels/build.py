@@ -123,7 +123,7 @@ def _cache_dir(isa: str = "avx2") -> Path:
 
 
 def _why_not_here() -> str | None:
-    if os.environ.get(DISABLE_ENV, "1").strip().lower() in ("0", "false", "off", "no"):
+    if not _env_on(DISABLE_ENV):
         return f"{DISABLE_ENV}=0"
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return f"not x86-64 ({platform.machine()})"
@@ -255,8 +255,7 @@ def bf16_kernel_available() -> bool:
     build the kernel."""
     if not _state["loaded"]:
         return False
-    off = os.environ.get(BF16_ENV, "1").strip().lower() in ("0", "false", "off", "no")
-    return not off and bool(torch.ops.llminfer_cpu.bf16_supported())
+    return _env_on(BF16_ENV) and bool(torch.ops.llminfer_cpu.bf16_supported())
 
 
 def _env_on(name: str, default: str = "1") -> bool:
@@ -287,9 +286,7 @@ def kernel_threads() -> str | None:
     """
     if not _state["loaded"]:
         return None
-    previous = torch.ops.llminfer_cpu.use_kernel_thread_pool(True)
-    torch.ops.llminfer_cpu.use_kernel_thread_pool(previous)
-    return "llminfer" if previous else "openmp"
+    return "llminfer" if torch.ops.llminfer_cpu.kernel_thread_pool_enabled() else "openmp"
 
 
 def use_kernel_thread_pool(on: bool) -> bool:

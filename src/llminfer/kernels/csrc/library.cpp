@@ -30,6 +30,8 @@ std::string q8_instruction() {
 // Turn llminfer's own kernel threads (thread_pool.h) on or off (off: torch's OpenMP team, for comparison);
 // returns the previous setting.
 bool use_kernel_thread_pool(bool on) { return KernelThreadPool::enabled().exchange(on); }
+// Whether the kernels' loops run on llminfer's own threads now (read only).
+bool kernel_thread_pool_enabled() { return KernelThreadPool::enabled().load(); }
 
 }  // namespace
 }  // namespace llminfer
@@ -40,4 +42,5 @@ TORCH_LIBRARY(llminfer_cpu, m) {
   m.def("bf16_supported() -> bool", &llminfer::bf16_supported);
   m.def("q8_instruction() -> str", &llminfer::q8_instruction);
   m.def("use_kernel_thread_pool(bool on) -> bool", &llminfer::use_kernel_thread_pool);
+  m.def("kernel_thread_pool_enabled() -> bool", &llminfer::kernel_thread_pool_enabled);
 }
