@@ -5,9 +5,9 @@ clients get unless they set a temperature), two runs of the same workload in one
 
 * ``plain``: only the backend's ``execute`` is timed (two clock reads a step): the step period (one
   ``execute`` start to the next) and the time inside ``execute``;
-* ``split``: timers on every part of the step (forward hooks on the linear layers and the model, wrappers
-  around the registered attention function, the metadata builder and the sampler), which add their own
-  cost (compare its period with ``plain``'s).
+* ``split``: timers on every part of the step (forward hooks on the linear layers, wrappers around the
+  model's forward (``packing.forward_logits``), the registered attention function, the metadata builder
+  and the sampler), which add their own cost (compare its period with ``plain``'s).
 
 The split's parts (ms per step):
 
@@ -26,6 +26,9 @@ buffer, read + written bytes per second, as ``bench/gpu_check.py`` measures it).
     python bench/bench_step_profile.py [--quick] [--reps 3] [--json-out]   (--json-out: bench/results/step_profile.json)
     python bench/bench_step_profile.py --before-after [--quick] [--reps 5] [--json-out]
         (the step changes side by side; --json-out: bench/results/step_profile_before_after.json)
+    python bench/bench_step_profile.py --before-after decoder-loop [--quick] [--reps 5] [--json-out]
+        (transformers' model forward against llminfer's decoder loop, alternating;
+         --json-out: bench/results/step_profile_decoder_loop.json)
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from llminfer import CacheConfig, EngineConfig, InferenceEngine
 from llminfer.backends import base as backend_base
 from llminfer.backends import packing
 from llminfer.backends.attention import ATTN_IMPLEMENTATION, paged_attention_forward
+from llminfer.backends.decoder_loop import use_decoder_loop
 from llminfer.benchmark.environment import StealMeter
 from llminfer.logging import configure_logging
 
@@ -128,7 +132,8 @@ class StepTimers:
         from transformers import AttentionInterface
 
         # where the eager step looks them up: packing builds the attention metadata, the base class samples
-        for module, name, part in ((packing, "build_metadata", "metadata"), (backend_base, "sample", "sampling")):
+        for module, name, part in ((packing, "build_metadata", "metadata"), (packing, "forward_logits", "forward"),
+                                   (backend_base, "sample", "sampling")):
             fn = getattr(module, name)
             setattr(module, name, self._timed(part, fn))
             self._undo.append(lambda module=module, name=name, fn=fn: setattr(module, name, fn))
@@ -138,7 +143,7 @@ class StepTimers:
         for name, module in model.named_modules():
             leaf = name.rsplit(".", 1)[-1]
             part = ("linear_attn" if leaf in _ATTN_PROJ else "linear_mlp" if leaf in _MLP_PROJ
-                    else "lm_head" if leaf == "lm_head" else "forward" if module is model else None)
+                    else "lm_head" if leaf == "lm_head" else None)
             if part is not None:
                 self._hook(module, part)
         return self
@@ -201,14 +206,29 @@ def before_changes(engine: InferenceEngine) -> Iterator[None]:
                 weight.data = weight.data.t().contiguous().t()
 
 
+@contextmanager
+def without_decoder_loop(engine: InferenceEngine) -> Iterator[None]:
+    """The eager step through transformers' own ``model(...)`` instead of llminfer's decoder loop."""
+    model = engine.backend.model
+    was = engine.model_thread.call(use_decoder_loop, model, False)
+    try:
+        yield
+    finally:
+        engine.model_thread.call(use_decoder_loop, model, was)
+
+
+BEFORE = {"step": before_changes, "decoder-loop": without_decoder_loop}
+
+
 def compare_before_after(engine: InferenceEngine, batch: int, prompt_len: int, new_tokens: int, reps: int,
-                         seed: int) -> dict[str, Any]:
-    """Median decode period (ms/step) before and after, alternating runs of the same workload."""
+                         seed: int, change: str = "step") -> dict[str, Any]:
+    """Median decode period (ms/step) before and after ``change`` (a key of :data:`BEFORE`), alternating runs
+    of the same workload."""
     periods: dict[str, list[float]] = {"before": [], "after": []}
     for rep in range(reps):
         for label in ("before", "after"):
             prompts = random_prompts(batch, prompt_len, BENCH_VOCAB, seed=seed + rep)
-            ctx = before_changes(engine) if label == "before" else nullcontext()
+            ctx = BEFORE[change](engine) if label == "before" else nullcontext()
             with ctx, timers(engine, False) as t:
                 engine.run_batch_continuous(prompts, max_new_tokens=new_tokens, ignore_eos=True)
             rows = t.decode_rows(batch)
@@ -279,7 +299,7 @@ def _loadavg() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def run(quick: bool, reps: int, plain_only: bool = False, compare: bool = False) -> dict[str, Any]:
+def run(quick: bool, reps: int, plain_only: bool = False, compare: str | None = None) -> dict[str, Any]:
     configure_logging("warning")
     torch.set_num_threads(int(os.environ.get("LLMINFER_BENCH_THREADS", "2")))
     load_before = _loadavg()
@@ -296,13 +316,14 @@ def run(quick: bool, reps: int, plain_only: bool = False, compare: bool = False)
         sampled = [(32, 128, 8 if quick else 24, 1.0)]
         cases = []
         if compare:
-            out = [compare_before_after(engine, b, p, n, reps, seed=1000 * (i + 1))
+            out = [compare_before_after(engine, b, p, n, reps, seed=1000 * (i + 1), change=compare)
                    for i, (b, p, n) in enumerate(shapes)]
             for c in out:
                 print(f"batch {c['batch']}: before {c['ms_per_step_before']:.1f} ms/step, after "
                       f"{c['ms_per_step_after']:.1f} ms/step, after/before {c['ratio_after_over_before']:.2f} "
                       f"(runs {c['runs_ms']})")
-            return {"benchmark": "step_profile_before_after", "cases": out, "reps": reps, "quick": quick,
+            name = "step_profile_before_after" if compare == "step" else "step_profile_decoder_loop"
+            return {"benchmark": name, "change": compare, "cases": out, "reps": reps, "quick": quick,
                     "loadavg_before": load_before, "loadavg_after": _loadavg(), "steal_pct": steal.pct(),
                     "environment": environment()}
         # On the engine's model thread: a copy this large on this thread would start a second OpenMP team,
@@ -337,8 +358,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--json-out", action="store_true", help="write bench/results/step_profile.json")
     ap.add_argument("--plain-only", action="store_true", help="no split runs: the step period alone "
                     "(for before/after comparisons of two source trees)")
-    ap.add_argument("--before-after", action="store_true", help="instead: the decode period before this "
-                    "suite's step changes (row-major fp32 LM head, torch argmax) and after, alternating")
+    ap.add_argument("--before-after", nargs="?", const="step", choices=sorted(BEFORE), default=None,
+                    help="instead: the decode period before a change and after, alternating: 'step' (the "
+                    "default) is this suite's step changes (row-major fp32 LM head, torch argmax), "
+                    "'decoder-loop' transformers' model forward against llminfer's decoder loop")
     args = ap.parse_args(argv)
     results = run(args.quick, args.reps, args.plain_only, args.before_after)
     if args.before_after:

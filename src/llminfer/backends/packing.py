@@ -12,7 +12,8 @@ from collections.abc import Mapping, Sequence
 import attrs
 import torch
 
-from llminfer.backends.attention import METADATA_KWARG, PagedKVCache, build_metadata
+from llminfer.backends.attention import PagedKVCache, build_metadata
+from llminfer.backends.decoder_loop import forward_logits
 from llminfer.protocols.messages import SchedulerOutput
 from llminfer.results import TokenLogprob
 from llminfer.sampling.sampler import SamplingState
@@ -28,7 +29,9 @@ def run_packed(
     device: torch.device,
     attention_backend: str = "torch",
 ) -> torch.Tensor:
-    """One forward pass over a packed row of every sequence's new tokens, writing their K/V into ``cache``.
+    """One forward pass over a packed row of every sequence's new tokens, writing their K/V into ``cache``
+    (through :func:`~llminfer.backends.decoder_loop.forward_logits`: llminfer's decoder loop where it knows
+    the model's family, else ``model(...)``; the same bits either way).
 
     Args:
         tokens: per sequence, the tokens to compute (their positions start at ``starts[i]``).
@@ -45,10 +48,9 @@ def run_packed(
                                         attention_backend)
     ids = torch.tensor(flat, dtype=torch.long, device=device)[None]
     keep = torch.tensor(list(keep_rows) or [len(flat) - 1], dtype=torch.long, device=device)
+    max_position = max(s + len(t) for s, t in zip(starts, tokens)) - 1
     with torch.inference_mode():
-        out = model(input_ids=ids, position_ids=position_ids, use_cache=False, logits_to_keep=keep,
-                    **{METADATA_KWARG: meta})
-    logits = out.logits[0].float()
+        logits = forward_logits(model, ids, position_ids, keep, meta, max_position)[0].float()
     return logits if keep_rows else logits[:0]
 
 

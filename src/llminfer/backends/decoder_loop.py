@@ -1,0 +1,157 @@
+"""The eager step's forward pass without transformers' model-level wrappers, for Llama-family decoders.
+
+A transformers ``*ForCausalLM.forward`` does more per call than llminfer's step needs: output-capture
+decorators and kwargs plumbing, a causal-mask builder (the paged attention ignores the mask), a RoPE
+cos/sin computation over the step's positions, and per layer the checkpointing wrapper and keyword
+dispatch. At batch 1 on a small model that is a millisecond or more of Python per step.
+
+:func:`forward_logits` runs the same submodules in the same order with the same tensor ops, so its
+logits have the same bits as ``model(...)`` (``tests/test_decoder_loop.py`` checks them): the norms,
+projections, MLPs and LM head are the model's own modules (kernel swaps, weight-only quantization and
+LoRA wrappers included), attention goes through ``transformers.AttentionInterface`` under the model's
+``_attn_implementation``, and the rotary helper is the model file's own ``apply_rotary_pos_emb``. Only
+the RoPE cos/sin differ in how they are made: looked up in a table the model's rotary module computed
+once for positions ``0..N-1``. That is exact, because each entry is one product ``position * inv_freq``
+followed by elementwise ``cos``/``sin``, independent of which other positions are computed with it.
+
+Any model it does not recognise -- another family, a dynamic RoPE type, a wrapper class, an attention
+implementation other than llminfer's -- runs through ``model(...)`` as before.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from typing import Any
+
+import torch
+
+from llminfer.backends.attention import ATTN_IMPLEMENTATION, METADATA_KWARG
+
+__all__ = ["SUPPORTED_MODELS", "forward_logits", "use_decoder_loop", "uses_decoder_loop"]
+
+# transformers classes whose forward the loop reproduces op for op (checked against transformers 5.19 and 5.25)
+SUPPORTED_MODELS = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"})
+# RoPE types whose inverse frequencies are fixed at load (dynamic and longrope rescale with the length)
+_STATIC_ROPE = frozenset({"default", "linear", "llama3", "yarn"})
+_LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+_ATTN_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling", "layer_idx")
+
+
+class _RopeTable:
+    """cos/sin of the model's rotary module for positions ``0..len-1``, ``[1, len, head_dim]`` each in the
+    activation dtype, grown by doubling (on the model thread, at the first step that needs it)."""
+
+    def __init__(self, rotary: torch.nn.Module) -> None:
+        self.rotary = rotary
+        self.cos: torch.Tensor | None = None
+        self.sin: torch.Tensor | None = None
+
+    def lookup(self, positions: torch.Tensor, like: torch.Tensor, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)``, ``[1, T, head_dim]`` each, for ``positions`` (``[T]`` long, at most ``max_position``)."""
+        if self.cos is None or self.cos.shape[1] <= max_position or self.cos.dtype != like.dtype:
+            size = max(256, 1 << max_position.bit_length())
+            ids = torch.arange(size, device=like.device)[None]
+            self.cos, self.sin = self.rotary(like, ids)
+        assert self.sin is not None
+        return self.cos[:, positions], self.sin[:, positions]
+
+
+class _Plan:
+    """What the loop needs from one recognised model."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        base = model.model
+        self.embed = base.embed_tokens
+        self.layers = list(base.layers[: model.config.num_hidden_layers])
+        self.norm = base.norm
+        self.head = model.lm_head
+        self.rope = _RopeTable(base.rotary_emb)
+        self.rotate = sys.modules[type(self.layers[0].self_attn).__module__].apply_rotary_pos_emb
+        # Qwen2 and Mistral pass their window to the attention function (llminfer's paged attention ignores it)
+        self.extra = [{"sliding_window": getattr(layer.self_attn, "sliding_window", None)}
+                      if type(model).__name__ != "LlamaForCausalLM" else {} for layer in self.layers]
+
+
+_plans: weakref.WeakKeyDictionary[torch.nn.Module, _Plan | None] = weakref.WeakKeyDictionary()
+
+
+def _plan_for(model: torch.nn.Module) -> _Plan | None:
+    try:
+        return _plans[model]
+    except KeyError:
+        pass
+    plan = _Plan(model) if _recognised(model) else None
+    _plans[model] = plan
+    return plan
+
+
+def _recognised(model: torch.nn.Module) -> bool:
+    config = getattr(model, "config", None)
+    base = getattr(model, "model", None)
+    if type(model).__name__ not in SUPPORTED_MODELS or config is None or base is None or model.training:
+        return False
+    if getattr(config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
+        return False
+    rotary = getattr(base, "rotary_emb", None)
+    if getattr(rotary, "rope_type", None) not in _STATIC_ROPE:
+        return False
+    layers = getattr(base, "layers", ())
+    if len(layers) < config.num_hidden_layers or not all(
+            all(hasattr(layer, p) for p in _LAYER_PARTS) and all(hasattr(layer.self_attn, p) for p in _ATTN_PARTS)
+            for layer in layers):
+        return False
+    module = sys.modules.get(type(layers[0].self_attn).__module__)
+    return hasattr(module, "apply_rotary_pos_emb") and all(hasattr(base, p) for p in ("embed_tokens", "norm"))
+
+
+def uses_decoder_loop(model: torch.nn.Module) -> bool:
+    """True when :func:`forward_logits` runs ``model`` through the loop rather than ``model(...)``."""
+    return _plan_for(model) is not None
+
+
+def use_decoder_loop(model: torch.nn.Module, on: bool) -> bool:
+    """Switch the loop on (where ``model`` is recognised) or off (``model(...)`` always), for side-by-side
+    measurements; return whether it was in use before."""
+    was = uses_decoder_loop(model)
+    _plans[model] = _Plan(model) if on and _recognised(model) else None
+    return was
+
+
+def forward_logits(model: torch.nn.Module, ids: torch.Tensor, position_ids: torch.Tensor, keep: torch.Tensor,
+                   meta: Any, max_position: int) -> torch.Tensor:
+    """The model's logits at the kept rows of one packed step, with the same bits as ``model(...).logits``.
+
+    Args:
+        ids: ``[1, T]`` long token ids.
+        position_ids: ``[1, T]`` long positions.
+        keep: ``[K]`` long row indices into the packed row.
+        meta: the step's :class:`~llminfer.backends.attention_metadata.PagedAttentionMetadata`.
+        max_position: the largest value in ``position_ids`` (known to the caller without a device sync).
+
+    Returns:
+        ``[1, K, V]`` logits in the model's dtype.
+    """
+    plan = _plan_for(model)
+    if plan is None:
+        return model(input_ids=ids, position_ids=position_ids, use_cache=False, logits_to_keep=keep,
+                     **{METADATA_KWARG: meta}).logits
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    attention = ALL_ATTENTION_FUNCTIONS[ATTN_IMPLEMENTATION]
+    hidden = plan.embed(ids)
+    cos, sin = plan.rope.lookup(position_ids[0], hidden, max_position)
+    shape = (1, ids.shape[1], -1)
+    for layer, extra in zip(plan.layers, plan.extra):
+        attn = layer.self_attn
+        x = layer.input_layernorm(hidden)
+        heads = (1, ids.shape[1], -1, attn.head_dim)
+        q = attn.q_proj(x).view(heads).transpose(1, 2)
+        k = attn.k_proj(x).view(heads).transpose(1, 2)
+        v = attn.v_proj(x).view(heads).transpose(1, 2)
+        q, k = plan.rotate(q, k, cos, sin)
+        out, _ = attention(attn, q, k, v, None, dropout=0.0, scaling=attn.scaling, **extra, **{METADATA_KWARG: meta})
+        hidden = hidden + attn.o_proj(out.reshape(shape).contiguous())
+        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+    hidden = plan.norm(hidden)
+    return plan.head(hidden[:, keep])

@@ -1,0 +1,126 @@
+"""llminfer's decoder loop (``backends.decoder_loop``) against transformers' own forward: the same logits, bit
+for bit, on every step shape, for each family it runs; everything else goes through ``model(...)``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from llminfer.backends import decoder_loop
+from llminfer.backends.attention import METADATA_KWARG, PagedKVCache, build_metadata, register_paged_attention
+
+BLOCK = 4
+BLOCKS_PER_SEQ = 80  # 320 positions: past the RoPE table's first size (256), so it grows during the tests
+
+
+def _model(family: str, **rope: object) -> torch.nn.Module:
+    import transformers
+
+    register_paged_attention()
+    config_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }[family]
+    config = config_cls(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                        **rope)
+    torch.manual_seed(7)
+    model = model_cls._from_config(config, attn_implementation="llminfer_paged", torch_dtype=torch.float32)
+    return model.eval()
+
+
+def _cache(model: torch.nn.Module, sequences: int) -> PagedKVCache:
+    c = model.config
+    return PagedKVCache(c.num_hidden_layers, sequences * BLOCKS_PER_SEQ, BLOCK, c.num_key_value_heads,
+                        c.hidden_size // c.num_attention_heads, torch.float32, "cpu")
+
+
+def _step(model, cache, tokens, starts, loop: bool) -> torch.Tensor:
+    """One packed step over ``tokens`` (per sequence) at ``starts``; every row's logits."""
+    tables = [list(range(i * BLOCKS_PER_SEQ, (i + 1) * BLOCKS_PER_SEQ)) for i in range(len(tokens))]
+    meta, position_ids = build_metadata(cache, starts, [len(t) for t in tokens], tables, torch.device("cpu"),
+                                        "torch")
+    ids = torch.tensor([t for seq in tokens for t in seq])[None]
+    keep = torch.arange(ids.shape[1])
+    with torch.inference_mode():
+        if loop:
+            return decoder_loop.forward_logits(model, ids, position_ids, keep, meta,
+                                               max(s + len(t) for s, t in zip(starts, tokens)) - 1)
+        return model(input_ids=ids, position_ids=position_ids, use_cache=False, logits_to_keep=keep,
+                     **{METADATA_KWARG: meta}).logits
+
+
+def _prefill_then_step(model, tokens, starts, loop: bool) -> torch.Tensor:
+    """Fill each sequence's cache up to its start (one prefill through ``model(...)``), then run the step."""
+    cache = _cache(model, len(tokens))
+    gen = torch.Generator().manual_seed(sum(starts))
+    prefix = [torch.randint(0, 97, (s,), generator=gen).tolist() for s in starts]
+    if any(starts):
+        fill = [(p, i) for i, p in enumerate(prefix) if p]
+        tables = [list(range(i * BLOCKS_PER_SEQ, (i + 1) * BLOCKS_PER_SEQ)) for _, i in fill]
+        meta, pos = build_metadata(cache, [0] * len(fill), [len(p) for p, _ in fill], tables,
+                                   torch.device("cpu"), "torch")
+        with torch.inference_mode():
+            model(input_ids=torch.tensor([t for p, _ in fill for t in p])[None], position_ids=pos,
+                  use_cache=False, **{METADATA_KWARG: meta})
+    return _step(model, cache, tokens, starts, loop)
+
+
+MODELS = {family: _model(family) for family in ("llama", "qwen2", "mistral")}
+
+step_shapes = st.lists(st.tuples(st.integers(0, 300), st.integers(1, 12)), min_size=1, max_size=4)
+
+
+@pytest.mark.parametrize("family", sorted(MODELS))
+@settings(max_examples=12, deadline=None)
+@given(shape=step_shapes, data=st.data())
+def test_loop_logits_have_the_bits_of_the_model_forward(family, shape, data):
+    model = MODELS[family]
+    assert decoder_loop.uses_decoder_loop(model)
+    starts = [s for s, _ in shape]
+    tokens = [data.draw(st.lists(st.integers(0, 96), min_size=n, max_size=n)) for _, n in shape]
+    assert torch.equal(_prefill_then_step(model, tokens, starts, loop=True),
+                       _prefill_then_step(model, tokens, starts, loop=False))
+
+
+def test_the_loop_can_tell_when_it_differs():
+    """The check above can fail: a loop that skips the final norm gives other logits."""
+    model = MODELS["llama"]
+    plan = decoder_loop._plan_for(model)
+    norm, plan.norm = plan.norm, torch.nn.Identity()
+    try:
+        assert not torch.equal(_prefill_then_step(model, [[5, 6]], [9], loop=True),
+                               _prefill_then_step(model, [[5, 6]], [9], loop=False))
+    finally:
+        plan.norm = norm
+
+
+@pytest.mark.parametrize(("family", "rope"), [
+    ("qwen3", {}),  # q/k norms: another layer
+    ("llama", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}}),
+])
+def test_other_models_run_through_the_model_forward(family, rope):
+    model = _model(family, **rope)
+    assert not decoder_loop.uses_decoder_loop(model)
+    assert torch.equal(_prefill_then_step(model, [[1, 2, 3]], [5], loop=True),
+                       _prefill_then_step(model, [[1, 2, 3]], [5], loop=False))
+
+
+def test_a_model_loaded_with_another_attention_is_not_looped():
+    import transformers
+
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4))
+    assert not decoder_loop.uses_decoder_loop(model.eval())
+
+
+def test_the_switch_turns_the_loop_off_and_back_on():
+    model = _model("llama")
+    assert decoder_loop.use_decoder_loop(model, False) is True
+    assert not decoder_loop.uses_decoder_loop(model)
+    assert decoder_loop.use_decoder_loop(model, True) is False
+    assert decoder_loop.uses_decoder_loop(model)
