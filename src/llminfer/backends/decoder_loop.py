@@ -49,7 +49,8 @@ class _RopeTable:
 
     def lookup(self, positions: torch.Tensor, like: torch.Tensor, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cos, sin)``, ``[1, T, head_dim]`` each, for ``positions`` (``[T]`` long, at most ``max_position``)."""
-        if self.cos is None or self.cos.shape[1] <= max_position or self.cos.dtype != like.dtype:
+        if (self.cos is None or self.cos.shape[1] <= max_position or self.cos.dtype != like.dtype
+                or self.cos.device != like.device):
             size = max(256, 1 << max_position.bit_length())
             ids = torch.arange(size, device=like.device)[None]
             self.cos, self.sin = self.rotary(like, ids)
