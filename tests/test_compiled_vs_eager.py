@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import torch
+
 from llminfer.benchmark.results import ComparisonResult, slower_than_eager
 
 
@@ -80,3 +82,13 @@ def test_settle_compile_workers_waits_for_inductors_pool_and_is_a_no_op_without_
     failed.set_exception(RuntimeError("pool died"))
     monkeypatch.setattr(AsyncCompile, "_ready_future", failed, raising=False)
     settle_compile_workers()  # a broken pool is not the step's problem
+
+
+def test_small_hosts_compile_in_process_without_a_worker_pool(monkeypatch):
+    """On a host of few CPUs the compile workers' start-up would share the cores with the next steps."""
+    from llminfer.backends import compile_config
+
+    monkeypatch.setattr(compile_config.os, "cpu_count", lambda: 2)
+    assert compile_config.inductor_options("default", False, torch.device("cpu"))["compile_threads"] == 1
+    monkeypatch.setattr(compile_config.os, "cpu_count", lambda: 64)
+    assert "compile_threads" not in compile_config.inductor_options("default", False, torch.device("cpu"))
