@@ -229,6 +229,13 @@ def build_metadata(
     slots_np = tables_np[seq_of, positions_np // bs] * bs + positions_np % bs
     parts = [starts_np, lens_np, q_start_np, starts_np + lens_np, decode_idx, q_start_np[decode_idx], prefill_idx,
              positions_np, slots_np, tables_np.reshape(-1)]
+    if dec_blocks:
+        # The torch/CPU decode batch's context lengths and block ids (entries past a row's last block zeroed),
+        # host-side like the rest: on CPU each torch op here would cost more dispatch than its arithmetic.
+        dec_ctx_np = starts_np[decode_idx] + 1
+        dec_ids_np = tables_np[decode_idx, :dec_blocks]
+        dec_ids_np[np.arange(dec_blocks)[None, :] >= (dec_ctx_np[:, None] + bs - 1) // bs] = 0
+        parts += [dec_ctx_np, dec_ids_np.reshape(-1)]
     host = torch.from_numpy(np.concatenate(parts).astype(np.int64, copy=False))
     if device.type == "cuda":
         host = host.pin_memory()
@@ -236,6 +243,7 @@ def build_metadata(
     views = torch.split(dev, [p.size for p in parts])
     starts_t, lens_t, q_start, ctx_len, decode_t, decode_rows, prefill_t, positions, slot_mapping = views[:9]
     tables = views[9].view(num_seqs, width)
+    dec_ctx, dec_ids = views[10:] if dec_blocks else (None, None)
 
     decode = None
     prefills: list[PrefillSegment] = []
@@ -251,15 +259,15 @@ def build_metadata(
             max_prefill_len=int(lens_np[prefill_idx].max()) if n_pre else 0,
             num_splits=num_splits, split_len=split_len)
     else:
-        if n_dec:
-            ctx = starts_t[decode_t] + 1
-            cols = torch.arange(dec_blocks, device=device)
-            ids = tables[decode_t, :dec_blocks]
-            ids = torch.where(cols[None, :] < (ctx[:, None] + bs - 1) // bs, ids, 0)
-            mask = torch.arange(dec_blocks * bs, device=device)[None, :] < ctx[:, None]
-            decode = DecodeBatch(index=decode_rows, block_ids=ids.reshape(-1), mask=mask[:, None, None, :],
+        if dec_blocks:
+            assert dec_ctx is not None and dec_ids is not None
+            if device.type == "cpu":
+                mask = torch.from_numpy(np.arange(dec_blocks * bs)[None, :] < dec_ctx_np[:, None])
+            else:
+                mask = torch.arange(dec_blocks * bs, device=device)[None, :] < dec_ctx[:, None]
+            decode = DecodeBatch(index=decode_rows, block_ids=dec_ids, mask=mask[:, None, None, :],
                                  chunk=decode_chunk_blocks(bs) * bs,
-                                 ctx_lens=ctx if attention_backend == "cpu" else None)
+                                 ctx_lens=dec_ctx if attention_backend == "cpu" else None)
         offsets = np.cumsum(lens_np) - lens_np
         for i in prefill_idx.tolist():
             start, length = int(starts_np[i]), int(lens_np[i])
