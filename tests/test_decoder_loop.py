@@ -124,3 +124,11 @@ def test_the_switch_turns_the_loop_off_and_back_on():
     assert not decoder_loop.uses_decoder_loop(model)
     assert decoder_loop.use_decoder_loop(model, True) is False
     assert decoder_loop.uses_decoder_loop(model)
+
+
+def test_the_fp32_shortcuts_are_taken_and_a_replaced_rotation_is_called_as_it_is():
+    """The hypothesis test above covers the loop's own RoPE and fp32 norm calls only if the plan takes them."""
+    plan = decoder_loop._plan_for(MODELS["qwen2"])
+    assert plan.plain_rotate
+    assert not isinstance(plan.input_norms[0], torch.nn.Module)  # torch's rms_norm, not transformers' module
+    assert not decoder_loop._same_rotation(lambda q, k, cos, sin: (q * cos, k * cos))

@@ -65,15 +65,62 @@ class _Plan:
         base = model.model
         self.embed = base.embed_tokens
         self.layers = list(base.layers[: model.config.num_hidden_layers])
-        self.norm = base.norm
         self.head = model.lm_head
         self.rope = _RopeTable(base.rotary_emb)
         self.rotate = sys.modules[type(self.layers[0].self_attn).__module__].apply_rotary_pos_emb
+        self.plain_rotate = _same_rotation(self.rotate)
+        self.input_norms = [_norm(layer.input_layernorm) for layer in self.layers]
+        self.post_norms = [_norm(layer.post_attention_layernorm) for layer in self.layers]
+        self.norm = _norm(base.norm)
         # Qwen2 and Mistral pass their window to the attention function (llminfer's paged attention ignores it)
         self.extra = [{"sliding_window": getattr(layer.self_attn, "sliding_window", None)}
                       if type(model).__name__ != "LlamaForCausalLM" else {} for layer in self.layers]
 
 
+def _norm(module: torch.nn.Module) -> Any:
+    """``module``, or where it is the model file's own fp32 RMSNorm, ``torch.nn.functional.rms_norm`` with its
+    weight and epsilon: the same bits in float32 (not in bf16/fp16, where transformers rounds before the
+    weight product), in one call instead of six."""
+    weight = getattr(module, "weight", None)
+    eps = getattr(module, "variance_epsilon", None)
+    if (type(module).__name__ not in _HF_RMS_NORMS or not isinstance(weight, torch.Tensor)
+            or weight.dtype != torch.float32 or weight.dim() != 1 or not isinstance(eps, float)):
+        return module
+    shape = (weight.shape[0],)
+
+    def rms_norm(x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32:
+            return module(x)
+        return torch.nn.functional.rms_norm(x, shape, weight, eps)
+
+    return rms_norm
+
+
+def _rotate_together(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' ``apply_rotary_pos_emb`` (``x * cos + rotate_half(x) * sin``, the same elementwise ops)
+    on q and k as one tensor: half the op calls. ``q``: ``[1, H, T, D]``, ``k``: ``[1, H_kv, T, D]``."""
+    heads, half = q.shape[1], q.shape[-1] // 2
+    qk = torch.cat((q, k), dim=1)
+    rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
+    out = qk * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
+    return out[:, :heads], out[:, heads:]
+
+
+def _same_rotation(rotate: Any) -> bool:
+    """Whether the model file's ``apply_rotary_pos_emb`` gives :func:`_rotate_together`'s bits (it does unless
+    a hub kernel replaced it), tried once on small random tensors of a private generator."""
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 4, 3, 16, generator=gen), torch.randn(1, 2, 3, 16, generator=gen)
+    cos, sin = torch.randn(1, 3, 16, generator=gen), torch.randn(1, 3, 16, generator=gen)
+    try:
+        with torch.inference_mode():
+            return all(torch.equal(a, b) for a, b in zip(rotate(q, k, cos, sin), _rotate_together(q, k, cos, sin)))
+    except Exception:  # noqa: BLE001 - another signature: call the model's own
+        return False
+
+
+_HF_RMS_NORMS = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm"})
 _plans: weakref.WeakKeyDictionary[torch.nn.Module, _Plan | None] = weakref.WeakKeyDictionary()
 
 
@@ -143,16 +190,17 @@ def forward_logits(model: torch.nn.Module, ids: torch.Tensor, position_ids: torc
     hidden = plan.embed(ids)
     cos, sin = plan.rope.lookup(position_ids[0], hidden, max_position)
     shape = (1, ids.shape[1], -1)
-    for layer, extra in zip(plan.layers, plan.extra):
+    rotate = _rotate_together if plan.plain_rotate else plan.rotate
+    for layer, extra, input_norm, post_norm in zip(plan.layers, plan.extra, plan.input_norms, plan.post_norms):
         attn = layer.self_attn
-        x = layer.input_layernorm(hidden)
+        x = input_norm(hidden)
         heads = (1, ids.shape[1], -1, attn.head_dim)
         q = attn.q_proj(x).view(heads).transpose(1, 2)
         k = attn.k_proj(x).view(heads).transpose(1, 2)
         v = attn.v_proj(x).view(heads).transpose(1, 2)
-        q, k = plan.rotate(q, k, cos, sin)
+        q, k = rotate(q, k, cos, sin)
         out, _ = attention(attn, q, k, v, None, dropout=0.0, scaling=attn.scaling, **extra, **{METADATA_KWARG: meta})
         hidden = hidden + attn.o_proj(out.reshape(shape).contiguous())
-        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        hidden = hidden + layer.mlp(post_norm(hidden))
     hidden = plan.norm(hidden)
     return plan.head(hidden[:, keep])
