@@ -132,3 +132,19 @@ def test_the_fp32_shortcuts_are_taken_and_a_replaced_rotation_is_called_as_it_is
     assert plan.plain_rotate
     assert not isinstance(plan.input_norms[0], torch.nn.Module)  # torch's rms_norm, not transformers' module
     assert not decoder_loop._same_rotation(lambda q, k, cos, sin: (q * cos, k * cos))
+
+
+@pytest.mark.parametrize(("family", "looped"), [("llama", True), ("qwen2", True), ("gpt2", False)])
+def test_engines_report_the_loop_and_match_hf_greedy(model_dirs, family, looped):
+    """End to end on the CPU kernels (the engine swaps its linears for llminfer's): the loop where the family
+    is known, ``model(...)`` elsewhere, HF ``generate()``'s greedy tokens either way."""
+    from helpers import hf_greedy, make_engine, random_prompts
+
+    prompts = random_prompts([5, 17, 9], 90, seed=3)
+    engine = make_engine(model_dirs[family])
+    try:
+        assert engine.info()["decoder_loop"] is looped
+        got = [list(r.token_ids) for r in engine.run_batch_continuous(prompts, max_new_tokens=12, ignore_eos=True)]
+    finally:
+        engine.close()
+    assert got == hf_greedy(model_dirs[family], prompts, 12)

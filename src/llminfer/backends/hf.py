@@ -9,6 +9,7 @@ import torch
 
 from llminfer.backends.attention import PagedKVCache
 from llminfer.backends.base import StepBackend, StepResult
+from llminfer.backends.decoder_loop import uses_decoder_loop
 from llminfer.backends.packing import PackedStep, prompt_logprobs, run_packed
 from llminfer.protocols.messages import SchedulerOutput
 
@@ -92,5 +93,7 @@ class HFBackend(StepBackend):
         return logits if len(step.sample_rows) == len(step.tokens) else logits[list(step.sample_rows)]
 
     def describe(self) -> dict[str, Any]:
-        """Facts for ``engine.info()``: steps run so far, the attention kernels, CUDA-graph counts."""
-        return {**super().describe(), "cuda_graphs": self.graphs.describe() if self.graphs is not None else None}
+        """Facts for ``engine.info()``: steps run so far, the attention kernels, CUDA-graph counts, and whether
+        steps run through llminfer's decoder loop (:mod:`llminfer.backends.decoder_loop`) or ``model(...)``."""
+        return {**super().describe(), "cuda_graphs": self.graphs.describe() if self.graphs is not None else None,
+                "decoder_loop": uses_decoder_loop(self.model)}
