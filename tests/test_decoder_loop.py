@@ -87,16 +87,45 @@ def test_loop_logits_have_the_bits_of_the_model_forward(family, shape, data):
                        _prefill_then_step(model, tokens, starts, loop=False))
 
 
-def test_the_loop_can_tell_when_it_differs():
-    """The check above can fail: a loop that skips the final norm gives other logits."""
+def test_the_loop_can_tell_when_it_differs(monkeypatch):
+    """The check above can fail: a loop that skips RoPE gives other logits."""
     model = MODELS["llama"]
-    plan = decoder_loop._plan_for(model)
-    norm, plan.norm = plan.norm, torch.nn.Identity()
+    monkeypatch.setattr(decoder_loop, "_rotate_together", lambda q, k, cos, sin: (q, k))
+    assert not torch.equal(_prefill_then_step(model, [[5, 6]], [9], loop=True),
+                           _prefill_then_step(model, [[5, 6]], [9], loop=False))
+
+
+def test_modules_swapped_after_the_first_step_are_used():
+    """A LoRA wrapper put in place later (engine.load_adapter) replaces modules; the loop looks them up."""
+    model = _model("qwen2")
+    _prefill_then_step(model, [[1, 2]], [3], loop=True)  # the plan exists from here on
+    head, norm = model.lm_head, model.model.layers[1].post_attention_layernorm
+
+    class Doubled(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(x) * 2
+
+    model.lm_head, model.model.layers[1].post_attention_layernorm = Doubled(head), Doubled(norm)
+    looped = _prefill_then_step(model, [[1, 2]], [3], loop=True)
+    assert torch.equal(looped, _prefill_then_step(model, [[1, 2]], [3], loop=False))
+    model.lm_head, model.model.layers[1].post_attention_layernorm = head, norm
+    assert not torch.equal(looped, _prefill_then_step(model, [[1, 2]], [3], loop=True))
+
+
+def test_a_hook_on_a_layer_makes_the_step_run_through_the_model_forward():
+    model = _model("llama")
+    seen = []
+    handle = model.model.layers[0].register_forward_hook(lambda *_: seen.append(1))
     try:
-        assert not torch.equal(_prefill_then_step(model, [[5, 6]], [9], loop=True),
-                               _prefill_then_step(model, [[5, 6]], [9], loop=False))
+        assert torch.equal(_prefill_then_step(model, [[4, 5, 6]], [2], loop=True),
+                           _prefill_then_step(model, [[4, 5, 6]], [2], loop=False))
+        assert len(seen) == 4  # two prefills and two steps, each through model(...)
     finally:
-        plan.norm = norm
+        handle.remove()
 
 
 @pytest.mark.parametrize(("family", "rope"), [
@@ -130,8 +159,20 @@ def test_the_fp32_shortcuts_are_taken_and_a_replaced_rotation_is_called_as_it_is
     """The hypothesis test above covers the loop's own RoPE and fp32 norm calls only if the plan takes them."""
     plan = decoder_loop._plan_for(MODELS["qwen2"])
     assert plan.plain_rotate
-    assert not isinstance(plan.input_norms[0], torch.nn.Module)  # torch's rms_norm, not transformers' module
     assert not decoder_loop._same_rotation(lambda q, k, cos, sin: (q * cos, k * cos))
+    calls = []
+    rms_norm = torch.nn.functional.rms_norm
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return rms_norm(*args, **kwargs)
+
+    torch.nn.functional.rms_norm = counted
+    try:
+        _step(MODELS["qwen2"], _cache(MODELS["qwen2"], 1), [[3]], [0], loop=True)
+    finally:
+        torch.nn.functional.rms_norm = rms_norm
+    assert len(calls) == 2 * 2 + 1  # two per layer and the final one: torch's rms_norm, not transformers' module
 
 
 @pytest.mark.parametrize(("family", "looped"), [("llama", True), ("qwen2", True), ("gpt2", False)])

@@ -15,7 +15,10 @@ once for positions ``0..N-1``. That is exact, because each entry is one product 
 followed by elementwise ``cos``/``sin``, independent of which other positions are computed with it.
 
 Any model it does not recognise -- another family, a dynamic RoPE type, a wrapper class, an attention
-implementation other than llminfer's -- runs through ``model(...)`` as before.
+implementation other than llminfer's -- runs through ``model(...)`` as before, and so does a step while a
+forward hook sits on a module whose ``__call__`` the loop skips (the model, its decoder, a layer, an
+attention module) or globally. Modules inside the layers, the embedding, the final norm and the head are
+looked up at every step, so wrappers put in place later (LoRA adapters loaded at run time) are used.
 """
 
 from __future__ import annotations
@@ -63,37 +66,28 @@ class _Plan:
 
     def __init__(self, model: torch.nn.Module) -> None:
         base = model.model
-        self.embed = base.embed_tokens
+        # The layers are kept; every module inside them (and the embedding, final norm and head) is looked up
+        # at each step, so LoRA wrappers put in place or taken out later (engine.load_adapter) are used.
         self.layers = list(base.layers[: model.config.num_hidden_layers])
-        self.head = model.lm_head
+        self.hookable = [model, base, *self.layers, *(layer.self_attn for layer in self.layers)]
         self.rope = _RopeTable(base.rotary_emb)
         self.rotate = sys.modules[type(self.layers[0].self_attn).__module__].apply_rotary_pos_emb
         self.plain_rotate = _same_rotation(self.rotate)
-        self.input_norms = [_norm(layer.input_layernorm) for layer in self.layers]
-        self.post_norms = [_norm(layer.post_attention_layernorm) for layer in self.layers]
-        self.norm = _norm(base.norm)
         # Qwen2 and Mistral pass their window to the attention function (llminfer's paged attention ignores it)
         self.extra = [{"sliding_window": getattr(layer.self_attn, "sliding_window", None)}
                       if type(model).__name__ != "LlamaForCausalLM" else {} for layer in self.layers]
 
 
-def _norm(module: torch.nn.Module) -> Any:
-    """``module``, or where it is the model file's own fp32 RMSNorm, ``torch.nn.functional.rms_norm`` with its
-    weight and epsilon: the same bits in float32 (not in bf16/fp16, where transformers rounds before the
-    weight product), in one call instead of six."""
-    weight = getattr(module, "weight", None)
-    eps = getattr(module, "variance_epsilon", None)
-    if (type(module).__name__ not in _HF_RMS_NORMS or not isinstance(weight, torch.Tensor)
-            or weight.dtype != torch.float32 or weight.dim() != 1 or not isinstance(eps, float)):
-        return module
-    shape = (weight.shape[0],)
-
-    def rms_norm(x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32:
-            return module(x)
-        return torch.nn.functional.rms_norm(x, shape, weight, eps)
-
-    return rms_norm
+def _norm(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)``; where ``module`` is the model file's own RMSNorm in float32 (and not hooked),
+    ``torch.nn.functional.rms_norm`` with its weight and epsilon instead: the same bits in float32 (not in
+    bf16/fp16, where transformers rounds before the weight product), in one call instead of six."""
+    if x.dtype == torch.float32 and type(module).__name__ in _HF_RMS_NORMS:
+        weight, eps = module.weight, getattr(module, "variance_epsilon", None)
+        if (weight.dtype == torch.float32 and weight.dim() == 1 and isinstance(eps, float)
+                and not (module._forward_hooks or module._forward_pre_hooks)):
+            return torch.nn.functional.rms_norm(x, (weight.shape[0],), weight, eps)
+    return module(x)
 
 
 def _rotate_together(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
@@ -181,19 +175,20 @@ def forward_logits(model: torch.nn.Module, ids: torch.Tensor, position_ids: torc
         ``[1, K, V]`` logits in the model's dtype.
     """
     plan = _plan_for(model)
-    if plan is None:
+    if plan is None or _hooked(plan):
         return model(input_ids=ids, position_ids=position_ids, use_cache=False, logits_to_keep=keep,
                      **{METADATA_KWARG: meta}).logits
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     attention = ALL_ATTENTION_FUNCTIONS[ATTN_IMPLEMENTATION]
-    hidden = plan.embed(ids)
+    base = model.model
+    hidden = base.embed_tokens(ids)
     cos, sin = plan.rope.lookup(position_ids[0], hidden, max_position)
     shape = (1, ids.shape[1], -1)
     rotate = _rotate_together if plan.plain_rotate else plan.rotate
-    for layer, extra, input_norm, post_norm in zip(plan.layers, plan.extra, plan.input_norms, plan.post_norms):
+    for layer, extra in zip(plan.layers, plan.extra):
         attn = layer.self_attn
-        x = input_norm(hidden)
+        x = _norm(layer.input_layernorm, hidden)
         heads = (1, ids.shape[1], -1, attn.head_dim)
         q = attn.q_proj(x).view(heads).transpose(1, 2)
         k = attn.k_proj(x).view(heads).transpose(1, 2)
@@ -201,6 +196,15 @@ def forward_logits(model: torch.nn.Module, ids: torch.Tensor, position_ids: torc
         q, k = rotate(q, k, cos, sin)
         out, _ = attention(attn, q, k, v, None, dropout=0.0, scaling=attn.scaling, **extra, **{METADATA_KWARG: meta})
         hidden = hidden + attn.o_proj(out.reshape(shape).contiguous())
-        hidden = hidden + layer.mlp(post_norm(hidden))
-    hidden = plan.norm(hidden)
-    return plan.head(hidden[:, keep])
+        hidden = hidden + layer.mlp(_norm(layer.post_attention_layernorm, hidden))
+    hidden = _norm(base.norm, hidden)
+    return model.lm_head(hidden[:, keep])
+
+
+def _hooked(plan: _Plan) -> bool:
+    """Whether a forward hook sits where the loop does not call ``__call__`` (the model, its decoder, a layer,
+    an attention module) or is global: then ``model(...)`` runs, so the hook does."""
+    from torch.nn.modules import module as nn_module
+
+    return bool(nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks) or any(
+        m._forward_hooks or m._forward_pre_hooks for m in plan.hookable)
