@@ -12,10 +12,10 @@ from typing import Any
 import torch
 
 COMPILE_BACKEND_ENV = "LLMINFER_COMPILE_BACKEND"
-#: Hosts with at most this many CPUs compile on CPU in-process, without Inductor's pool of compile workers.
-SMALL_HOST_CPUS = 4
 """Environment variable naming the ``torch.compile`` backend (default ``inductor``; ``aot_eager`` and
 ``eager`` are useful to debug or to test quickly on slow machines)."""
+SMALL_HOST_CPUS = 4
+"""Hosts with at most this many CPUs compile on CPU in-process, without Inductor's pool of compile workers."""
 
 
 def token_buckets(max_tokens: int, smallest: int = 1) -> tuple[int, ...]:
