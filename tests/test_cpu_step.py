@@ -8,6 +8,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -133,18 +134,23 @@ def test_step_profile_times_every_part_of_a_real_step():
     unhooked shows as a zero part here, and removing the timers restores the originals."""
     from llminfer import EngineConfig, InferenceEngine
     from llminfer.backends import base, packing
+    from llminfer.backends.decoder_loop import uses_decoder_loop
     from llminfer.models.builtin import builtin_model_path
 
     prof = _load("bench_step_profile")
-    originals = (packing.build_metadata, base.sample)
+    originals = (packing.build_metadata, packing.forward_logits, base.sample)
     cfg = EngineConfig(model_name=str(builtin_model_path()), dtype="float32", max_batch_size=2, batch_timeout_ms=0)
-    with InferenceEngine(cfg) as engine, prof.timers(engine, True) as t:
-        engine.run_batch_continuous(["a b c", "d e"], max_new_tokens=4, ignore_eos=True)
-        rows = t.decode_rows(2)
-    assert rows, "no decode step of two sequences was timed"
-    for part in ("linear_attn", "linear_mlp", "lm_head", "attention", "metadata", "sampling"):
-        assert all(r[part] > 0 for r in rows), (part, rows)
-    assert (packing.build_metadata, base.sample) == originals
+    with InferenceEngine(cfg) as engine:
+        for loop in (True, False):  # llminfer's decoder loop, then transformers' forward (--before-after)
+            with (prof.without_decoder_loop(engine) if not loop else nullcontext()), prof.timers(engine, True) as t:
+                assert uses_decoder_loop(engine.backend.model) is loop
+                engine.run_batch_continuous(["a b c", "d e"], max_new_tokens=4, ignore_eos=True)
+                rows = t.decode_rows(2)
+            assert rows, "no decode step of two sequences was timed"
+            for part in ("linear_attn", "linear_mlp", "lm_head", "attention", "metadata", "sampling", "model_other"):
+                assert all(r[part] > 0 for r in rows), (loop, part, rows)
+        assert uses_decoder_loop(engine.backend.model)
+    assert (packing.build_metadata, packing.forward_logits, base.sample) == originals
 
 
 def test_llamacpp_script_skips_with_one_line_without_cmake(tmp_path):
