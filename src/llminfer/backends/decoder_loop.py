@@ -8,8 +8,9 @@ dispatch. At batch 1 on a small model that is a millisecond or more of Python pe
 :func:`forward_logits` runs the same submodules in the same order with the same tensor ops, so its
 logits have the same bits as ``model(...)`` (``tests/test_decoder_loop.py`` checks them): the norms,
 projections, MLPs and LM head are the model's own modules (kernel swaps, weight-only quantization and
-LoRA wrappers included), attention goes through ``transformers.AttentionInterface`` under the model's
-``_attn_implementation``, and the rotary helper is the model file's own ``apply_rotary_pos_emb``. Only
+LoRA wrappers included), attention is the function registered with ``transformers.AttentionInterface``
+under llminfer's name (:data:`~llminfer.backends.attention.ATTN_IMPLEMENTATION`, the model's
+``_attn_implementation`` when the loop first sees it), and the rotary helper is the model file's own ``apply_rotary_pos_emb``. Only
 the RoPE cos/sin differ in how they are made: looked up in a table the model's rotary module computed
 once for positions ``0..N-1``. That is exact, because each entry is one product ``position * inv_freq``
 followed by elementwise ``cos``/``sin``, independent of which other positions are computed with it.
@@ -154,7 +155,8 @@ def uses_decoder_loop(model: torch.nn.Module) -> bool:
 
 def use_decoder_loop(model: torch.nn.Module, on: bool) -> bool:
     """Switch the loop on (where ``model`` is recognised) or off (``model(...)`` always), for side-by-side
-    measurements; return whether it was in use before."""
+    measurements; return whether it was in use before. Call it where the steps run (the engine's model
+    thread) or while none runs. Raises nothing."""
     was = uses_decoder_loop(model)
     _plans[model] = _Plan(model) if on and _recognised(model) else None
     return was
@@ -173,6 +175,10 @@ def forward_logits(model: torch.nn.Module, ids: torch.Tensor, position_ids: torc
 
     Returns:
         ``[1, K, V]`` logits in the model's dtype.
+
+    Raises:
+        Exception: whatever the model's modules or the attention function raise (the step backend turns it
+            into the step's error).
     """
     plan = _plan_for(model)
     if plan is None or _hooked(plan):
