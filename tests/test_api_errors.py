@@ -200,6 +200,13 @@ def test_prompt_too_long(client, stream):
     assert_error(r, 400, code="context_length_exceeded")
     r = client.post(COMPLETIONS, json={"model": "tiny", "prompt": [5] * 200, "max_tokens": 100, "stream": stream})
     assert_error(r, 400, code="context_length_exceeded")
+    # truncate_prompt_tokens cuts a token-id prompt before its length is checked, as it cuts a text prompt
+    for prompt in ([5] * (MAX_MODEL_LEN + 10), long_text):
+        r = client.post(COMPLETIONS, json={"model": "tiny", "prompt": prompt, "max_tokens": 2, "stream": stream,
+                                           "truncate_prompt_tokens": 8, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        if not stream:
+            assert r.json()["usage"]["prompt_tokens"] == 8
     assert_serves(client)
 
 

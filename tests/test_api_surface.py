@@ -134,6 +134,7 @@ def test_text_format_json_schema_through_the_stream_helper(client):
     ({"input": []}, "input"),
     ({"input": ""}, "input"),
     ({"max_output_tokens": 10**9}, "max_output_tokens"),
+    ({"input": "word " * 5000}, "input"),  # too long by itself: the input's fault, not max_output_tokens'
     ({"temperature": -0.5}, "temperature"),
     ({"top_p": 0}, "top_p"),
     ({"max_output_tokens": 0}, "max_output_tokens"),

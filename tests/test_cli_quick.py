@@ -82,6 +82,7 @@ def _no_load(*_args, **_kwargs):
     (["bench", "--runs", "0"], "--runs: runs must be >= 1"),
     (["serve", "--threads", "0"], "--threads"),
     (["compare", "--threads", "-1"], "--threads"),
+    (["chat", "--threads", "0"], "Invalid value for '--threads'"),  # chat takes it too (checked, not unknown)
     (["run", ""], "empty"),
 ])
 def test_every_flag_is_checked_before_the_model_loads(argv, needle, monkeypatch, capsys):

@@ -384,11 +384,14 @@ def test_cli_json_schema_from_a_file_and_one_line_errors(tmp_path):
     p = _cli("run", "Person:", "--json-schema", f"@{path}", "--max-new-tokens", "120", "--json")
     assert p.returncode == 0, p.stderr
     jsonschema.validate(json.loads(json.loads(p.stdout)["generated_text"]), PERSON)
-    for args, needle in [(["--regex", "("], "regex"), (["--regex", "a", "--json-object"], "exactly one"),
+    # a usage error, exit 2, naming the flag (as every other bad flag)
+    for args, needle in [(["--regex", "("], "--regex: invalid"),
+                         (["--regex", "a", "--json-object"], "--json-object and --regex: give exactly one"),
+                         (["--choice", "yes", "--json-object"], "--json-object and --choice"),
                          (["--json-schema", "@/no/such/file.json"], "cannot read")]:
         p = _cli("run", "x", *args)
         err = p.stderr.strip().splitlines()
-        assert p.returncode != 0 and len(err) == 1 and err[0].startswith("error:") and needle in err[0], p.stderr
+        assert p.returncode == 2 and len(err) == 1 and err[0].startswith("error:") and needle in err[0], p.stderr
 
 
 def test_special_token_text_is_generated_as_text_not_as_the_special_token(engine):

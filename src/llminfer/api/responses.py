@@ -29,7 +29,7 @@ from litestar.params import SkipValidation
 from msgspec import Meta, Struct
 
 from llminfer.api import protocol as s
-from llminfer.api.errors import OPENAPI_ERRORS, bad_request
+from llminfer.api.errors import OPENAPI_ERRORS, bad_request, from_engine_error
 from llminfer.api.execution import execute
 from llminfer.api.jobs import Item, Job, collect, new_job, usage_of
 from llminfer.api.logprobs import TokenText
@@ -288,8 +288,16 @@ async def create_response(request: Request, data: SkipValidation[ResponsesReques
     messages = conversation(body)
     state.check_prompt_chars(_input_texts(body))
     ids = await state.tokenize(state.prompts.chat, messages)  # off the event loop, like chat's
-    prompt_param = "input" if body.max_output_tokens is None else "max_output_tokens"
-    job = await new_job(state, "chat", model, [ids], [prompt_param], 1,
+    inputs = state.prompts.inputs
+    try:
+        inputs.check_prompt_ids(ids, max_new_tokens=body.max_output_tokens, param="input")
+    except InvalidRequestError as exc:
+        # too long by itself: the input's fault; fits, but not with max_output_tokens: that field's
+        error = from_engine_error(exc, prompt_param="input")
+        if error.code == "context_length_exceeded" and len(ids) < inputs.max_model_len:
+            error.param = "max_output_tokens"
+        raise error from None
+    job = await new_job(state, "chat", model, [ids], ["input"], 1,
                         sampling_kwargs(body, max_new_tokens=body.max_output_tokens, structured=spec), spec=spec,
                         spec_param="text.format" if spec is not None else "")
     job.id = "resp_" + uuid.uuid4().hex

@@ -118,15 +118,19 @@ class PromptBuilder:
                           "lists (not a mix)", "prompt", "invalid_type")
 
     def _check_ids(self, ids: list[int], param: str) -> list[int]:
-        """The engine's prompt check (empty, vocabulary, context).
+        """Token ids as a prompt: not empty, inside the vocabulary. Their length is checked later, as a text
+        prompt's is, after ``truncate_prompt_tokens`` has cut them.
 
         Raises:
-            APIError: 400 naming ``param`` (``invalid_value`` or ``context_length_exceeded``).
+            APIError: 400 naming ``param`` (``invalid_value``).
         """
+        if not ids:
+            raise bad_request(f"{param} is empty", param, "invalid_value")
         try:
-            return list(self.inputs.check_prompt_ids(ids, param=param))
+            self.inputs.check_token_ids(ids, param)
         except InvalidRequestError as exc:
             raise from_engine_error(exc, prompt_param=param) from None
+        return list(ids)
 
 
 def check_logit_bias(body: Body) -> None:

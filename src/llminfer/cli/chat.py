@@ -24,8 +24,8 @@ if TYPE_CHECKING:
 CHAT_HELP = "/exit (or Ctrl-D) quits, /reset forgets the conversation, Ctrl-C stops a reply"
 
 
-@engine_options(exclude=("max_batch_size", "no_prefix_cache", "tp_size", "pp_size", "compile_mode", "threads",
-                         *SPEC_FLAGS), max_batch_size=4)
+@engine_options(exclude=("max_batch_size", "no_prefix_cache", "tp_size", "pp_size", "compile_mode", *SPEC_FLAGS),
+                max_batch_size=4)
 @sampling_options(exclude=("n", "logprobs"), max_new_tokens=512)
 def chat(
     engine_opts: EngineOptions = EngineOptions(max_batch_size=4),

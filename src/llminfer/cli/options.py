@@ -32,8 +32,8 @@ from llminfer.config import (
 # ---------------------------------------------------------------------------- engine options
 Model = Annotated[str | None, typer.Option("--model", "-m", help="Hugging Face model id, local folder or .gguf "
                                            "file (default: llminfer/smollm2-135m-instruct, a trained chat model "
-                                           "fetched once, or $LLMINFER_DEFAULT_MODEL; llminfer/tiny-qwen2 is the "
-                                           "random tiny model).")]
+                                           "fetched once, or $LLMINFER_DEFAULT_MODEL; bench and compare default "
+                                           "to llminfer/tiny-qwen2, the random tiny model).")]
 BackendOpt = Annotated[Backend, typer.Option("--backend", help="Backend that runs the model step.")]
 Dtype = Annotated[str, typer.Option("--dtype", help="auto, float32, bfloat16 or float16.")]
 Device = Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cuda:N.")]

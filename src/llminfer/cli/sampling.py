@@ -113,19 +113,27 @@ class SamplingOptions:
         are read here).
 
         Raises:
-            InvalidRequestError: more than one given, or an invalid value (``param="structured_output"``).
-            typer.BadParameter: an ``@path`` that cannot be read.
+            typer.BadParameter: more than one given, an invalid value or an ``@path`` that cannot be read,
+                naming the flag.
         """
+        from llminfer.errors import InvalidRequestError
         from llminfer.sampling.grammar_compiler import check_grammar_syntax
         from llminfer.sampling.structured import StructuredOutput
 
         if self.json_schema is None and not self.json_object and self.regex is None and not self.choice \
                 and self.grammar is None:
             return None
-        spec = StructuredOutput(json_schema=_text_or_file(self.json_schema, "--json-schema"),
-                                json_object=self.json_object, regex=self.regex, choice=self.choice or None,
-                                grammar=_text_or_file(self.grammar, "--grammar"))
-        check_grammar_syntax(spec)  # before the model loads: a bad --regex fails in a second, not after it
+        given = [f"--{name.replace('_', '-')}" for name in STRUCTURED_FLAGS
+                 if getattr(self, name) not in (None, False, [], ())]
+        if len(given) > 1:
+            raise typer.BadParameter(f"{' and '.join(given)}: give exactly one structured-output flag")
+        try:
+            spec = StructuredOutput(json_schema=_text_or_file(self.json_schema, "--json-schema"),
+                                    json_object=self.json_object, regex=self.regex, choice=self.choice or None,
+                                    grammar=_text_or_file(self.grammar, "--grammar"))
+            check_grammar_syntax(spec)  # before the model loads: a bad --regex fails in a second, not after it
+        except InvalidRequestError as exc:
+            raise typer.BadParameter(f"{given[0]}: {exc}") from None
         return spec
 
     def to_params(self) -> SamplingParams:
