@@ -259,6 +259,35 @@ def test_a_dead_builds_lock_file_does_not_block_the_next_build(tmp_path):
         assert not (tmp_path / "lock").exists()
 
 
+def test_a_process_waiting_for_anothers_build_says_so(tmp_path):
+    """A second process blocks on the build lock while the first builds (minutes, the first time): it logs
+    one warning saying why, instead of sitting silent."""
+    import fcntl
+    import threading
+
+    import structlog
+
+    entered = threading.Event()
+
+    def wait_for_the_lock() -> None:
+        with build._build_lock(tmp_path):
+            entered.set()
+
+    with open(tmp_path / "llminfer.lock", "w") as other:  # "another process" holds the OS lock
+        fcntl.flock(other, fcntl.LOCK_EX)
+        with structlog.testing.capture_logs() as logs:
+            waiter = threading.Thread(target=wait_for_the_lock)
+            waiter.start()
+            waiter.join(0.5)  # bounded: it must still be waiting (the lock is held)
+            assert not entered.is_set()
+            fcntl.flock(other, fcntl.LOCK_UN)
+            waiter.join(30)
+    assert entered.is_set()
+    assert [e["event"] for e in logs if e["log_level"] == "warning"] == [
+        "waiting for another process that is building or loading llminfer's CPU kernels (a first build takes a "
+        "few minutes)"]
+
+
 def test_two_checkouts_of_the_same_source_build_in_two_folders(monkeypatch, tmp_path):
     first = build._cache_dir("avx2")
     for name in ("SOURCES", "HEADERS"):

@@ -141,7 +141,12 @@ def _build_lock(build: Path) -> Iterator[None]:
     import fcntl  # POSIX; the kernels build only on x86-64 Linux-like systems anyway
 
     with open(build / "llminfer.lock", "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)  # waits only for a live build in another process
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # a live build (or load) in another process: say why nothing happens
+            log.warning("waiting for another process that is building or loading llminfer's CPU kernels "
+                        "(a first build takes a few minutes)", folder=str(build))
+            fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             (build / "lock").unlink(missing_ok=True)  # torch's FileBaton of a build that died
             yield
