@@ -347,6 +347,7 @@ def subprocess_server(tmp_path_factory):
                 return False
 
         assert wait_until(up, 180), log_path.read_text()
+        assert f"at {url}/v1 (Ctrl-C stops)" in log_path.read_text()  # the command says where it serves
         yield proc, url, headers, log_path, _greedy(url, headers)
     finally:
         if proc.poll() is None:

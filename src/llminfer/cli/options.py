@@ -54,7 +54,8 @@ PPSize = Annotated[int, typer.Option("--pp-size", help="Pipeline-parallel size (
 LogLevel = Annotated[str, typer.Option("--log-level", help="debug, info, warning or error.")]
 AttnBackend = Annotated[str, typer.Option("--attention-backend", help="Paged-attention kernels: "
                                           f"{', '.join(ATTENTION_BACKENDS)} (auto: Triton on CUDA when "
-                                          "installed, else torch).")]
+                                          "installed; on a CPU llminfer's own kernel where it builds; else "
+                                          "torch).")]
 ChatOpt = Annotated[bool | None, typer.Option("--chat/--no-chat", show_default=False, help="Apply the model's "
                                               "chat template to the prompt (a user message). Default: on when "
                                               "the model has a chat template.")]
@@ -73,7 +74,7 @@ SpecLookupMax = Annotated[int, typer.Option("--spec-prompt-lookup-max", help="--
 SpecLookupMin = Annotated[int, typer.Option("--spec-prompt-lookup-min", help="--spec-method ngram: shortest "
                                             "suffix n-gram matched.")]
 QuantOpt = Annotated[QuantMode, typer.Option("--quant", help="Weight quantization: bitsandbytes (nf4, fp4, "
-                                             "int8) or weight-only int8/int4 on torch's CPU kernels "
+                                             "int8) or weight-only int8/int4 on llminfer's CPU kernels "
                                              "(int8-wo, int4-wo); from-gguf (a .gguf model: Q8_0 -> int8-wo, "
                                              "Q4_0/Q4_1 -> int4-wo); none.")]
 AdapterOpt = Annotated[str | None, typer.Option("--adapter", help="LoRA adapter (PEFT folder or hub id) "

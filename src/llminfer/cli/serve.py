@@ -83,6 +83,9 @@ def serve(
         limits = ServerLimits(read_timeout_s=read_timeout_s, keep_alive_timeout_s=keep_alive_timeout_s,
                               limit_concurrency=limit_concurrency or engine_opts.max_batch_size + max_queue_size + 64,
                               shutdown_grace_s=shutdown_grace_s)
+        bound = sock.getsockname()[1]
+        where = f"[{host}]" if ":" in host else host
+        typer.echo(f"serving {cfg.model_name} at http://{where}:{bound}/v1 (Ctrl-C stops)", err=True)
         try:
             run_server(asgi_app, host=host, port=port, log_level=engine_opts.log_level, limits=limits, sock=sock)
         finally:
