@@ -456,3 +456,53 @@ def test_accept_retry_after_shutdown_is_not_a_traceback():
     other = {"message": "Exception in callback", "exception": ValueError("boom"), "handle": "<Handle f()>"}
     server._loop_exception(Loop(), other)
     assert seen == [other]
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_ends_every_stream_with_done_and_exits_130(tmp_path):
+    """A forced quit (Ctrl-C during the graceful shutdown) used to cut the streams mid-chunk, log
+    ``CancelledError`` tracebacks and exit 0. Now the streams still running get an error event and
+    ``[DONE]``, the command says so in one line and exits 130."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log_path = tmp_path / "server.log"
+    cmd = [sys.executable, "-c", "from llminfer.cli import main; main()", "serve", "--port", str(port),
+           "--shutdown-grace-s", "120", "--log-level", "info"]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        def up() -> bool:
+            assert proc.poll() is None, log_path.read_text()
+            try:
+                return httpx.get(url + "/healthz", timeout=2).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        assert wait_until(up, 180), log_path.read_text()
+        n = 4
+        results: list = [None] * n
+        started = [threading.Event() for _ in range(n)]
+        threads = [threading.Thread(target=_stream, args=(url, {}, i, started[i], results)) for i in range(n)]
+        for t in threads:
+            t.start()
+        assert all(e.wait(120) for e in started)
+        proc.send_signal(signal.SIGINT)
+        # the first Ctrl-C starts the graceful shutdown (120 s of grace): the streams go on
+        assert wait_until(lambda: re.search(r"\] shutting down\s", log_path.read_text()) is not None, 60)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+        for t in threads:
+            t.join(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    out = log_path.read_text()
+    assert proc.returncode == 130, out[-3000:]
+    assert out.rstrip().splitlines()[-1].startswith("error: forced shutdown"), out[-1000:]
+    for frames in results:
+        assert frames and frames[-1] == "[DONE]", frames[-3:]
+        assert frames[-2]["error"]["code"] == "aborted", frames[-2]
+    assert "Traceback" not in out, out[-3000:]

@@ -163,6 +163,10 @@ def protocol_class(limits: ServerLimits) -> type[H11Protocol]:
     return Protocol
 
 
+FORCED_EXIT_FLUSH_S = 0.2
+"""After a forced quit, how long the ended requests get to write their last event (s)."""
+
+
 class _Server(uvicorn.Server):
     """uvicorn's server with llminfer's shutdown: stop admitting (the app answers 503 and ``/healthz`` turns
     503), give in-flight requests ``shutdown_grace_s``, then end the remaining streams with an error event
@@ -187,6 +191,12 @@ class _Server(uvicorn.Server):
             await super().shutdown(sockets)
         finally:
             timer.cancel()
+        if self.force_exit:
+            # A second Ctrl-C: uvicorn stopped waiting for the requests. End them as the grace period's end
+            # does (error event and [DONE]) and let them write that, instead of cutting them mid-chunk.
+            self._hooks.end_streams()
+            await asyncio.sleep(FORCED_EXIT_FLUSH_S)
+            await self.lifespan.shutdown()  # uvicorn skips it when forced; left running, it is cancelled
 
 
 def _loop_exception(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
@@ -272,8 +282,9 @@ def _raise_terminated(signum: int, frame: Any) -> None:
 
 
 def run_server(app: Any, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
-               limits: ServerLimits | None = None, sock: socket.socket | None = None) -> None:
-    """Serve ``app`` until Ctrl-C or SIGTERM, then shut down gracefully (see :class:`ServerLimits`) and return.
+               limits: ServerLimits | None = None, sock: socket.socket | None = None) -> bool:
+    """Serve ``app`` until Ctrl-C or SIGTERM, then shut down gracefully (see :class:`ServerLimits`) and return
+    whether the shutdown was forced (a second Ctrl-C ended the requests still running).
 
     Both signals return normally, so the caller's cleanup runs (``llminfer serve`` then closes its engine:
     vLLM's engine processes exit with it). uvicorn re-raises the signal it handled once it has stopped; left
@@ -289,8 +300,8 @@ def run_server(app: Any, host: str = "127.0.0.1", port: int = 8000, log_level: s
     raise_open_files_limit()
     on_main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _raise_terminated) if on_main else None
+    server = _Server(uvicorn_config(app, host, port, log_level, limits), app, limits.shutdown_grace_s)
     try:
-        server = _Server(uvicorn_config(app, host, port, log_level, limits), app, limits.shutdown_grace_s)
         server.run(sockets=[sock] if sock is not None else None)
     except (KeyboardInterrupt, _Terminated):
         # the re-raised signal: the server has already stopped cleanly
@@ -298,6 +309,9 @@ def run_server(app: Any, host: str = "127.0.0.1", port: int = 8000, log_level: s
     finally:
         if on_main:
             signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+            if server.force_exit:  # uvicorn re-raises both captured Ctrl-Cs; the second would interrupt the
+                signal.signal(signal.SIGINT, signal.SIG_IGN)  # caller's cleanup, which is bounded: ignore it
+    return bool(server.force_exit)
 
 
 @contextlib.contextmanager

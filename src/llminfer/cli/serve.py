@@ -87,9 +87,20 @@ def serve(
         where = f"[{host}]" if ":" in host else host
         typer.echo(f"serving {cfg.model_name} at http://{where}:{bound}/v1 (Ctrl-C stops)", err=True)
         try:
-            run_server(asgi_app, host=host, port=port, log_level=engine_opts.log_level, limits=limits, sock=sock)
+            forced = run_server(asgi_app, host=host, port=port, log_level=engine_opts.log_level, limits=limits,
+                                sock=sock)
         finally:
             engine.close()  # vLLM's engine processes exit with the server, not at interpreter teardown
+    if forced:
+        from llminfer.cli import click_exc  # typer's own copy of click where it has one
+
+        forced_exit = click_exc.ClickException("forced shutdown (a second Ctrl-C): requests still running were "
+                                               "ended")
+        forced_exit.exit_code = FORCED_EXIT_CODE
+        raise forced_exit
+
+
+FORCED_EXIT_CODE = 130  # 128 + SIGINT, as a shell reports a process a second Ctrl-C ended
 
 
 def warm_up(engine) -> int:
