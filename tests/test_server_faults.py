@@ -10,6 +10,7 @@ assertions.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -325,19 +326,29 @@ def subprocess_server(tmp_path_factory):
     shutdown grace period and room for 24 sequences at once."""
     tmp = tmp_path_factory.mktemp("serve")
     (tmp / "key").write_text("s3cret\n")
+    headers = {"Authorization": "Bearer s3cret"}
+    args = ["--api-key-file", str(tmp / "key"), "--max-batch-size", "24", "--max-queue-size", "0",
+            "--read-timeout-s", "1", "--keep-alive-timeout-s", "1", "--shutdown-grace-s", str(GRACE_S),
+            "--batch-timeout-ms", "1"]
+    with _serve_subprocess(tmp / "server.log", args, open_files=OPEN_FILES) as (proc, url):
+        assert f"at {url}/v1 (Ctrl-C stops)" in (tmp / "server.log").read_text()  # it says where it serves
+        yield proc, url, headers, tmp / "server.log", _greedy(url, headers)
+
+
+@contextlib.contextmanager
+def _serve_subprocess(log_path, args: list[str], open_files: int | None = None):
+    """``llminfer serve`` with ``args`` (info logs to ``log_path``) in a subprocess, once it answers
+    ``/healthz``: ``(process, base URL)``. Killed on the way out if still running."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    log_path = tmp / "server.log"
-    cmd = [sys.executable, "-c", "from llminfer.cli import main; main()", "serve", "--port", str(port),
-           "--api-key-file", str(tmp / "key"), "--max-batch-size", "24", "--max-queue-size", "0",
-           "--read-timeout-s", "1", "--keep-alive-timeout-s", "1", "--shutdown-grace-s", str(GRACE_S),
-           "--batch-timeout-ms", "1", "--log-level", "info"]
+    cmd = [sys.executable, "-c", "from llminfer.cli import main; main()", "serve", "--port", str(port), *args,
+           "--log-level", "info"]
+    limit = None if open_files is None else (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (open_files, open_files)))
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                                preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (OPEN_FILES, OPEN_FILES)))
+                                preexec_fn=limit)
     url = f"http://127.0.0.1:{port}"
-    headers = {"Authorization": "Bearer s3cret"}
     try:
         def up() -> bool:
             assert proc.poll() is None, log_path.read_text()
@@ -347,8 +358,7 @@ def subprocess_server(tmp_path_factory):
                 return False
 
         assert wait_until(up, 180), log_path.read_text()
-        assert f"at {url}/v1 (Ctrl-C stops)" in log_path.read_text()  # the command says where it serves
-        yield proc, url, headers, log_path, _greedy(url, headers)
+        yield proc, url
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -463,24 +473,8 @@ def test_a_second_ctrl_c_ends_every_stream_with_done_and_exits_130(tmp_path):
     """A forced quit (Ctrl-C during the graceful shutdown) used to cut the streams mid-chunk, log
     ``CancelledError`` tracebacks and exit 0. Now the streams still running get an error event and
     ``[DONE]``, the command says so in one line and exits 130."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     log_path = tmp_path / "server.log"
-    cmd = [sys.executable, "-c", "from llminfer.cli import main; main()", "serve", "--port", str(port),
-           "--shutdown-grace-s", "120", "--log-level", "info"]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        def up() -> bool:
-            assert proc.poll() is None, log_path.read_text()
-            try:
-                return httpx.get(url + "/healthz", timeout=2).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        assert wait_until(up, 180), log_path.read_text()
+    with _serve_subprocess(log_path, ["--shutdown-grace-s", "120"]) as (proc, url):
         n = 4
         results: list = [None] * n
         started = [threading.Event() for _ in range(n)]
@@ -495,10 +489,6 @@ def test_a_second_ctrl_c_ends_every_stream_with_done_and_exits_130(tmp_path):
         proc.wait(timeout=60)
         for t in threads:
             t.join(60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(30)
     out = log_path.read_text()
     assert proc.returncode == 130, out[-3000:]
     assert out.rstrip().splitlines()[-1].startswith("error: forced shutdown"), out[-1000:]
