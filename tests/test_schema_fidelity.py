@@ -190,6 +190,7 @@ REFUSED = [
     ({"allOf": [{"type": "string", "pattern": "^a"}, {"type": "string", "pattern": "b$"}]}, "allOf"),
     ({"type": "string", "minLength": 5, "maxLength": 3}, "minLength"),  # crossed bounds: nothing matches
     ({"type": ["array", "null"], "minItems": 3, "maxItems": 1}, "minItems"),
+    ({"type": []}, "type"),  # an empty list of types: no value matches (xgrammar would accept anything)
 ]
 
 
