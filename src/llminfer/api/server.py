@@ -309,8 +309,6 @@ def run_server(app: Any, host: str = "127.0.0.1", port: int = 8000, log_level: s
     finally:
         if on_main:
             signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
-            if server.force_exit:  # uvicorn re-raises both captured Ctrl-Cs; the second would interrupt the
-                signal.signal(signal.SIGINT, signal.SIG_IGN)  # caller's cleanup, which is bounded: ignore it
     return bool(server.force_exit)
 
 

@@ -16,6 +16,8 @@ import typer
 from llminfer.cli.engine_options import SPEC_FLAGS, EngineOptions, engine_options
 from llminfer.cli.options import load_engine
 
+FORCED_EXIT_CODE = 130  # 128 + SIGINT, as a shell reports a process a second Ctrl-C ended
+
 
 @engine_options(exclude=SPEC_FLAGS, log_level="info")
 def serve(
@@ -98,9 +100,6 @@ def serve(
                                                "ended")
         forced_exit.exit_code = FORCED_EXIT_CODE
         raise forced_exit
-
-
-FORCED_EXIT_CODE = 130  # 128 + SIGINT, as a shell reports a process a second Ctrl-C ended
 
 
 def warm_up(engine) -> int:
