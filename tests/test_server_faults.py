@@ -21,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -285,6 +286,56 @@ def test_concurrency_limit_answers_an_openai_error():
         assert httpx.get(url + "/again", timeout=30).text == "ok"
 
 
+def test_concurrency_limit_lets_exactly_the_limit_in_and_refuses_the_rest_cleanly():
+    """Many clients at once, each with a body: exactly ``limit`` requests reach the app and every other one
+    gets the 503 error object (its body read first: a 4 MB body still being sent when the server closed the
+    connection would reset it), counted by the app's metrics."""
+    limit, clients = 3, 24
+    inside, release = [0], threading.Event()
+    refused = []
+
+    async def app(scope, receive, send):
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        import anyio
+
+        while (await receive()).get("more_body"):
+            pass
+        inside[0] += 1
+        while not release.is_set():
+            await anyio.sleep(0.01)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    app.state = {"llminfer_metrics": SimpleNamespace(refused_busy=lambda: refused.append(1))}
+    results: list = [None] * clients
+
+    def post(i: int) -> None:
+        try:
+            results[i] = httpx.post(url + "/v1/completions", content=b"x" * 4_000_000, timeout=60)
+        except httpx.HTTPError as exc:
+            results[i] = exc
+
+    with serve_in_thread(app, limits=ServerLimits(limit_concurrency=limit, shutdown_grace_s=0)) as url:
+        threads = [threading.Thread(target=post, args=(i,)) for i in range(clients)]
+        for t in threads:
+            t.start()
+        try:
+            assert wait_until(lambda: sum(r is not None for r in results) == clients - limit, 60), results
+            assert inside[0] == limit
+        finally:
+            release.set()
+            for t in threads:
+                t.join(60)
+    assert all(isinstance(r, httpx.Response) for r in results), [r for r in results if not isinstance(r, httpx.Response)]
+    assert sorted(r.status_code for r in results) == [200] * limit + [503] * (clients - limit)
+    assert all(r.json()["error"]["code"] == "too_many_requests" for r in results if r.status_code == 503)
+    assert len(refused) == clients - limit
+
+
 # ---------------------------------------------------------------------------- API-key settings
 def _serve_cli(args: list[str], capsys) -> tuple[int, str]:
     from llminfer.cli import main
@@ -337,8 +388,9 @@ def subprocess_server(tmp_path_factory):
 
 @contextlib.contextmanager
 def _serve_subprocess(log_path, args: list[str], open_files: int | None = None):
-    """``llminfer serve`` with ``args`` (info logs to ``log_path``) in a subprocess, once it answers
-    ``/healthz``: ``(process, base URL)``. Killed on the way out if still running."""
+    """``llminfer serve`` with ``args`` (info logs to ``log_path``) in a subprocess, once it has printed its
+    "serving ... at URL" line: ``(process, base URL)``. Killed on the way out if still running. The line is
+    a promise that the server accepts connections: ``/healthz`` must answer 200 at once, with no retry."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -350,14 +402,12 @@ def _serve_subprocess(log_path, args: list[str], open_files: int | None = None):
                                 preexec_fn=limit)
     url = f"http://127.0.0.1:{port}"
     try:
-        def up() -> bool:
+        def announced() -> bool:
             assert proc.poll() is None, log_path.read_text()
-            try:
-                return httpx.get(url + "/healthz", timeout=2).status_code == 200
-            except httpx.TransportError:
-                return False
+            return "(Ctrl-C stops)" in log_path.read_text()
 
-        assert wait_until(up, 180), log_path.read_text()
+        assert wait_until(announced, 180), log_path.read_text()
+        assert httpx.get(url + "/healthz", timeout=10).status_code == 200
         yield proc, url
     finally:
         if proc.poll() is None:

@@ -165,8 +165,9 @@ class ServerMetrics:
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache (tokens).").labels(m)
         self.client_disconnects = counter("http_client_disconnects", "HTTP requests whose client left before a "
                                           "response (while the body was read, or while queued or tokenized).").labels(m)
-        self.rejected_total = counter("requests_rejected", "HTTP requests refused with a 4xx before generation, "
-                                      "by reason (the error code, e.g. rate_limit_exceeded).", ("reason",))
+        self.rejected_total = counter("requests_rejected", "HTTP requests refused before generation: with a 4xx, "
+                                      "or with a 503 at the server's concurrency limit (too_many_requests), by "
+                                      "reason (the error code, e.g. rate_limit_exceeded).", ("reason",))
         # Histograms.
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token (s).", TTFT_BUCKETS)
         self.itl = StepHistogram((p + "inter_token_latency_seconds", p + "time_per_output_token_seconds"),
@@ -226,6 +227,10 @@ class ServerMetrics:
     def rejected(self, error: APIError) -> None:
         """Record an API request refused with a 4xx (reason: the error code, or the status)."""
         self.rejected_total.labels(self.model_name, error.code or str(error.status)).inc()
+
+    def refused_busy(self) -> None:
+        """Record an HTTP request refused with a 503 at the server's concurrency limit (``--limit-concurrency``)."""
+        self.rejected_total.labels(self.model_name, "too_many_requests").inc()
 
     def client_disconnected(self) -> None:
         """Record an HTTP request whose client left before it was answered."""

@@ -18,7 +18,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import attrs
@@ -74,16 +74,22 @@ _READ_TIMEOUT_RESPONSE = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: applic
 _BUSY_BODY = _error_body(503, "the server is handling too many requests; retry shortly", "too_many_requests")
 
 
-def protocol_class(limits: ServerLimits) -> type[H11Protocol]:
+def protocol_class(limits: ServerLimits, on_busy: Callable[[], None] | None = None) -> type[H11Protocol]:
     """uvicorn's h11 protocol with ``limits.read_timeout_s`` and ``limits.limit_concurrency``.
 
     uvicorn (0.54) arms its keep-alive timer only after a response and cancels it on any byte, so a
     connection that sends nothing, or sends a few bytes and stalls, is never closed. This subclass runs one
     deadline while a request is being read (from the connection opening, or from the first byte after an
     idle keep-alive wait, until the body's last byte) and closes the connection when it passes.
+
+    The concurrency limit counts the requests being handled (from the start of the app's call to its end,
+    streams included) across all connections of one server. A request past it gets a 503 error object with
+    ``Retry-After`` once its body has been read (closing the connection with unread bytes would reset it,
+    and the client would see a broken connection instead of the 503); ``on_busy`` is called for each.
     """
     timeout_s = limits.read_timeout_s
     limit = limits.limit_concurrency
+    handling = [0]  # requests inside the app now, over every connection of the server
 
     class Protocol(H11Protocol):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -94,16 +100,20 @@ def protocol_class(limits: ServerLimits) -> type[H11Protocol]:
                 self.app = self._limited(self.app)
 
         def _limited(self, app: Any) -> Any:
-            tasks = self.tasks
-
             async def limited(scope: Any, receive: Any, send: Any) -> None:
-                # The request's own task is already in ``tasks`` when this runs.
-                if len(tasks) > limit:
+                if handling[0] >= limit:
+                    await _drain_body(receive)
                     await send({"type": "http.response.start", "status": 503, "headers": [
                         (b"content-type", b"application/json"), (b"retry-after", b"1"), (b"connection", b"close")]})
                     await send({"type": "http.response.body", "body": _BUSY_BODY})
+                    if on_busy is not None:
+                        on_busy()
                     return
-                await app(scope, receive, send)
+                handling[0] += 1
+                try:
+                    await app(scope, receive, send)
+                finally:
+                    handling[0] -= 1
 
             return limited
 
@@ -163,6 +173,21 @@ def protocol_class(limits: ServerLimits) -> type[H11Protocol]:
     return Protocol
 
 
+_DRAIN_MAX_BYTES = 8 << 20
+
+
+async def _drain_body(receive: Any) -> None:
+    """Read a request's body (up to 8 MiB: a larger one is cut off with the connection) and drop it."""
+    read = 0
+    while read <= _DRAIN_MAX_BYTES:
+        message = await receive()
+        if message["type"] != "http.request":
+            return  # http.disconnect
+        read += len(message.get("body", b""))
+        if not message.get("more_body", False):
+            return
+
+
 FORCED_EXIT_FLUSH_S = 0.2
 """After a forced quit, how long the ended requests get to write their last event (s)."""
 
@@ -172,14 +197,18 @@ class _Server(uvicorn.Server):
     503), give in-flight requests ``shutdown_grace_s``, then end the remaining streams with an error event
     and ``[DONE]`` (the app's ``ServerState.end_streams``); uvicorn's own timeout is the last resort."""
 
-    def __init__(self, config: uvicorn.Config, app: Any, grace_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, app: Any, grace_s: float,
+                 on_listening: Callable[[], None] | None = None) -> None:
         super().__init__(config)
         self._grace_s = grace_s
         self._hooks = _shutdown_hooks(app)
+        self._on_listening = on_listening
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         asyncio.get_running_loop().set_exception_handler(_loop_exception)
         await super().startup(sockets)
+        if self.started and self._on_listening is not None:
+            self._on_listening()
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         if self._hooks is None:
@@ -235,10 +264,12 @@ def uvicorn_config(app: Any, host: str = "127.0.0.1", port: int = 8000, log_leve
     """The uvicorn settings llminfer uses: lifespan on, no access log (the app logs one line per request),
     the h11 protocol with :func:`protocol_class`, and ``limits`` (default :class:`ServerLimits`)."""
     limits = limits or ServerLimits()
+    metrics = getattr(getattr(app, "state", None), "get", lambda _k: None)("llminfer_metrics")
+    on_busy = getattr(metrics, "refused_busy", None)
     # uvicorn's graceful-shutdown timeout is only the backstop: the streams end themselves at the grace
     # period, and need a moment to send their last event.
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on", access_log=False, loop="asyncio",
-                          http=protocol_class(limits), timeout_keep_alive=limits.keep_alive_timeout_s,
+                          http=protocol_class(limits, on_busy), timeout_keep_alive=limits.keep_alive_timeout_s,
                           h11_max_incomplete_event_size=limits.max_header_bytes,
                           timeout_graceful_shutdown=limits.shutdown_grace_s + 1.5)  # type: ignore[arg-type]
 
@@ -282,7 +313,8 @@ def _raise_terminated(signum: int, frame: Any) -> None:
 
 
 def run_server(app: Any, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
-               limits: ServerLimits | None = None, sock: socket.socket | None = None) -> bool:
+               limits: ServerLimits | None = None, sock: socket.socket | None = None,
+               on_listening: Callable[[], None] | None = None) -> bool:
     """Serve ``app`` until Ctrl-C or SIGTERM, then shut down gracefully (see :class:`ServerLimits`) and return
     whether the shutdown was forced (a second Ctrl-C ended the requests still running).
 
@@ -292,6 +324,8 @@ def run_server(app: Any, host: str = "127.0.0.1", port: int = 8000, log_level: s
 
     Args:
         sock: a socket from :func:`bind_socket` to serve on (then ``host`` and ``port`` only name it in logs).
+        on_listening: called once the app has started and the socket accepts connections (``llminfer serve``
+            prints its "serving ... at URL" line there, so a script that waits for it can connect at once).
 
     Raises:
         SystemExit: uvicorn could not start (for example the port is in use; the reason is logged).
@@ -300,7 +334,7 @@ def run_server(app: Any, host: str = "127.0.0.1", port: int = 8000, log_level: s
     raise_open_files_limit()
     on_main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _raise_terminated) if on_main else None
-    server = _Server(uvicorn_config(app, host, port, log_level, limits), app, limits.shutdown_grace_s)
+    server = _Server(uvicorn_config(app, host, port, log_level, limits), app, limits.shutdown_grace_s, on_listening)
     try:
         server.run(sockets=[sock] if sock is not None else None)
     except (KeyboardInterrupt, _Terminated):

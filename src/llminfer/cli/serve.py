@@ -87,10 +87,12 @@ def serve(
                               shutdown_grace_s=shutdown_grace_s)
         bound = sock.getsockname()[1]
         where = f"[{host}]" if ":" in host else host
-        typer.echo(f"serving {cfg.model_name} at http://{where}:{bound}/v1 (Ctrl-C stops)", err=True)
+        def listening() -> None:
+            typer.echo(f"serving {cfg.model_name} at http://{where}:{bound}/v1 (Ctrl-C stops)", err=True)
+
         try:
             forced = run_server(asgi_app, host=host, port=port, log_level=engine_opts.log_level, limits=limits,
-                                sock=sock)
+                                sock=sock, on_listening=listening)
         finally:
             engine.close()  # vLLM's engine processes exit with the server, not at interpreter teardown
     if forced:
