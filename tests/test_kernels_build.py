@@ -4,6 +4,9 @@ and the engine wiring (``engine.info()``, ``cpu_kernels=False``)."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 from test_kernels_attention import _paged_step
@@ -311,3 +314,30 @@ def test_a_changed_header_changes_the_build_key(monkeypatch, tmp_path):
     header = tmp_path / "common.h"
     header.write_text(header.read_text() + "\n// edited\n")
     assert build._cache_dir("avx2") != before
+
+
+def test_the_environments_own_ninja_builds_whatever_path_says(monkeypatch, tmp_path):
+    """The ninja installed with llminfer builds the kernels whether or not its virtualenv is activated: with
+    PATH's ninja (another version) in turn, each process took the other's build for a changed command and
+    rebuilt everything. A different ninja, or another virtualenv's torch, gets a folder of its own."""
+    import sysconfig
+
+    own = Path(sysconfig.get_path("scripts")) / "ninja"
+    if not own.is_file():
+        pytest.skip("no ninja in this Python's environment")
+    elsewhere = tmp_path / "bin"
+    elsewhere.mkdir()
+    (elsewhere / "ninja").write_text("#!/bin/sh\nexit 1\n")
+    (elsewhere / "ninja").chmod(0o755)
+    monkeypatch.setenv("PATH", str(elsewhere))
+    assert build.ninja_program() == own
+    with build._ninja_first_on_path():
+        assert os.environ["PATH"].split(os.pathsep)[:2] == [str(own.parent), str(elsewhere)]
+    assert os.environ["PATH"] == str(elsewhere)
+    key = build._cache_dir("avx2")
+    with monkeypatch.context() as patch:
+        patch.setattr(build.torch, "__file__", str(tmp_path / "torch" / "__init__.py"))
+        assert build._cache_dir("avx2") != key
+    assert build._cache_dir("avx2") == key
+    monkeypatch.setattr(build, "ninja_program", lambda: elsewhere / "ninja")
+    assert build._cache_dir("avx2") != key

@@ -471,15 +471,16 @@ def test_sigterm_with_streams_in_flight_ends_every_stream_with_done(subprocess_s
     assert all(e.wait(120) for e in started)
     t0 = time.monotonic()
     proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=GRACE_S + 2)
-    finally:
-        waited = time.monotonic() - t0
-        for t in threads:
-            t.join(60)
+    for t in threads:
+        t.join(GRACE_S + 2)
+    waited = time.monotonic() - t0
+    # Every client has its answer within the grace period (a bound, + 2 s, not a speed measurement). The
+    # process exits after that, once the interpreter has torn down (seconds with torch and transformers
+    # loaded, and longer on a busy machine: not llminfer's to bound).
+    assert waited <= GRACE_S + 2 and not any(t.is_alive() for t in threads)
+    proc.wait(timeout=60)
     # uvicorn re-raises the signal once it has shut down; serve catches it, closes its engine and exits 0
     assert proc.returncode == 0, log_path.read_text()[-3000:]
-    assert waited <= GRACE_S + 2  # a bound (grace period + 2 s), not a speed measurement
     finished = ended = 0
     for frames in results:
         assert frames and frames[-1] == "[DONE]", frames[-3:]

@@ -114,12 +114,45 @@ def _cache_dir(isa: str = "avx2") -> Path:
 
     root = default_cache_dir()
     flags = " ".join(build_cflags(isa)).encode()
-    # The sources' folder is part of the key: ninja's build file names them by absolute path, so two checkouts
-    # sharing one folder would rebuild it in turn.
-    where = str(SOURCES[0].resolve().parent).encode()
+    # What ninja's build file holds is part of the key, else two processes sharing one folder rebuild it in
+    # turn: the sources' folder (named by absolute path), torch's folder (its include paths, which differ
+    # between two virtualenvs on one checkout), and the ninja that builds it (ninja 1.11 and 1.13 hash the
+    # commands in their logs differently, so each takes the other's build for a changed command).
+    where = "\0".join((str(SOURCES[0].resolve().parent), str(Path(torch.__file__).resolve().parent),
+                       str(ninja_program()))).encode()
     key = hashlib.sha256(b"".join(src.name.encode() + src.read_bytes() for src in SOURCES + HEADERS) + flags
                          + torch.__version__.encode() + where).hexdigest()
     return root / "cpu_kernels" / key[:16]
+
+
+def ninja_program() -> Path | None:
+    """The ninja that builds the kernels: the one installed in this Python's environment (the ``ninja``
+    package, a dependency of llminfer) whether or not that environment is activated, else the first on
+    ``PATH``; None when there is none (the build then fails with torch's message)."""
+    import shutil
+    import sysconfig
+
+    own = Path(sysconfig.get_path("scripts")) / "ninja"
+    if own.is_file() and os.access(own, os.X_OK):
+        return own
+    found = shutil.which("ninja")
+    return Path(found) if found else None
+
+
+@contextlib.contextmanager
+def _ninja_first_on_path() -> Iterator[None]:
+    """``PATH`` with :func:`ninja_program`'s folder first while torch builds (torch runs ``ninja`` from ``PATH``)."""
+    ninja = ninja_program()
+    before = os.environ.get("PATH")
+    if ninja is not None:
+        os.environ["PATH"] = os.pathsep.join(p for p in (str(ninja.parent), before) if p)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("PATH", None)
+        else:
+            os.environ["PATH"] = before
 
 
 def _why_not_here() -> str | None:
@@ -137,7 +170,8 @@ def _why_not_here() -> str | None:
 def _build_lock(build: Path) -> Iterator[None]:
     """Hold an OS file lock on ``build`` while torch builds or loads the kernels there. torch's own lock is
     a file that a killed build leaves behind, after which every later process waits for it forever; the OS
-    releases ours when its holder dies, so holding it proves torch's leftover file stale, and it is removed."""
+    releases ours when its holder dies, so holding it proves torch's leftover file stale, and it is removed.
+    A process that has to wait for another's build logs one warning saying so first."""
     import fcntl  # POSIX; the kernels build only on x86-64 Linux-like systems anyway
 
     with open(build / "llminfer.lock", "w") as handle:
@@ -166,7 +200,7 @@ def _load() -> bool:
                 isa = target_isa()
                 build = _cache_dir(isa)
                 build.mkdir(parents=True, exist_ok=True)
-                with _build_lock(build):
+                with _build_lock(build), _ninja_first_on_path():
                     cpp_extension.load(name="llminfer_cpu_kernels", sources=[str(src) for src in SOURCES],
                                        extra_cflags=list(build_cflags(isa)), extra_ldflags=["-fopenmp"],
                                        build_directory=str(build), is_python_module=False, verbose=False)
