@@ -4,7 +4,9 @@ a completion with logprobs, and llminfer's extra sampling fields.
     llminfer serve &                       # or: python examples/run_server.py &
     python examples/openai_api_client.py   # --base-url http://127.0.0.1:8000/v1 --api-key KEY
 
-The built-in tiny model has random weights, so its text is gibberish; the API behaves as with a real model.
+``llminfer serve`` serves the trained SmolLM2-135M-Instruct by default, so the answers read as text (a 135M
+model's); with ``--model llminfer/tiny-qwen2`` (random weights) the text is gibberish, and the API behaves
+the same.
 """
 
 from __future__ import annotations

@@ -182,6 +182,9 @@ def test_unsupported_chat_options(client):
     assert_error(client.post(CHAT, json=chat_body(tools=[{"type": "function"}])), 400, param="tools[0].function")
     assert_error(client.post(CHAT, json=chat_body(response_format={"type": "xml"})), 400,
                  param="response_format")
+    # a schema without "type" was read as plain text and the schema dropped
+    assert_error(client.post(CHAT, json=chat_body(response_format={"json_schema": {"name": "x", "schema": {}}})), 400,
+                 param="response_format.type", code="missing_required_parameter")
     assert_serves(client)
 
 

@@ -197,6 +197,31 @@ def test_stop_string_finish_goes_through_the_core_and_counts_delivered_tokens():
     assert stage.process(EngineStepOutput(2, (SequenceUpdate("r", (7,)),), 0)) == ([], [])  # unknown now
 
 
+def test_stop_strings_wait_for_min_new_tokens():
+    """vLLM's min_tokens: a stop string is not looked for until the request has that many tokens; the one
+    that completes later still stops it, with the text cut before it."""
+    from transformers import AutoTokenizer
+
+    from llminfer.protocols.messages import EngineStepOutput, FinishRequest, SequenceUpdate, TokenizedRequest
+    from llminfer.stages.detokenize import DetokenizeStage
+
+    tok = AutoTokenizer.from_pretrained(str(builtin_model_path()))
+    ids = tok.encode(" world hello world again", add_special_tokens=False)
+    assert tok.decode(ids[:3]) == " world hello world"
+    for min_new_tokens, expected_text, at in ((0, "", 1), (3, " world hello", 3)):
+        stage = DetokenizeStage(tok)
+        params = SamplingParams(max_new_tokens=10, stop_sequences=("world",), min_new_tokens=min_new_tokens)
+        stage.add_request(TokenizedRequest("r", (1,), params, 0))
+        text = ""
+        for step, token in enumerate(ids, start=1):
+            deltas, finishes = stage.process(EngineStepOutput(step, (SequenceUpdate("r", (token,)),), 0))
+            text += "".join(d.text for d in deltas)
+            if finishes:
+                assert finishes == [FinishRequest("r", step)] and step == at
+                break
+        assert text.strip() == expected_text.strip() and "world" not in text[len(expected_text):]
+
+
 def test_output_state_is_registered_at_submit_and_dropped_at_the_end():
     """The detokenize stage's state for a request exists from submit (vLLM's OutputProcessor.add_request), while
     the request still waits in front of the core, so the core relays no parameters; it is gone once the request

@@ -191,6 +191,14 @@ REFUSED = [
     ({"type": "string", "minLength": 5, "maxLength": 3}, "minLength"),  # crossed bounds: nothing matches
     ({"type": ["array", "null"], "minItems": 3, "maxItems": 1}, "minItems"),
     ({"type": []}, "type"),  # an empty list of types: no value matches (xgrammar would accept anything)
+    ({"type": 5}, "type"),  # not a type name: was a 500 (TypeError)
+    ({"type": True}, "type"),
+    ({"type": ["string", 5]}, "type"),
+    ({"type": "strin"}, "type"),
+    ({"type": "string", "pattern": "(?=a)b"}, "pattern"),  # xgrammar dropped the lookahead: "b" came out
+    ({"type": "string", "pattern": "^(?!b)[ab]$"}, "pattern"),
+    ({"type": "string", "pattern": "(a)\\1"}, "pattern"),  # a backreference
+    ({"type": "object", "patternProperties": {"^(?!x)": {"type": "integer"}}}, "patternProperties"),
 ]
 
 

@@ -37,7 +37,8 @@ class ServerLimits:
     Attributes:
         read_timeout_s: seconds a client has to send a whole request (head and body), counted from the
             connection opening or from the first byte of a later request on a kept-alive connection; then
-            the connection is closed (with a 408 error object when part of a request had arrived).
+            the connection is closed (with a 408 error object when part of the request head had arrived; a
+            half-sent body is the app's to log, as a client disconnect).
         keep_alive_timeout_s: seconds an idle kept-alive connection stays open between requests.
         limit_concurrency: HTTP requests handled at once (streams included); more get an immediate 503
             with ``Retry-After``. ``None``: no limit.
@@ -83,9 +84,11 @@ def protocol_class(limits: ServerLimits, on_busy: Callable[[], None] | None = No
     idle keep-alive wait, until the body's last byte) and closes the connection when it passes.
 
     The concurrency limit counts the requests being handled (from the start of the app's call to its end,
-    streams included) across all connections of one server. A request past it gets a 503 error object with
-    ``Retry-After`` once its body has been read (closing the connection with unread bytes would reset it,
-    and the client would see a broken connection instead of the 503); ``on_busy`` is called for each.
+    streams included) across all connections of one server, except the probes and the metrics scrape
+    (:data:`UNLIMITED_PATHS`), which must answer when the server is busiest. A request past it gets a 503
+    error object with ``Retry-After`` once its body has been read (closing the connection with unread bytes
+    would reset it, and the client would see a broken connection instead of the 503); ``on_busy`` is called
+    for each.
     """
     timeout_s = limits.read_timeout_s
     limit = limits.limit_concurrency
@@ -101,6 +104,9 @@ def protocol_class(limits: ServerLimits, on_busy: Callable[[], None] | None = No
 
         def _limited(self, app: Any) -> Any:
             async def limited(scope: Any, receive: Any, send: Any) -> None:
+                if scope.get("path") in UNLIMITED_PATHS:
+                    await app(scope, receive, send)
+                    return
                 if handling[0] >= limit:
                     await _drain_body(receive)
                     await send({"type": "http.response.start", "status": 503, "headers": [
@@ -172,6 +178,10 @@ def protocol_class(limits: ServerLimits, on_busy: Callable[[], None] | None = No
 
     return Protocol
 
+
+UNLIMITED_PATHS = frozenset({"/health", "/healthz", "/metrics"})
+"""Routes outside ``limit_concurrency``: liveness and readiness probes and Prometheus' scrape answer at once
+and cheaply, and an orchestrator must not read a busy server as a dead one."""
 
 _DRAIN_MAX_BYTES = 8 << 20
 

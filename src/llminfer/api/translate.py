@@ -277,6 +277,9 @@ def structured_output(body: Body, plan: ToolPlan | None = None) -> tuple[Structu
         APIError: 400 naming the field: a malformed value, two sources, or a constraint together with tools.
     """
     sources: list[tuple[str, Any]] = []
+    if body.response_format is not None and "type" not in body.response_format:
+        raise bad_request("response_format needs a 'type': 'text', 'json_object' or 'json_schema'",
+                          "response_format.type", "missing_required_parameter")
     if body.response_format is not None and body.response_format.get("type", "text") != "text":
         sources.append(("response_format", lambda: _response_format(body.response_format)))  # type: ignore[arg-type]
     guided = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",

@@ -57,7 +57,8 @@ class SamplingParams:
             the KV pool, or the request is refused at once. ``None``: until the context
             (``max_model_len``) or what the KV pool holds for one request fills (``finish_reason``
             ``"length"``).
-        min_new_tokens: EOS and stop token ids are suppressed until this many tokens exist.
+        min_new_tokens: EOS, stop token ids and stop strings are ignored until this many tokens exist
+            (vLLM's ``min_tokens``; a structured-output constraint still ends the output where it is complete).
         temperature: 0 means greedy (argmax); otherwise logits are divided by it before sampling.
         top_p: nucleus sampling, keep the smallest set of tokens whose probability sums to ``top_p``.
         top_k: keep the ``top_k`` most likely tokens (0 = off).

@@ -55,6 +55,8 @@ from llminfer.sampling.schema_keywords import (
     _Unsatisfiable,
     check_bounds,
     check_multiple_of,
+    check_patterns,
+    check_type,
     keyword_table_markdown,
 )
 
@@ -131,8 +133,9 @@ class _Normalizer(SchemaCombiner):
         if not isinstance(node, dict):
             raise SchemaError(f"a JSON Schema must be an object or a boolean, got {type(node).__name__} at "
                               f"{where or 'the root'}", keyword="type")
-        if node.get("type") == []:  # xgrammar reads it as "any value"; no value is of none of the types
-            raise _refuse("type", where, "type must name a type or a non-empty list of them")
+        if "type" in node:
+            check_type(node["type"], where)
+        check_patterns(node, where)
         for key in node:
             if key in REFUSED_KEYWORDS:
                 self._check_refused(node, key, where)

@@ -105,6 +105,66 @@ def _refuse(keyword: str, where: str, why: str) -> SchemaError:
     return SchemaError(f"JSON Schema keyword '{keyword}'{at} is not supported: {why}", keyword=keyword)
 
 
+JSON_TYPES = frozenset({"string", "number", "integer", "boolean", "object", "array", "null"})
+
+
+def check_type(value: Any, where: str) -> None:
+    """``type`` names JSON types: one, or a non-empty list.
+
+    Raises:
+        SchemaError: anything else. An empty list would be read by xgrammar as "any value" (no value is of
+            none of the types); a number or a boolean reached code that expects names.
+    """
+    names = [value] if isinstance(value, str) else value if isinstance(value, list) else None
+    if not names or not all(isinstance(n, str) and n in JSON_TYPES for n in names):
+        raise _refuse("type", where, "type must name a JSON type (" + ", ".join(sorted(JSON_TYPES))
+                      + ") or a non-empty list of them")
+
+
+def check_patterns(node: dict[str, Any], where: str) -> None:
+    """:func:`check_pattern` on a schema's ``pattern`` and on its ``patternProperties`` names."""
+    if isinstance(node.get("pattern"), str):
+        check_pattern(node["pattern"], "pattern", where)
+    for pattern in node.get("patternProperties") or ():
+        if isinstance(pattern, str):
+            check_pattern(pattern, "patternProperties", where)
+
+
+def check_pattern(pattern: str, keyword: str, where: str) -> None:
+    """Refuse a regular expression with lookaround assertions, word boundaries or backreferences: a grammar
+    cannot enforce them, and xgrammar drops a lookahead inside a schema without a word (the same regex as
+    ``guided_regex`` is refused). A pattern Python cannot read is left to xgrammar, which says what is wrong.
+
+    Raises:
+        SchemaError: naming ``keyword`` (``pattern`` or ``patternProperties``) and what the pattern holds.
+    """
+    try:
+        import re._constants as sre_constants  # type: ignore[import-not-found]
+        import re._parser as sre_parse  # type: ignore[import-not-found]
+    except ImportError:  # Python 3.10
+        import sre_constants  # type: ignore[no-redef]
+        import sre_parse  # type: ignore[no-redef]
+    try:
+        parsed = sre_parse.parse(pattern)
+    except Exception:  # noqa: BLE001 - not Python's syntax (e.g. \p{L}): xgrammar decides
+        return
+    refused = {sre_constants.ASSERT: "a lookahead or lookbehind", sre_constants.ASSERT_NOT: "a lookahead or lookbehind",
+               sre_constants.GROUPREF: "a backreference", sre_constants.GROUPREF_EXISTS: "a conditional group"}
+    boundaries = {sre_constants.AT_BOUNDARY, sre_constants.AT_NON_BOUNDARY}
+    stack = [parsed]
+    while stack:
+        for op, arg in stack.pop():
+            if op in refused or (op == sre_constants.AT and arg in boundaries):
+                what = refused.get(op, "a word boundary (\\b or \\B)")
+                raise _refuse(keyword, where, f"the regular expression {pattern!r} holds {what}, which a grammar "
+                                              "cannot enforce")
+            for item in arg if isinstance(arg, (tuple, list)) else (arg,):
+                if isinstance(item, sre_parse.SubPattern):
+                    stack.append(item)
+                elif isinstance(item, (tuple, list)):
+                    stack.extend(x for x in item if isinstance(x, sre_parse.SubPattern))
+
+
 def _types(schema: dict[str, Any]) -> set[str] | None:
     t = schema.get("type")
     if t is None:

@@ -132,12 +132,14 @@ class StopStringMatcher:
         self.text = ""
         self.released = 0
 
-    def feed(self, new_text: str, final: bool) -> tuple[str, bool]:
-        """Add text; return ``(text safe to release, stopped)``. After a stop, the text is cut before it."""
+    def feed(self, new_text: str, final: bool, match: bool = True) -> tuple[str, bool]:
+        """Add text; return ``(text safe to release, stopped)``. After a stop, the text is cut before it.
+        ``match=False``: no stop string is looked for in this text (the request's ``min_new_tokens`` are not
+        reached yet); a later feed still finds one that this text begins."""
         start = max(0, len(self.text) - self.hold)
         self.text += new_text
         stopped = False
-        if self.stops and new_text:
+        if self.stops and new_text and match:
             hits = [(i, -len(s)) for s, i in ((s, self.text.find(s, start)) for s in self.stops) if i >= 0]
             if hits:
                 at, minus_len = min(hits)  # the earliest match; at one position, the longest stop string
@@ -150,9 +152,10 @@ class StopStringMatcher:
 
 
 class _RequestState:
-    __slots__ = ("detok", "matcher", "num_output_tokens", "stopped")
+    __slots__ = ("detok", "matcher", "min_new_tokens", "num_output_tokens", "stopped")
 
     def __init__(self, tokenizer: Tokenizer, params: SamplingParams) -> None:
+        self.min_new_tokens = params.min_new_tokens
         self.detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens, params.spaces_between_special_tokens)
         self.matcher = (StopStringMatcher(params.stop_sequences, params.include_stop_str_in_output)
                         if params.stop_sequences else None)
@@ -227,7 +230,7 @@ class DetokenizeStage:
             text += state.detok.flush()
         state.num_output_tokens += len(up.new_token_ids)
         if state.matcher is not None:
-            text, hit = state.matcher.feed(text, final)
+            text, hit = state.matcher.feed(text, final, match=state.num_output_tokens >= state.min_new_tokens)
             if hit and not final:
                 state.stopped = True
                 upstream.append(FinishRequest(up.request_id, state.num_output_tokens))
