@@ -92,3 +92,15 @@ def test_small_hosts_compile_in_process_without_a_worker_pool(monkeypatch):
     assert compile_config.inductor_options("default", False, torch.device("cpu"))["compile_threads"] == 1
     monkeypatch.setattr(compile_config.os, "cpu_count", lambda: 64)
     assert "compile_threads" not in compile_config.inductor_options("default", False, torch.device("cpu"))
+
+
+def test_cpu_graphs_get_inductors_cpp_wrapper_unless_switched_off(monkeypatch):
+    """On CPU the compiled graph's wrapper is C++ (no Python call per kernel); $LLMINFER_COMPILE_CPP_WRAPPER=0
+    keeps the Python one; other devices are left alone."""
+    from llminfer.backends import compile_config
+
+    monkeypatch.delenv(compile_config.CPP_WRAPPER_ENV, raising=False)
+    assert compile_config.inductor_options("default", False, torch.device("cpu"))["cpp_wrapper"] is True
+    assert "cpp_wrapper" not in compile_config.inductor_options("default", False, torch.device("cuda"))
+    monkeypatch.setenv(compile_config.CPP_WRAPPER_ENV, "0")
+    assert "cpp_wrapper" not in compile_config.inductor_options("default", False, torch.device("cpu"))
