@@ -329,6 +329,42 @@ def test_engine_failure_mid_stream_sends_error_event_then_done(server, client, m
     assert_serves(client)
 
 
+def test_responses_stream_failing_mid_way_ends_with_typed_error_events_and_no_done(server, client, monkeypatch):
+    """The Responses API's own way to fail a started stream: an ``error`` event, then ``response.failed``
+    carrying the error, with sequence numbers that go on from the events sent; no ``[DONE]`` (it has none)."""
+    _, app, engine = server
+    real = engine.generate_request
+
+    async def flaky(request):
+        async with contextlib.aclosing(real(request)) as chunks:
+            n = 0
+            async for chunk in chunks:
+                yield chunk
+                n += 1
+                if n == 2:
+                    raise EngineError("simulated backend failure")
+
+    monkeypatch.setattr(engine, "generate_request", flaky)
+    body = {"model": "tiny", "input": "Hi", "max_output_tokens": 20, "ignore_eos": True, "stream": True}
+    with client.stream("POST", "/v1/responses", json=body) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line]
+    monkeypatch.undo()
+    events = [(lines[i].removeprefix("event: "), json.loads(lines[i + 1].removeprefix("data: ")))
+              for i in range(0, len(lines), 2)]
+    assert "data: [DONE]" not in lines
+    assert [data["sequence_number"] for _, data in events] == list(range(len(events)))
+    assert all(kind == data["type"] for kind, data in events)
+    (error_kind, error), (failed_kind, failed) = events[-2:]
+    assert error_kind == "error" and error["code"] and "simulated backend failure" in error["message"]
+    assert failed_kind == "response.failed" and failed["response"]["status"] == "failed"
+    assert failed["response"]["error"] == {"code": error["code"], "message": error["message"]}
+    engine.wait_drained()
+    assert engine.cache_stats()["blocks_used"] == 0
+    assert wait_until(lambda: app.state["llminfer"].in_flight == 0)
+    assert_serves(client)
+
+
 # ---------------------------------------------------------------------------- disconnects
 def test_disconnect_non_streaming_cancels_the_request(server, client):
     url, app, engine = server

@@ -17,7 +17,7 @@ from llminfer.api.jobs import Item, Job, job_error, run_job
 from llminfer.api.logprobs import TokenText
 from llminfer.api.middleware import watch_disconnect
 from llminfer.api.request_info import JobOutcome, request_info
-from llminfer.api.streaming import RenderEvents, client_gone, stream_response
+from llminfer.api.streaming import FailureFrames, RenderEvents, client_gone, error_and_done, stream_response
 from llminfer.errors import LLMInferError
 
 if TYPE_CHECKING:
@@ -27,11 +27,12 @@ RenderJSON = Callable[[Job, Sequence[Item], JobOutcome, TokenText], Any]
 
 
 async def execute(request: Request, state: ServerState, job: Job, *, stream: bool, prompt_param: str,
-                  render_json: RenderJSON, render_events: RenderEvents) -> Response:
+                  render_json: RenderJSON, render_events: RenderEvents,
+                  failure_frames: FailureFrames = error_and_done) -> Response:
     """Admit, run and render one call (streamed or not), cancelling it if the client goes away.
 
     Until every choice has produced a chunk the call can still fail as a plain error response; after
-    that, a failure becomes an error event in the stream. A stream whose first chunk takes longer than the
+    that, a failure ends the stream with ``failure_frames`` (an error event and ``[DONE]`` by default). A stream whose first chunk takes longer than the
     keep-alive interval starts with a keep-alive comment instead (see
     :func:`~llminfer.api.streaming.stream_response`).
 
@@ -65,7 +66,8 @@ async def execute(request: Request, state: ServerState, job: Job, *, stream: boo
         return items
 
     if stream:
-        return await stream_response(request, state, job, chunks, preroll, ticket, info, render_events, prompt_param)
+        return await stream_response(request, state, job, chunks, preroll, ticket, info, render_events, prompt_param,
+                                     failure_frames)
     stop = anyio.CancelScope()  # the grace period of a shutdown ended (ServerState.end_streams)
     state.stoppers.add(stop.cancel)
     try:

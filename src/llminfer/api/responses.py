@@ -15,7 +15,10 @@ The stream is typed SSE events (``event: <type>`` and a JSON ``data`` with the s
 ``sequence_number`` counting from 0): ``response.created``, ``response.in_progress``,
 ``response.output_item.added``, ``response.content_part.added``, ``response.output_text.delta`` (one per
 piece of text), ``response.output_text.done``, ``response.content_part.done``, ``response.output_item.done``,
-then ``response.completed`` (or ``response.incomplete``) carrying the whole response with its usage.
+then ``response.completed`` (or ``response.incomplete``) carrying the whole response with its usage. A
+stream that fails after it started (a shutdown's end of grace, an engine error) ends with an ``error``
+event (``code``, ``message``, ``param``), then ``response.failed`` (``status: "failed"`` and the error), and
+no ``[DONE]``: the Responses API has none.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from litestar.params import SkipValidation
 from msgspec import Meta, Struct
 
 from llminfer.api import protocol as s
-from llminfer.api.errors import OPENAPI_ERRORS, bad_request, from_engine_error
+from llminfer.api.errors import OPENAPI_ERRORS, APIError, bad_request, from_engine_error
 from llminfer.api.execution import execute
 from llminfer.api.jobs import Item, Job, collect, new_job, usage_of
 from llminfer.api.logprobs import TokenText
@@ -167,6 +170,11 @@ class TextOut(Struct):
     format: FormatOut
 
 
+class ResponseError(Struct):
+    code: str
+    message: str
+
+
 class Response(Struct, kw_only=True):
     """A response object: ``status`` is ``in_progress`` (stream start), ``completed`` or ``incomplete``."""
 
@@ -185,7 +193,7 @@ class Response(Struct, kw_only=True):
     metadata: dict[str, str] | None = None
     user: str | None = None
     object: str = "response"
-    error: None = None
+    error: ResponseError | None = None
     parallel_tool_calls: bool = False
     tool_choice: str = "none"
     tools: list[Any] = []
@@ -303,10 +311,17 @@ async def create_response(request: Request, data: SkipValidation[ResponsesReques
     job.id = "resp_" + uuid.uuid4().hex
     view = _View(body, job)
     return await execute(request, state, job, stream=bool(body.stream), prompt_param="input",  # type: ignore[return-value]
-                         render_json=view.json, render_events=view.events)
+                         render_json=view.json, render_events=view.events, failure_frames=view.failure_frames)
 
 
 # ---------------------------------------------------------------------------- rendering
+def _event(kind: str, seq: int, **fields: Any) -> bytes:
+    """One typed SSE event: ``event: <kind>`` and its JSON data (``type`` and ``sequence_number`` first)."""
+    data = {"type": kind, "sequence_number": seq, **fields}
+    return b"event: " + kind.encode() + b"\ndata: " + s.json_encoder.encode(data) + b"\n\n"
+
+
+
 class _View:
     """Renders one job as a response object or as its typed events."""
 
@@ -329,6 +344,15 @@ class _View:
                         top_p=1.0 if b.top_p is None else b.top_p, text=TextOut(self.format),
                         metadata=b.metadata, user=b.user, parallel_tool_calls=bool(b.parallel_tool_calls))
 
+    def failure_frames(self, error: APIError, events_sent: int) -> Iterator[bytes]:
+        """How a stream that failed after ``events_sent`` events ends: an ``error`` event, then
+        ``response.failed`` carrying the error (the Responses API has no ``[DONE]``)."""
+        code = error.code or ("server_error" if error.status >= 500 else "invalid_request_error")
+        failed = self.response("failed", [], None)
+        failed.error = ResponseError(code, error.message)
+        yield _event("error", events_sent, code=code, message=error.message, param=error.param)
+        yield _event("response.failed", events_sent + 1, response=failed)
+
     def final(self, text: str, finish_reason: str | None, outcome: JobOutcome) -> Response:
         incomplete = finish_reason == "length"
         status = "incomplete" if incomplete else "completed"
@@ -349,9 +373,8 @@ class _View:
 
         def event(kind: str, **fields: Any) -> bytes:
             nonlocal seq
-            data = {"type": kind, "sequence_number": seq, **fields}
             seq += 1
-            return b"event: " + kind.encode() + b"\ndata: " + s.json_encoder.encode(data) + b"\n\n"
+            return _event(kind, seq - 1, **fields)
 
         where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
         started = self.response("in_progress", [], None)

@@ -20,7 +20,7 @@ from litestar import Request, Response
 from llminfer.api import protocol as s
 from llminfer.api.errors import SERVER_ERROR, APIError
 from llminfer.api.jobs import Item, Job, job_error, usage_of
-from llminfer.api.keepalive import FramePump
+from llminfer.api.keepalive import KEEPALIVE_FRAME, FramePump
 from llminfer.api.logprobs import TokenText
 from llminfer.api.middleware import EventStream, watch_disconnect
 from llminfer.api.request_info import JobOutcome, RequestInfo
@@ -70,14 +70,27 @@ async def sse_frames(job: Job, first: Sequence[Item], rest: AsyncIterator[Item],
     yield DONE_FRAME
 
 
-async def _guarded(pump: FramePump, first: bytes | None, info: RequestInfo, job: Job) -> AsyncIterator[bytes]:
+FailureFrames = Callable[[APIError, int], Iterable[bytes]]
+"""The last frames of a stream that failed after it started, given the error and the events sent so far."""
+
+
+def error_and_done(error: APIError, events_sent: int) -> Iterable[bytes]:
+    """Chat and completions streams end a failure with an error event (an OpenAI error object), then ``[DONE]``
+    (what vLLM sends, and what the ``openai`` client raises as an ``APIError``)."""
+    return (error_frame(error), DONE_FRAME)
+
+
+async def _guarded(pump: FramePump, first: bytes | None, info: RequestInfo, job: Job,
+                   failure_frames: FailureFrames) -> AsyncIterator[bytes]:
     """``first``, then the frames of ``pump`` (keep-alives included); a failure after the stream started
-    becomes an error event, then ``[DONE]``; the pump is closed at the end."""
+    ends it with ``failure_frames``; the pump is closed at the end."""
     finished = False
+    events = 0
     try:
         frame_ = first
         while frame_ is not None:
             yield frame_
+            events += frame_ != KEEPALIVE_FRAME
             frame_ = await pump.next()
         finished = True
     except LLMInferError as exc:
@@ -85,15 +98,15 @@ async def _guarded(pump: FramePump, first: bytes | None, info: RequestInfo, job:
         if not isinstance(exc, RequestAbortedError):  # a shutdown's aborts are logged once, by the server
             log.error("stream failed", error=repr(exc))
         info.error = error.message
-        yield error_frame(error)
-        yield DONE_FRAME
+        for frame_ in failure_frames(error, events):
+            yield frame_
         finished = True
     except Exception as exc:
         log.exception("stream failed", error=repr(exc))
         error = APIError(500, f"internal server error ({type(exc).__name__})", type=SERVER_ERROR)
         info.error = error.message
-        yield error_frame(error)
-        yield DONE_FRAME
+        for frame_ in failure_frames(error, events):
+            yield frame_
         finished = True
     finally:
         if not finished:
@@ -115,7 +128,8 @@ def client_gone(state: ServerState, ticket: Ticket, info: RequestInfo) -> Respon
 
 async def stream_response(request: Request, state: ServerState, job: Job, chunks: AsyncIterator[Item],
                   preroll: Callable[[], Any], ticket: Ticket, info: RequestInfo,
-                  render_events: RenderEvents, prompt_param: str) -> Response:
+                  render_events: RenderEvents, prompt_param: str,
+                  failure_frames: FailureFrames = error_and_done) -> Response:
     """The streamed half of :func:`~llminfer.api.execution.execute`.
 
     The call runs in a :class:`FramePump`: its task runs the preroll, then renders the chunks into frames as
@@ -174,5 +188,5 @@ async def stream_response(request: Request, state: ServerState, job: Job, chunks
     info.cleanup = cleanup
     # A failure after the response started (a keep-alive may come before the preroll ends) is an error event.
     # ``pump`` stands in for the chunks there: only the pump's task may close them while it pulls them.
-    return EventStream(_guarded(pump, first, info, job), media_type="text/event-stream",
+    return EventStream(_guarded(pump, first, info, job, failure_frames), media_type="text/event-stream",
                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
