@@ -171,9 +171,9 @@ def _inject(name, engine, monkeypatch, bad):
     elif name == "detokenize":
         feed = StopStringMatcher.feed
 
-        def failing_feed(self, text, final):
+        def failing_feed(self, text, final, match=True):
             _raise_if(self.stops, bad.params.stop_sequences)
-            return feed(self, text, final)
+            return feed(self, text, final, match)
         monkeypatch.setattr(StopStringMatcher, "feed", failing_feed)
     elif name == "sink":
         deliver = StreamSink.deliver
