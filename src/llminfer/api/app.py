@@ -37,6 +37,7 @@ from llminfer.api.middleware import (
 from llminfer.api.openapi import refine_openapi
 from llminfer.api.responses import create_response
 from llminfer.api.state import ServerState
+from llminfer.api.tokenize import tokenizer_router
 from llminfer.config import EngineConfig
 from llminfer.engine import InferenceEngine
 
@@ -195,7 +196,7 @@ def create_app(engine_or_config: InferenceEngine | EngineConfig | None = None, *
     v1 = Router("/v1", route_handlers=[chat_completions, completions, create_response, list_models, get_model],
                 guards=[api_key_guard])
     app = Litestar(
-        route_handlers=[v1, health, healthz, version, metrics],
+        route_handlers=[v1, tokenizer_router([api_key_guard]), health, healthz, version, metrics],
         lifespan=[lifespan],
         exception_handlers=EXCEPTION_HANDLERS,
         middleware=[request_log_middleware],

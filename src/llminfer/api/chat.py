@@ -58,7 +58,7 @@ async def chat_completions(request: Request, data: SkipValidation[s.ChatCompleti
     plan = tool_plan(data)
     spec, spec_param = structured_output(data, plan)
     assert state.prompts is not None
-    state.check_prompt_chars(_message_texts(data.messages))
+    state.check_prompt_chars(message_texts(data.messages))
     ids = await state.tokenize(state.prompts.chat, data.messages, plan.tools if plan is not None else ())
     max_new, _ = max_new_tokens(data, None)
     ids = truncate_prompt(ids, data, state.prompts.inputs.max_model_len, max_new)
@@ -72,7 +72,7 @@ async def chat_completions(request: Request, data: SkipValidation[s.ChatCompleti
                          prompt_param="messages", render_json=chat_response, render_events=chat_events)
 
 
-def _message_texts(messages: Sequence[s.ChatMessage]) -> Iterator[tuple[str, str | None]]:
+def message_texts(messages: Sequence[s.ChatMessage]) -> Iterator[tuple[str, str | None]]:
     """``(param, text)`` of every text the chat template will render, for the prompt-size bound."""
     for i, message in enumerate(messages):
         content = message.content

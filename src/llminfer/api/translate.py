@@ -111,13 +111,13 @@ class PromptBuilder:
         if kinds == {str}:
             return [self.encode(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
         if kinds == {int}:
-            return [self._check_ids(prompt, "prompt")]
+            return [self.check_ids(prompt, "prompt")]
         if kinds == {list}:
-            return [self._check_ids(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+            return [self.check_ids(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
         raise bad_request("prompt must be a string, a list of strings, a list of token ids or a list of token-id "
                           "lists (not a mix)", "prompt", "invalid_type")
 
-    def _check_ids(self, ids: list[int], param: str) -> list[int]:
+    def check_ids(self, ids: list[int], param: str) -> list[int]:
         """Token ids as a prompt: not empty, inside the vocabulary. Their length is checked later, as a text
         prompt's is, after ``truncate_prompt_tokens`` has cut them.
 

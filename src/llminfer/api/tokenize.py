@@ -1,0 +1,125 @@
+"""``POST /tokenize`` and ``POST /detokenize``: the served model's tokenizer, with the bodies vLLM's server uses.
+
+Clients count tokens before they send a prompt (to fit a context, to price a request) and turn ids from
+``logprobs`` or a token-id prompt back into text. ``/tokenize`` takes either a completion ``prompt`` (special
+tokens added unless ``add_special_tokens`` is false) or chat ``messages`` (rendered with the chat template and
+the generation prompt, ``tools`` included, exactly as ``/v1/chat/completions`` renders them), so its ``count`` is
+the ``prompt_tokens`` that route would report. Both routes are outside ``/v1``, where vLLM has them, and need the
+API key when the server has one.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Annotated, Any
+
+from litestar import Request, Router, post
+from litestar.params import SkipValidation
+from msgspec import Meta, Struct
+
+from llminfer.api import protocol as s
+from llminfer.api.chat import message_texts
+from llminfer.api.errors import OPENAPI_ERRORS, bad_request
+from llminfer.api.middleware import server_state
+from llminfer.api.translate import tool_plan, unknown_fields
+
+__all__ = ["DetokenizeRequest", "DetokenizeResponse", "TokenizeRequest", "TokenizeResponse", "tokenizer_router"]
+
+
+class TokenizeRequest(Struct, kw_only=True):
+    """``POST /tokenize``: exactly one of ``prompt`` (text) and ``messages`` (a chat)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[s.ChatMessage], Meta(min_length=1)] | None = None
+    tools: list[Any] | None = None
+    add_special_tokens: bool | None = None
+    return_token_strs: bool | None = None
+
+
+class TokenizeResponse(Struct, kw_only=True):
+    """``tokens``: the ids; ``count``: how many; ``max_model_len``: the context length in tokens;
+    ``token_strs``: each id's vocabulary entry (only with ``return_token_strs``)."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(Struct, kw_only=True):
+    """``POST /detokenize``: token ids (inside the vocabulary) to text."""
+
+    tokens: list[s.TokenId]
+    model: str | None = None
+
+
+class DetokenizeResponse(Struct, kw_only=True):
+    """``prompt``: the text of ``tokens``, special tokens included."""
+
+    prompt: str
+
+
+@post("/tokenize", status_code=200, responses=OPENAPI_ERRORS, summary="Tokenize a prompt or a chat",
+      description="vLLM-compatible. `prompt` is tokenized as /v1/completions does; `messages` (and `tools`) "
+                  "are rendered with the chat template as /v1/chat/completions does.")
+async def tokenize(request: Request, data: SkipValidation[TokenizeRequest]) -> TokenizeResponse:
+    """The token ids of a completion prompt or of a chat, with the context length.
+
+    Raises:
+        APIError: 400 when neither or both of ``prompt`` and ``messages`` are given, for ``tools`` without
+            ``messages`` or ``add_special_tokens`` with them, and for what the chat route refuses in
+            ``messages`` and ``tools``; 404 unknown model.
+    """
+    raw = data
+    data = s.parse_body(raw, TokenizeRequest)
+    state = server_state(request)
+    unknown_fields(raw, TokenizeRequest, reject=state.reject_unknown_fields)
+    state.resolve_model(data.model)
+    assert state.prompts is not None
+    if (data.prompt is None) == (data.messages is None):
+        raise bad_request("give exactly one of 'prompt' and 'messages'", "prompt" if data.prompt is None
+                          else "messages", "invalid_value" if data.prompt is not None else "missing_required_parameter")
+    if data.messages is not None:
+        if data.add_special_tokens is not None:
+            raise bad_request("'add_special_tokens' applies to 'prompt'; a chat gets what its template adds",
+                              "add_special_tokens", "invalid_value")
+        plan = tool_plan(s.ChatCompletionRequest(messages=data.messages, tools=data.tools))
+        state.check_prompt_chars(message_texts(data.messages))
+        ids = await state.tokenize(state.prompts.chat, data.messages, plan.tools if plan is not None else ())
+    else:
+        if data.tools is not None:
+            raise bad_request("'tools' applies to 'messages'", "tools", "invalid_value")
+        assert data.prompt is not None
+        state.check_prompt_chars([("prompt", data.prompt)])
+        add_special = data.add_special_tokens is not False
+        ids = await state.tokenize(partial(state.prompts.encode, add_special_tokens=add_special), data.prompt, "prompt")
+    strs = state.engine.tokenizer.convert_ids_to_tokens(ids) if data.return_token_strs else None
+    return TokenizeResponse(count=len(ids), max_model_len=state.prompts.inputs.max_model_len, tokens=ids,
+                            token_strs=strs)
+
+
+@post("/detokenize", status_code=200, responses=OPENAPI_ERRORS, summary="Detokenize token ids",
+      description="vLLM-compatible: the text of `tokens`, special tokens included.")
+async def detokenize(request: Request, data: SkipValidation[DetokenizeRequest]) -> DetokenizeResponse:
+    """The text of token ids.
+
+    Raises:
+        APIError: 400 for ids outside the vocabulary; 404 unknown model.
+    """
+    raw = data
+    data = s.parse_body(raw, DetokenizeRequest)
+    state = server_state(request)
+    unknown_fields(raw, DetokenizeRequest, reject=state.reject_unknown_fields)
+    state.resolve_model(data.model)
+    assert state.prompts is not None
+    tokens = list(data.tokens)
+    if tokens:
+        state.prompts.check_ids(tokens, "tokens")
+    text = await state.tokenize(state.engine.tokenizer.decode, tokens)
+    return DetokenizeResponse(prompt=text)
+
+
+def tokenizer_router(guards: list[Any]) -> Router:
+    """The two routes at the root path, behind ``guards`` (the API key guard)."""
+    return Router("/", route_handlers=[tokenize, detokenize], guards=guards)
