@@ -210,6 +210,53 @@ def test_tools_with_n_choices(client):
                 if c.choices and c.choices[0].delta.tool_calls and c.choices[0].delta.tool_calls[0].id}) == 2
 
 
+@pytest.mark.parametrize("parallel", [False, None])
+def test_tool_choice_auto_with_response_format(client, parallel):
+    """auto + response_format: each answer is tool calls or a Pet; over seeds the random model takes both
+    branches (seeds 0-7: calls for 0-3, a Pet for 4-7), streamed as it is returned whole."""
+    seen = set()
+    for seed in range(8):
+        kw = dict(messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS, max_tokens=1000, temperature=1.0,
+                  seed=seed, response_format={"type": "json_schema", "json_schema": {
+                      "name": "pet", "schema": Pet.model_json_schema()}},
+                  **({"parallel_tool_calls": parallel} if parallel is not None else {}))
+        choice = client.chat.completions.create(model=MODEL, **kw).choices[0]
+        chunks = list(client.chat.completions.create(model=MODEL, stream=True, **kw))
+        if choice.message.tool_calls:
+            seen.add("calls")
+            assert choice.finish_reason == "tool_calls" and choice.message.content is None
+            _check_calls(choice.message.tool_calls)
+            assert parallel is None or len(choice.message.tool_calls) == 1
+            assert [(c["name"], c["arguments"]) for c in _stream_calls(chunks)] == [
+                (c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+        else:
+            seen.add("answer")
+            assert choice.finish_reason == "stop"
+            Pet.model_validate_json(choice.message.content)
+            assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == choice.message.content
+    assert seen == {"calls", "answer"}
+
+
+def test_response_format_with_tool_choice_none_and_required(client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "pet", "schema": Pet.model_json_schema()}}
+    kw = dict(model=MODEL, messages=MESSAGES, tools=TOOLS, response_format=fmt, max_tokens=300, temperature=1.0, seed=3)
+    # none: the answer is all there is
+    r = client.chat.completions.create(tool_choice="none", **kw)
+    assert r.choices[0].message.tool_calls is None
+    Pet.model_validate_json(r.choices[0].message.content)
+    # required: the output is the calls (the format is for a later turn's answer)
+    r = client.chat.completions.create(tool_choice="required", parallel_tool_calls=False, **kw)
+    assert r.choices[0].finish_reason == "tool_calls"
+    _check_calls(r.choices[0].message.tool_calls)
+    # a bad format is refused whatever the tool_choice, naming it
+    for choice in ("auto", "none", "required"):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(tool_choice=choice, **{**kw, "response_format": {
+                "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {
+                    "s": {"type": "string", "pattern": "(?=a)"}}}}}})
+        assert err.value.body["param"] == "response_format", (choice, err.value.body)
+
+
 def test_tool_choice_auto_and_none_without_calls(client):
     # The random model does not write <tool_call> blocks: the text comes back as content (the parser
     # itself is tested on hand-written outputs in test_tools.py).
@@ -322,9 +369,9 @@ ERROR_CASES = [
     (dict(guided_json={"$ref": "http://example.com/x.json"}), "guided_json"),
     (dict(response_format={"type": "json_object"}, guided_regex="a+"), "guided_regex"),
     (dict(guided_json=WEATHER, structured_outputs={"regex": "a"}), "structured_outputs"),
-    (dict(tools=TOOLS, response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER}}),
-     "response_format"),
-    (dict(tools=TOOLS, guided_choice=["a", "b"]), "guided_choice"),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": BAD_PATTERN}}],
+          response_format={"type": "json_object"}), "tools"),
+    (dict(tools=TOOLS, guided_grammar="root ::= nothing_defined"), "guided_grammar"),
     (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
     (dict(tools=TOOLS, tool_choice="sometimes"), "tool_choice"),
     (dict(tool_choice="required"), "tool_choice"),

@@ -8,6 +8,8 @@ import json
 
 import jsonschema
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from helpers import ADD, TOOLS
@@ -16,6 +18,7 @@ from llminfer.chat import TOOLS_PREAMBLE, ChatRenderer, template_supports_tools
 from llminfer.models.builtin import extract_builtin_tokenizer
 from llminfer.sampling.structured import StructuredOutput
 from llminfer.tools import ToolCallParser, fold_events, parse_tool_calls, plan_tools, required_schema
+from llminfer.tools.answer_format import calls_or_answer
 
 # A Qwen2.5-like template with tool support, written for these tests: tools in the system turn, calls as
 # <tool_call> blocks with ``arguments`` through tojson (so a dict renders as an object), results as
@@ -135,6 +138,58 @@ def test_required_schema_shape():
     assert "maxItems" not in required_schema(tools, parallel_tool_calls=True)
 
 
+def _accepts(grammar: str, text: str) -> bool:
+    from xgrammar.testing import _is_grammar_accept_string
+
+    return _is_grammar_accept_string(grammar, text)
+
+
+_ANSWER = StructuredOutput(json_schema={"type": "object", "properties": {"ok": {"type": "boolean"}},
+                                        "required": ["ok"], "additionalProperties": False})
+_CALLS = st.one_of(
+    st.fixed_dictionaries({"name": st.just("add"), "arguments": st.fixed_dictionaries(
+        {"a": st.integers(0, 99), "b": st.integers(0, 99)})}),
+    st.fixed_dictionaries({"name": st.just("get_weather"), "arguments": st.fixed_dictionaries(
+        # xgrammar 0.2.9 writes strings with maxLength without escapes, so none that needs one
+        {"city": st.text(st.characters(codec="utf-8", exclude_categories=("Cs", "Cc"), exclude_characters='"\\'),
+                         max_size=10),
+         "days": st.integers(1, 7)})}))
+
+
+def _block(call: dict) -> str:
+    """A call as the grammar writes it: "name" first, the arguments in the schema's order (alphabetical here)."""
+    arguments = json.dumps(call["arguments"], separators=(",", ":"), ensure_ascii=False, sort_keys=True)
+    return f'<tool_call>\n{{"name":{json.dumps(call["name"])},"arguments":{arguments}}}\n</tool_call>'
+
+
+@settings(max_examples=40, deadline=None)
+@given(calls=st.lists(_CALLS, min_size=1, max_size=3), ok=st.booleans())
+def test_calls_or_answer_grammar(calls, ok):
+    """auto + an answer format: one or more call blocks (one without parallel calls) or the answer, nothing else."""
+    parallel = calls_or_answer(plan_tools(TOOLS), _ANSWER, answer_param="response_format").grammar
+    single = calls_or_answer(plan_tools(TOOLS, parallel_tool_calls=False), _ANSWER,
+                             answer_param="response_format").grammar
+    blocks = "\n".join(_block(c) for c in calls)
+    assert _accepts(parallel, blocks)
+    assert _accepts(single, blocks) == (len(calls) == 1)
+    answer = json.dumps({"ok": ok}, separators=(",", ":"))
+    assert _accepts(parallel, answer) and _accepts(single, answer)
+    for wrong in ("Sure. " + blocks, blocks + answer, answer + "\n" + blocks, _block({"name": "nope", "arguments": {}}),
+                  _block({**calls[0], "arguments": {**calls[0]["arguments"], "extra": 1}}), '{"ok":"yes"}'):
+        assert not _accepts(parallel, wrong), wrong
+
+
+def test_calls_or_answer_errors_name_the_field():
+    bad_tool = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "string", "pattern": "(?=a)b"}}}}}]
+    with pytest.raises(InvalidRequestError) as err:
+        calls_or_answer(plan_tools(bad_tool), _ANSWER, answer_param="response_format")
+    assert err.value.param == "tools[0].function.parameters"
+    with pytest.raises(InvalidRequestError) as err:
+        calls_or_answer(plan_tools(TOOLS), StructuredOutput(grammar="root ::= nowhere"), answer_param="guided_grammar")
+    assert err.value.param == "guided_grammar"
+
+
 @pytest.mark.parametrize(("tools", "choice", "param"), [
     (TOOLS, "sometimes", "tool_choice"),
     (TOOLS, {"type": "function", "function": {"name": "nope"}}, "tool_choice"),
@@ -238,6 +293,22 @@ def test_engine_chat_required_and_named(engine):
     assert call.name == "add" and r.text == call.arguments
     jsonschema.validate(call.parsed_arguments(), ADD)
     assert r.stats.completion_tokens >= 1
+
+
+def test_engine_chat_auto_with_a_format(engine):
+    """engine.chat as the server: auto + structured_output gives calls or an answer in the format."""
+    seen = set()
+    for seed in range(8):
+        r = engine.chat([{"role": "user", "content": "Add 2 and 3"}], tools=TOOLS, parallel_tool_calls=False,
+                        structured_output=_ANSWER, max_new_tokens=200, temperature=1.0, seed=seed)
+        if r.tool_calls:
+            seen.add("calls")
+            (call,) = r.tool_calls
+            assert r.finish_reason == "tool_calls" and call.name in {"add", "get_weather"}
+        else:
+            seen.add("answer")
+            assert set(json.loads(r.content)) == {"ok"}
+    assert seen == {"calls", "answer"}
 
 
 def test_engine_chat_plain_and_errors(engine):

@@ -29,6 +29,7 @@ import attrs
 
 from llminfer.errors import InvalidRequestError
 from llminfer.results import GenerationResult, GenerationStats
+from llminfer.sampling.constraint import StructuredOutput
 from llminfer.tools import (
     TOOL_CALL_CLOSE,
     TOOL_CALL_OPEN,
@@ -39,6 +40,7 @@ from llminfer.tools import (
     parse_tool_calls,
     plan_tools,
 )
+from llminfer.tools.answer_format import calls_or_answer
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -261,7 +263,8 @@ def chat_turn(engine: Any, messages: Sequence[dict[str, Any]], *, tools: Sequenc
         parallel_tool_calls: allow more than one call.
         chat_template: a template to use instead of the tokenizer's.
         **kwargs: sampling arguments of :meth:`~llminfer.engine.InferenceEngine.make_request`
-            (``structured_output`` only without a constraining ``tool_choice``).
+            (``structured_output`` only without a constraining ``tool_choice``; with ``"auto"`` the output
+            is calls or an answer in that format, :func:`llminfer.tools.answer_format.calls_or_answer`).
 
     Returns:
         :class:`~llminfer.chat.ChatResult` with ``content``, ``tool_calls``, ``finish_reason``
@@ -281,7 +284,11 @@ def chat_turn(engine: Any, messages: Sequence[dict[str, Any]], *, tools: Sequenc
     text = renderer.render(messages, plan.tools if plan is not None else (), chat_template=chat_template)
     ids = renderer.fix_bos(list(engine.inputs.encode(text, param="messages", add_special_tokens=False)))
     constraint = plan.structured_output if plan is not None else None
-    if constraint is not None:
+    answer = kwargs.get("structured_output")
+    if plan is not None and plan.mode == "auto" and isinstance(answer, StructuredOutput):
+        # calls, or an answer in the format (as the HTTP server serves tools with a response_format)
+        kwargs["structured_output"] = calls_or_answer(plan, answer, answer_param="structured_output")
+    elif constraint is not None:
         if kwargs.get("structured_output") is not None:
             raise InvalidRequestError(f"structured_output cannot be combined with tool_choice={plan.mode!r}",
                                       param="structured_output")

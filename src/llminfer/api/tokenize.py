@@ -11,7 +11,7 @@ API key when the server has one.
 from __future__ import annotations
 
 from functools import partial
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 from litestar import Request, Router, post
 from litestar.params import SkipValidation
@@ -21,7 +21,10 @@ from llminfer.api import protocol as s
 from llminfer.api.chat import message_texts
 from llminfer.api.errors import OPENAPI_ERRORS, bad_request
 from llminfer.api.middleware import server_state
+from llminfer.api.state import ServerState
 from llminfer.api.translate import tool_plan, unknown_fields
+
+T = TypeVar("T", "TokenizeRequest", "DetokenizeRequest")
 
 __all__ = ["DetokenizeRequest", "DetokenizeResponse", "TokenizeRequest", "TokenizeResponse", "tokenizer_router"]
 
@@ -71,11 +74,7 @@ async def tokenize(request: Request, data: SkipValidation[TokenizeRequest]) -> T
             ``messages`` or ``add_special_tokens`` with them, and for what the chat route refuses in
             ``messages`` and ``tools``; 404 unknown model.
     """
-    raw = data
-    data = s.parse_body(raw, TokenizeRequest)
-    state = server_state(request)
-    unknown_fields(raw, TokenizeRequest, reject=state.reject_unknown_fields)
-    state.resolve_model(data.model)
+    data, state = _parse(request, data, TokenizeRequest)
     assert state.prompts is not None
     if (data.prompt is None) == (data.messages is None):
         raise bad_request("give exactly one of 'prompt' and 'messages'", "prompt" if data.prompt is None
@@ -107,17 +106,26 @@ async def detokenize(request: Request, data: SkipValidation[DetokenizeRequest]) 
     Raises:
         APIError: 400 for ids outside the vocabulary; 404 unknown model.
     """
-    raw = data
-    data = s.parse_body(raw, DetokenizeRequest)
-    state = server_state(request)
-    unknown_fields(raw, DetokenizeRequest, reject=state.reject_unknown_fields)
-    state.resolve_model(data.model)
+    data, state = _parse(request, data, DetokenizeRequest)
     assert state.prompts is not None
     tokens = list(data.tokens)
     if tokens:
         state.prompts.check_ids(tokens, "tokens")
     text = await state.tokenize(state.engine.tokenizer.decode, tokens)
     return DetokenizeResponse(prompt=text)
+
+
+def _parse(request: Request, raw: Any, cls: type[T]) -> tuple[T, ServerState]:
+    """The body as ``cls`` (strict), the server state; unknown fields warned about (or refused), the model checked.
+
+    Raises:
+        APIError: 400 for a malformed body, 404 for an unknown model.
+    """
+    data = s.parse_body(raw, cls)
+    state = server_state(request)
+    unknown_fields(raw, cls, reject=state.reject_unknown_fields)
+    state.resolve_model(data.model)  # type: ignore[attr-defined]
+    return data, state
 
 
 def tokenizer_router(guards: list[Any]) -> Router:

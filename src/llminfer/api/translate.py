@@ -24,6 +24,7 @@ from llminfer.errors import InvalidRequestError
 from llminfer.frontend.input import InputProcessor
 from llminfer.sampling.structured import StructuredOutput
 from llminfer.tools import Tool, ToolPlan, plan_tools
+from llminfer.tools.answer_format import calls_or_answer
 
 Body = s.ChatCompletionRequest | s.CompletionRequest
 
@@ -271,10 +272,13 @@ def structured_output(body: Body, plan: ToolPlan | None = None) -> tuple[Structu
 
     Sources: ``response_format`` (OpenAI), ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
     ``guided_grammar`` / ``guided_json_object`` (vLLM's older fields), ``structured_outputs`` (vLLM's
-    newer object), and the constraint ``tool_choice`` ``required`` or a named function implies. At most one.
+    newer object), and the constraint ``tool_choice`` ``required`` or a named function implies. At most one
+    of the first kinds. With ``tool_choice`` ``auto`` the output is tool calls or an answer in that format
+    (:func:`~llminfer.tools.answer_format.calls_or_answer`); ``required`` or a named function decide the
+    output themselves (the format is then for later turns' answers).
 
     Raises:
-        APIError: 400 naming the field: a malformed value, two sources, or a constraint together with tools.
+        APIError: 400 naming the field: a malformed value or two sources.
     """
     sources: list[tuple[str, Any]] = []
     if body.response_format is not None and "type" not in body.response_format:
@@ -296,15 +300,20 @@ def structured_output(body: Body, plan: ToolPlan | None = None) -> tuple[Structu
         names = [name for name, _ in sources]
         raise bad_request(f"at most one output constraint per request; got {', '.join(names)}", names[1],
                           "conflicting_parameters")
-    if sources and plan is not None:
-        raise bad_request(f"{sources[0][0]} cannot be combined with tools (a tool_choice already decides the "
-                          "output's shape)", sources[0][0], "conflicting_parameters")
     if sources:
         param, make = sources[0]
         try:
-            return make(), param
+            answer = make()
+            if plan is not None and plan.mode == "auto":
+                return calls_or_answer(plan, answer, answer_param=param), param
         except InvalidRequestError as exc:
-            raise bad_request(str(exc), param, exc.code) from None
+            # a tool's parameters the combined grammar cannot enforce are blamed on the tool, the rest on param
+            on_tools = plan is not None and (exc.param or "").startswith(plan.tools_param)
+            raise bad_request(str(exc), exc.param if on_tools else param, exc.code) from None
+        # "none": the answer is all there is; "required" and a named function: the output is the calls, and
+        # the format is for answers in later turns (OpenAI's reading), so it is checked above but not applied.
+        if plan is None or plan.mode == "none":
+            return answer, param
     if plan is not None and plan.structured_output is not None:
         return plan.structured_output, plan.constraint_param
     return None, ""

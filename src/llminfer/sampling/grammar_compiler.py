@@ -229,7 +229,7 @@ class GrammarCompiler:
             try:
                 compiled = _compile_spec(compiler, spec)
             except Exception as exc:  # noqa: BLE001 - xgrammar reports bad input as RuntimeError
-                raise InvalidRequestError(f"invalid or unsupported {spec.kind.replace('_', ' ')}: {_clean(exc)}",
+                raise InvalidRequestError(f"invalid or unsupported {spec.kind.replace('_', ' ')}: {clean_error(exc)}",
                                           param=PARAM) from None
         self.compile_times_s.append(time.perf_counter() - start)
         return compiled
@@ -249,7 +249,7 @@ class GrammarCompiler:
             try:
                 return _compile_spec(compiler, spec)
             except Exception as exc:  # noqa: BLE001 - xgrammar reports bad input as RuntimeError
-                raise InvalidRequestError(f"invalid or unsupported {spec.kind.replace('_', ' ')}: {_clean(exc)}",
+                raise InvalidRequestError(f"invalid or unsupported {spec.kind.replace('_', ' ')}: {clean_error(exc)}",
                                           param=PARAM) from None
         entry: _Compile | None = getattr(self._local, "entry", None)
         job = server.submit(spec)
@@ -345,7 +345,7 @@ def check_grammar_syntax(spec: StructuredOutput) -> None:
         elif kind == "choice":
             xgrammar.Grammar.from_ebnf(spec.to_ebnf_choice())
     except Exception as exc:  # noqa: BLE001 - xgrammar reports bad input as RuntimeError
-        raise InvalidRequestError(f"invalid or unsupported {kind.replace('_', ' ')}: {_clean(exc)}",
+        raise InvalidRequestError(f"invalid or unsupported {kind.replace('_', ' ')}: {clean_error(exc)}",
                                   param=PARAM) from None
 
 
@@ -385,20 +385,43 @@ _LOOSE_STRING_CHAR = r'[^\"\\\r\n]'
 _JSON_STRING_CHAR = r'[^\0-\x1f\"\\\r\n]'
 
 
-def _compile_schema(compiler: Any, schema: str) -> Any:
-    """Compile a JSON Schema so that every output is valid JSON (see ``_LOOSE_STRING_CHAR``)."""
+def _schema_ebnf(schema: str) -> tuple[str, bool]:
+    """``schema`` (JSON text) as xgrammar EBNF with compact separators, and whether its string characters
+    were narrowed to JSON's (see ``_LOOSE_STRING_CHAR``)."""
     import xgrammar
 
     # Not xgrammar's strict mode, which closes every object and array: the normalized schema says where
     # objects are closed (llminfer.sampling.schema).
-    kw = dict(any_whitespace=False, separators=COMPACT, strict_mode=False)
-    ebnf = str(xgrammar.Grammar.from_json_schema(schema, **kw))
-    if _LOOSE_STRING_CHAR in ebnf:
+    ebnf = str(xgrammar.Grammar.from_json_schema(schema, any_whitespace=False, separators=COMPACT, strict_mode=False))
+    return ebnf.replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR), _LOOSE_STRING_CHAR in ebnf
+
+
+def spec_ebnf(spec: StructuredOutput) -> str:
+    """``spec`` as the xgrammar EBNF text it is enforced with (a JSON Schema with compact separators and JSON
+    strings), to be combined with other grammars (``xgrammar.Grammar.union`` / ``concat``).
+
+    Raises:
+        Exception: what xgrammar raises for a constraint it cannot read.
+    """
+    import xgrammar
+
+    kind = spec.kind
+    if kind in ("json_schema", "json_object"):
+        return _schema_ebnf(spec.json_schema if kind == "json_schema" else '{"type": "object"}')[0]  # type: ignore[arg-type]
+    if kind == "regex":
+        return str(xgrammar.Grammar.from_regex(spec.regex))
+    return spec.grammar if kind == "grammar" else spec.to_ebnf_choice()  # type: ignore[return-value]
+
+
+def _compile_schema(compiler: Any, schema: str) -> Any:
+    """Compile a JSON Schema so that every output is valid JSON (see ``_LOOSE_STRING_CHAR``)."""
+    ebnf, narrowed = _schema_ebnf(schema)
+    if narrowed:
         try:
-            return compiler.compile_grammar(ebnf.replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR))
+            return compiler.compile_grammar(ebnf)
         except Exception:  # noqa: BLE001 - a grammar that does not round-trip: keep xgrammar's own
             pass
-    return compiler.compile_json_schema(schema, **kw)
+    return compiler.compile_json_schema(schema, any_whitespace=False, separators=COMPACT, strict_mode=False)
 
 
 class _Compile:
@@ -411,7 +434,7 @@ class _Compile:
         self.deadline = deadline
 
 
-def _clean(exc: Exception) -> str:
+def clean_error(exc: Exception) -> str:
     """xgrammar's C++ messages start with ``[time] /path/file.cc:line:``; keep what follows."""
     text = one_line(exc)
     head, sep, tail = text.partition(".cc:")

@@ -25,12 +25,12 @@ from typing import Any
 
 
 def _compile_child(compiler: Any, spec: Any, out: Connection) -> None:
-    from llminfer.sampling.grammar_compiler import _clean, _compile_spec
+    from llminfer.sampling.grammar_compiler import _compile_spec, clean_error
 
     try:
         reply = ("ok", _compile_spec(compiler, spec).serialize_json())
     except Exception as exc:  # noqa: BLE001 - xgrammar reports bad input as RuntimeError
-        reply = ("error", _clean(exc))
+        reply = ("error", clean_error(exc))
     out.send(reply)
 
 

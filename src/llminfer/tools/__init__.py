@@ -6,7 +6,9 @@ How each ``tool_choice`` is served (:class:`ToolPlan`):
 - ``"none"``: tools may be shown to the model, but its output is plain content; nothing is parsed.
 - ``"auto"``: unconstrained; calls are parsed from the Hermes / Qwen syntax the chat templates ask for,
   ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` (several allowed). Text outside the
-  blocks is content; a block whose JSON is malformed (or names an unknown tool) stays content.
+  blocks is content; a block whose JSON is malformed (or names an unknown tool) stays content. With an answer
+  format (``response_format``) the output is constrained to call blocks or an answer in that format
+  (:func:`llminfer.tools.answer_format.calls_or_answer`).
 - ``"required"``: the output is constrained to a JSON array of ``{"name": <a tool>, "arguments": <its
   parameters>}`` objects (at most one when ``parallel_tool_calls`` is false), parsed into calls.
 - a named function (``{"type": "function", "function": {"name": ...}}``): the output is constrained to

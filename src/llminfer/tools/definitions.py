@@ -123,10 +123,9 @@ def arguments_schema(tool: Tool, *, param: str = "tools[0].function.parameters",
     return normalize_schema(params, strict=bool(tool.strict), prefix=prefix, param=param)
 
 
-def required_schema(tools: Sequence[Tool], parallel_tool_calls: bool = True, *,
-                    tools_param: str = "tools") -> dict[str, Any]:
-    """The JSON Schema ``tool_choice="required"`` constrains the output to: a non-empty array (of one
-    item when not ``parallel_tool_calls``) of ``{"name": <const>, "arguments": <parameters>}``.
+def call_schema(tools: Sequence[Tool], *, tools_param: str = "tools") -> dict[str, Any]:
+    """The JSON Schema of one call of any of ``tools``: ``{"name": <const>, "arguments": <parameters>}`` (an
+    ``anyOf`` of them for several tools).
 
     Each tool's ``$defs`` (and every other ``$ref`` target) are hoisted to the root under a name prefixed
     by the tool's index, so references keep resolving once the schemas are nested under a new root.
@@ -142,8 +141,23 @@ def required_schema(tools: Sequence[Tool], parallel_tool_calls: bool = True, *,
         defs.update(own)
         items.append({"type": "object", "properties": {"name": {"const": t.name}, "arguments": args},
                       "required": ["name", "arguments"], "additionalProperties": False})
-    schema: dict[str, Any] = {"type": "array", "minItems": 1,
-                              "items": items[0] if len(items) == 1 else {"anyOf": items}}
+    schema: dict[str, Any] = dict(items[0]) if len(items) == 1 else {"anyOf": items}
+    if defs:
+        schema["$defs"] = defs
+    return schema
+
+
+def required_schema(tools: Sequence[Tool], parallel_tool_calls: bool = True, *,
+                    tools_param: str = "tools") -> dict[str, Any]:
+    """The JSON Schema ``tool_choice="required"`` constrains the output to: a non-empty array (of one
+    item when not ``parallel_tool_calls``) of :func:`call_schema` items, ``$defs`` at the root.
+
+    Raises:
+        SchemaError: a tool's parameters cannot be enforced (``param`` names ``tools[i].function.parameters``).
+    """
+    item = call_schema(tools, tools_param=tools_param)
+    defs = item.pop("$defs", None)
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": item}
     if not parallel_tool_calls:
         schema["maxItems"] = 1
     if defs:
