@@ -7,7 +7,7 @@ import torch
 
 from llminfer.config import EngineConfig
 from llminfer.core.model_thread import ModelThread, ModelThreadLease
-from llminfer.core.threads import ThreadGovernor, read_busy_seconds
+from llminfer.core.threads import ThreadGovernor, own_cpu_seconds, read_busy_seconds
 from llminfer.errors import ConfigError
 
 
@@ -124,3 +124,25 @@ def test_config_and_engine_info_say_the_count():
         EngineConfig(num_threads=0)
     assert EngineConfig(num_threads=2).to_dict()["num_threads"] == 2
     assert EngineConfig.from_dict(EngineConfig().to_dict()).num_threads is None
+
+
+def test_own_cpu_seconds_counts_living_child_processes():
+    """A child process's CPU time is this engine's own work (compile workers), not a neighbour's."""
+    import subprocess
+    import sys
+
+    before = own_cpu_seconds()
+    child = subprocess.Popen([sys.executable, "-c", "import time\nend = time.process_time() + 0.6\n"
+                              "while time.process_time() < end: pass\nimport sys; sys.stdin.read()"],
+                             stdin=subprocess.PIPE)
+    try:
+        import psutil
+
+        proc = psutil.Process(child.pid)
+        while proc.cpu_times().user + proc.cpu_times().system < 0.6:  # the child's own clock, not a sleep
+            proc.cpu_times()
+        alive = own_cpu_seconds()
+    finally:
+        child.communicate(b"")
+    assert alive - before >= 0.6  # the living child's 0.6 s at least (this loop adds its own)
+    assert own_cpu_seconds() >= alive  # reaped, it stays counted (getrusage's children)

@@ -17,10 +17,10 @@ that; the number of idle cores is measured rather than guessed, because it chang
 * ``num_threads=None`` otherwise (``auto``): at most torch's default count (the physical cores allowed to
   the process), and at most the cores the *other* processes leave idle: every ``interval_s`` (0.5 s) it
   reads the busy time of the CPUs this process may run on (``/proc/stat``, steal included, so a noisy VM
-  neighbour counts too), subtracts this process's own CPU time (``getrusage``: its spinning OpenMP threads
-  do not count against it), and sets ``idle = cpus - others``; the first call (the model's load) waits
-  for a first window of 0.1 s so that it already runs with a suitable count; the team gets ``floor(idle + 0.3)`` threads
-  (at least 1). It drops at once and grows only after two windows in a row agree, so a bursty neighbour
+  neighbour counts too), subtracts this process's own CPU time and its child processes' (its spinning OpenMP
+  threads and its compile workers do not count against it, :func:`own_cpu_seconds`), and sets
+  ``idle = cpus - others``; the first call (the model's load) waits for a first window of 0.1 s so that it
+  already runs with a suitable count; the team gets ``floor(idle + 0.3)`` threads (at least 1). It drops at once and grows only after two windows in a row agree, so a bursty neighbour
   does not make it flap. Where ``/proc/stat`` cannot be read (not Linux) ``auto`` keeps the default count.
 
 The count is applied with ``torch.set_num_threads`` on the thread that runs the step (the engine's model
@@ -33,6 +33,7 @@ with 4 threads while the first keeps 1 (the team is reused; changing its size co
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import resource
@@ -86,9 +87,31 @@ def read_busy_seconds(cpus: list[int], path: str = "/proc/stat") -> float | None
 
 
 def own_cpu_seconds() -> float:
-    """CPU seconds (user + system) used by this process so far."""
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
+    """CPU seconds (user + system) used so far by this process and its descendants: the living ones (psutil,
+    about 1 ms to list them on a machine with ~70 processes) and the ended ones it waited for (getrusage).
+
+    Child processes do this engine's own work (Inductor's compile workers, the grammar compile process, vLLM's
+    workers), so they are no neighbour. Counted as one, a cold ``torch.compile`` made ``auto`` drop to one
+    thread while its workers ran and go back up after: each count change made the compiled graph, whose
+    OpenMP regions are sized at compile time (a guard on ``torch.get_num_threads()``), compile again, 10-15 s
+    each, inside the first requests."""
+    total = 0.0
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+        r = resource.getrusage(who)
+        total += r.ru_utime + r.ru_stime
+    try:
+        import psutil
+    except ImportError:
+        return total
+    try:
+        children = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return total
+    for child in children:
+        with contextlib.suppress(psutil.Error):  # it ended meanwhile (counted once waited for)
+            times = child.cpu_times()
+            total += times.user + times.system
+    return total
 
 
 class ThreadGovernor:
