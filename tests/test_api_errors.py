@@ -302,8 +302,8 @@ def test_internal_failure_is_a_500_error_object(server, client, monkeypatch):
     assert_serves(client)
 
 
-def test_engine_failure_mid_stream_sends_error_event_then_done(server, client, monkeypatch):
-    _, app, engine = server
+def _fail_after_two_chunks(engine, monkeypatch) -> None:
+    """Make ``engine.generate_request`` raise an EngineError after its second chunk (undo with monkeypatch)."""
     real = engine.generate_request
 
     async def flaky(request):
@@ -316,6 +316,11 @@ def test_engine_failure_mid_stream_sends_error_event_then_done(server, client, m
                     raise EngineError("simulated backend failure")
 
     monkeypatch.setattr(engine, "generate_request", flaky)
+
+
+def test_engine_failure_mid_stream_sends_error_event_then_done(server, client, monkeypatch):
+    _, app, engine = server
+    _fail_after_two_chunks(engine, monkeypatch)
     with client.stream("POST", CHAT, json=chat_body(max_tokens=20, ignore_eos=True, stream=True)) as r:
         assert r.status_code == 200
         lines = [line for line in r.iter_lines() if line]
@@ -333,18 +338,7 @@ def test_responses_stream_failing_mid_way_ends_with_typed_error_events_and_no_do
     """The Responses API's own way to fail a started stream: an ``error`` event, then ``response.failed``
     carrying the error, with sequence numbers that go on from the events sent; no ``[DONE]`` (it has none)."""
     _, app, engine = server
-    real = engine.generate_request
-
-    async def flaky(request):
-        async with contextlib.aclosing(real(request)) as chunks:
-            n = 0
-            async for chunk in chunks:
-                yield chunk
-                n += 1
-                if n == 2:
-                    raise EngineError("simulated backend failure")
-
-    monkeypatch.setattr(engine, "generate_request", flaky)
+    _fail_after_two_chunks(engine, monkeypatch)
     body = {"model": "tiny", "input": "Hi", "max_output_tokens": 20, "ignore_eos": True, "stream": True}
     with client.stream("POST", "/v1/responses", json=body) as r:
         assert r.status_code == 200
