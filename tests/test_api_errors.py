@@ -83,6 +83,14 @@ def test_malformed_json(client):
     assert_serves(client)
 
 
+@pytest.mark.parametrize("path", [CHAT, "/tokenize"])
+def test_body_over_the_limit_is_413(client, path):
+    body = json.dumps(chat_body(messages=[{"role": "user", "content": "x" * (11 * 2**20)}])).encode()
+    assert_error(client.post(path, content=body, headers={"content-type": "application/json"}), 413,
+                 code="request_too_large")
+    assert_serves(client)
+
+
 @pytest.mark.parametrize(("path", "field", "value"), [
     (CHAT, "temperature", "hot"),
     (CHAT, "max_tokens", 2.5),

@@ -174,7 +174,8 @@ def http_exception_to_api_error(exc: HTTPException) -> APIError:
         detail = str(exc.detail)
         if exc.status_code == 400 and any(w in detail.lower() for w in _DECODE_WORDS):
             return bad_request(f"We could not parse the JSON body of your request: {detail}", None, "invalid_json")
-        return APIError(exc.status_code, detail, code="bad_request", headers=dict(exc.headers or {}))
+        code = "request_too_large" if exc.status_code == 413 else "bad_request"  # 413: Litestar's 10 MB body limit
+        return APIError(exc.status_code, detail, code=code, headers=dict(exc.headers or {}))
     status = exc.status_code
     typ = SERVER_ERROR if status >= 500 else INVALID_REQUEST
     return APIError(status, str(exc.detail), type=typ, headers=dict(exc.headers or {}))
