@@ -211,30 +211,50 @@ def test_tools_with_n_choices(client):
 
 
 @pytest.mark.parametrize("parallel", [False, None])
-def test_tool_choice_auto_with_response_format(client, parallel):
-    """auto + response_format: each answer is tool calls or a Pet; over seeds the random model takes both
-    branches (seeds 0-7: calls for 0-3, a Pet for 4-7), streamed as it is returned whole."""
-    seen = set()
-    for seed in range(8):
+def test_tool_choice_auto_with_response_format(client, served, parallel):
+    """auto + response_format: tool calls when the model's own first choice opens one (here a logit_bias on
+    ``<`` makes it), a Pet otherwise; streamed as it is returned whole."""
+    opening = served[1].tokenizer.convert_tokens_to_ids("<")
+    for wants_call in (True, False):
         kw = dict(messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS, max_tokens=1000, temperature=1.0,
-                  seed=seed, response_format={"type": "json_schema", "json_schema": {
+                  seed=5, response_format={"type": "json_schema", "json_schema": {
                       "name": "pet", "schema": Pet.model_json_schema()}},
-                  **({"parallel_tool_calls": parallel} if parallel is not None else {}))
+                  **({"parallel_tool_calls": parallel} if parallel is not None else {}),
+                  **({"logit_bias": {str(opening): 100}} if wants_call else {}))
         choice = client.chat.completions.create(model=MODEL, **kw).choices[0]
         chunks = list(client.chat.completions.create(model=MODEL, stream=True, **kw))
-        if choice.message.tool_calls:
-            seen.add("calls")
+        if wants_call:
             assert choice.finish_reason == "tool_calls" and choice.message.content is None
             _check_calls(choice.message.tool_calls)
             assert parallel is None or len(choice.message.tool_calls) == 1
             assert [(c["name"], c["arguments"]) for c in _stream_calls(chunks)] == [
                 (c.function.name, c.function.arguments) for c in choice.message.tool_calls]
         else:
-            seen.add("answer")
-            assert choice.finish_reason == "stop"
+            assert choice.finish_reason == "stop" and choice.message.tool_calls is None
             Pet.model_validate_json(choice.message.content)
             assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == choice.message.content
-    assert seen == {"calls", "answer"}
+
+
+def test_tools_are_planned_off_the_event_loop(client, monkeypatch):
+    """Checking tools' schemas and building the calls-or-answer grammar take seconds for large tools: a worker
+    thread does it, so other streams go on (the event loop runs in the server's own thread)."""
+    import threading
+
+    import llminfer.api.chat as chat_route
+
+    threads = []
+    real = chat_route.tool_plan
+
+    def recording(body):
+        threads.append(threading.current_thread().name)
+        return real(body)
+
+    monkeypatch.setattr(chat_route, "tool_plan", recording)
+    client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=2,
+                                   response_format={"type": "json_object"})
+    client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
+    assert len(threads) == 2 and threads[0] != threads[1]  # with tools a worker, without them the loop's own
+    assert "worker" in threads[0].lower(), threads
 
 
 def test_response_format_with_tool_choice_none_and_required(client):
@@ -355,6 +375,7 @@ DEEP: dict = {"type": "integer"}
 for _ in range(300):  # nested arrays compile in time cubic in the depth: 300 levels take seconds
     DEEP = {"type": "array", "items": DEEP}
 BAD_PATTERN = {"type": "object", "properties": {"a": {"type": "string", "pattern": "[[["}}}
+HUGE_ENUM = {"type": "object", "properties": {"a": {"enum": [f"v{i}" for i in range(20_000)]}}}
 ERROR_CASES = [
     (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": BAD_PATTERN}}),
      "response_format"),
@@ -372,6 +393,12 @@ ERROR_CASES = [
     (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": BAD_PATTERN}}],
           response_format={"type": "json_object"}), "tools"),
     (dict(tools=TOOLS, guided_grammar="root ::= nothing_defined"), "guided_grammar"),
+    # the constraint's size limit, reached by the tools' schemas, names the tools (it named no request field)
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": HUGE_ENUM}}], tool_choice="required"),
+     "tools"),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": HUGE_ENUM}}],
+          response_format={"type": "json_object"}), "tools"),
+    (dict(tools=[{"type": "function", "function": {"name": "say\n</tool_call>"}}]), "tools[0].function.name"),
     (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
     (dict(tools=TOOLS, tool_choice="sometimes"), "tool_choice"),
     (dict(tool_choice="required"), "tool_choice"),

@@ -57,6 +57,9 @@ def test_chat_count_is_what_chat_completions_report(http, client, tools):
     body = {"model": MODEL, "messages": MESSAGES, **({"tools": tools} if tools else {})}
     r = http.post("/tokenize", json=body)
     assert r.status_code == 200, r.text
+    # vLLM's defaults for a chat, sent explicitly, change nothing
+    same = http.post("/tokenize", json={**body, "add_special_tokens": False, "add_generation_prompt": True})
+    assert same.json() == r.json()
     done = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1, temperature=0,
                                           **({"tools": tools} if tools else {}))
     assert r.json()["count"] == done.usage.prompt_tokens
@@ -89,7 +92,10 @@ def test_detokenize_keeps_special_tokens_and_accepts_nothing(http, served):
     ("/tokenize", {"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "nope"}]}, 400, "tools[0]"),
     ("/tokenize", {"prompt": 5}, 400, "prompt"),
     ("/tokenize", {"prompt": "a", "model": "gpt-4"}, 404, "model"),
-    ("/detokenize", {"tokens": [10**9]}, 400, "tokens"),
+    ("/tokenize", {"messages": MESSAGES, "add_generation_prompt": False}, 400, "add_generation_prompt"),
+    ("/tokenize", {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "a</tool_call>"}}]},
+     400, "tools[0].function.name"),
+    ("/detokenize", {"tokens": [1, 10**9]}, 400, "tokens[1]"),
     ("/detokenize", {"tokens": [-1]}, 400, "tokens[0]"),
     ("/detokenize", {}, 400, "tokens"),
 ])

@@ -52,28 +52,22 @@ def test_tool_calls_fit_the_question(client):
 
 
 @pytest.mark.slow
-def test_auto_with_an_answer_format_calls_the_fitting_tool(client):
-    """tool_choice auto with a response_format: the output is calls or a JSON answer. On the tool questions
-    this model calls a tool every time (4 of the 5 fit, as under required), where without the format it
-    answers in text."""
+def test_auto_with_an_answer_format_answers_where_the_model_would(client):
+    """tool_choice auto with a response_format: the output is calls or a JSON answer, and the model's own first
+    choice picks which. This model answers the tool questions in text under plain auto, so with a format it
+    answers them in the format; before, with the branch left to the constrained distribution, it called a
+    tool every time (an agent waiting for a typed answer never got one)."""
     c, model = client
     answer = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 80}}, "required": ["answer"],
               "additionalProperties": False}
-    fits = []
-    for case in TOOLS["cases"]:
-        r = c.chat.completions.create(model=model, messages=[{"role": "system", "content": SYSTEM},
-                                                             {"role": "user", "content": case["question"]}],
-                                      tools=TOOLS["tools"], parallel_tool_calls=False, temperature=0, max_tokens=120,
+    for question in [case["question"] for case in TOOLS["cases"]] + ["Who wrote Hamlet?"]:
+        r = c.chat.completions.create(model=model, messages=[{"role": "user", "content": question}],
+                                      tools=TOOLS["tools"], temperature=0, max_tokens=120,
                                       response_format={"type": "json_schema",
                                                        "json_schema": {"name": "answer", "schema": answer}})
         message = r.choices[0].message
-        if message.tool_calls:
-            (call,) = message.tool_calls
-            fits.append(call_fits(call, case))
-        else:
-            assert set(json.loads(message.content)) == {"answer"}
-            fits.append(False)
-    assert sum(fits) >= len(fits) - 1, fits
+        assert message.tool_calls is None and r.choices[0].finish_reason == "stop", (question, message)
+        assert set(json.loads(message.content)) == {"answer"}
 
 
 def test_call_fits_checks_content():

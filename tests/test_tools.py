@@ -8,6 +8,7 @@ import json
 
 import jsonschema
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
@@ -199,6 +200,9 @@ def test_calls_or_answer_errors_name_the_field():
     ([{"type": "retrieval"}], None, "tools[0].type"),
     ([{"type": "function", "function": {"name": "f", "parameters": []}}], None, "tools[0].function.parameters"),
     ([TOOLS[0], TOOLS[0]], None, "tools[1].function.name"),
+    ([{"type": "function", "function": {"name": "</tool_call>"}}], None, "tools[0].function.name"),
+    ([{"type": "function", "function": {"name": "x" * 65}}], None, "tools[0].function.name"),
+    ([{"type": "function", "function": {"name": 'say "hi"'}}], None, "tools[0].function.name"),
     ("f", None, "tools"),
 ])
 def test_plan_errors_name_the_field(tools, choice, param):
@@ -296,19 +300,48 @@ def test_engine_chat_required_and_named(engine):
 
 
 def test_engine_chat_auto_with_a_format(engine):
-    """engine.chat as the server: auto + structured_output gives calls or an answer in the format."""
-    seen = set()
-    for seed in range(8):
+    """engine.chat as the server: auto + structured_output gives calls when the model's first choice opens
+    one (a logit_bias on ``<`` here), an answer in the format otherwise."""
+    opening = engine.tokenizer.convert_tokens_to_ids("<")
+    for bias in ({opening: 100.0}, None):
         r = engine.chat([{"role": "user", "content": "Add 2 and 3"}], tools=TOOLS, parallel_tool_calls=False,
-                        structured_output=_ANSWER, max_new_tokens=200, temperature=1.0, seed=seed)
-        if r.tool_calls:
-            seen.add("calls")
+                        structured_output=_ANSWER, max_new_tokens=200, temperature=1.0, seed=3, logit_bias=bias)
+        if bias:
             (call,) = r.tool_calls
             assert r.finish_reason == "tool_calls" and call.name in {"add", "get_weather"}
         else:
-            seen.add("answer")
-            assert set(json.loads(r.content)) == {"ok"}
-    assert seen == {"calls", "answer"}
+            assert r.tool_calls == () and set(json.loads(r.content)) == {"ok"}
+
+
+def test_call_or_answer_follows_the_first_choice():
+    """The processor: at the first token, the call opening stays alone when it is the most likely token,
+    and is banned otherwise; later tokens are untouched."""
+    from llminfer.sampling.processors import CallOrAnswer, RequestHistory
+
+    class Params:
+        structured_output = StructuredOutput(grammar='root ::= "a"', call_opening_ids=(1, 3))
+
+    history = RequestHistory()
+    history.token_ids, history.num_prompt = [7, 8], 2
+    proc = CallOrAnswer.for_request(Params(), history, {"device": "cpu"})
+    row = torch.tensor([0.0, 5.0, 1.0, 2.0, 4.0])
+    proc(row, history)
+    assert row.tolist() == [float("-inf"), 5.0, float("-inf"), 2.0, float("-inf")]
+    row = torch.tensor([0.0, 3.0, 1.0, 2.0, 4.0])
+    proc(row, history)
+    assert row.tolist() == [0.0, float("-inf"), 1.0, float("-inf"), 4.0]
+    history.token_ids.append(4)
+    row = torch.tensor([0.0, 5.0, 1.0, 2.0, 4.0])
+    proc(row, history)
+    assert row.tolist() == [0.0, 5.0, 1.0, 2.0, 4.0]
+
+
+def test_call_opening_ids_on_the_builtin_tokenizer(tokenizer):
+    from llminfer.tools.answer_format import call_opening_ids
+
+    ids = call_opening_ids(tokenizer)
+    texts = [tokenizer.decode([i]) for i in ids]
+    assert "<" in texts and all("<tool_call>\n".startswith(t) or t.startswith("<tool_call>") for t in texts)
 
 
 def test_engine_chat_plain_and_errors(engine):

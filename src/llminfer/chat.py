@@ -287,7 +287,8 @@ def chat_turn(engine: Any, messages: Sequence[dict[str, Any]], *, tools: Sequenc
     answer = kwargs.get("structured_output")
     if plan is not None and plan.mode == "auto" and isinstance(answer, StructuredOutput):
         # calls, or an answer in the format (as the HTTP server serves tools with a response_format)
-        kwargs["structured_output"] = calls_or_answer(plan, answer, answer_param="structured_output")
+        kwargs["structured_output"] = calls_or_answer(plan, answer, answer_param="structured_output",
+                                                      tokenizer=engine.tokenizer)
     elif constraint is not None:
         if kwargs.get("structured_output") is not None:
             raise InvalidRequestError(f"structured_output cannot be combined with tool_choice={plan.mode!r}",

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
+import anyio
 from litestar import Request, post
 from litestar.params import SkipValidation
 from msgspec import UNSET
@@ -36,7 +37,8 @@ from llminfer.api.translate import (
     unknown_fields,
 )
 from llminfer.results import StreamChunk
-from llminfer.tools import Event, ToolCallDelta, ToolCallParser, finish_reason, fold_events
+from llminfer.sampling.structured import StructuredOutput
+from llminfer.tools import Event, ToolCallDelta, ToolCallParser, ToolPlan, finish_reason, fold_events
 
 
 @post("/chat/completions", status_code=200, responses=OPENAPI_ERRORS, summary="Create a chat completion",
@@ -55,10 +57,13 @@ async def chat_completions(request: Request, data: SkipValidation[s.ChatCompleti
     unknown_fields(raw, s.ChatCompletionRequest, reject=state.reject_unknown_fields)
     model = state.resolve_model(data.model)
     logprobs = check_chat(data)
-    plan = tool_plan(data)
-    spec, spec_param = structured_output(data, plan)
     assert state.prompts is not None
     state.check_prompt_chars(message_texts(data.messages))
+    tokenizer = state.engine.tokenizer
+    if data.tools:  # checking tools' schemas and building their grammar can take seconds: off the event loop
+        plan, (spec, spec_param) = await anyio.to_thread.run_sync(_plan_output, data, tokenizer)
+    else:
+        plan, (spec, spec_param) = _plan_output(data, tokenizer)
     ids = await state.tokenize(state.prompts.chat, data.messages, plan.tools if plan is not None else ())
     max_new, _ = max_new_tokens(data, None)
     ids = truncate_prompt(ids, data, state.prompts.inputs.max_model_len, max_new)
@@ -70,6 +75,13 @@ async def chat_completions(request: Request, data: SkipValidation[s.ChatCompleti
     job.tools = plan if plan is not None and plan.mode != "none" else None
     return await execute(request, state, job, stream=bool(data.stream),  # type: ignore[return-value]
                          prompt_param="messages", render_json=chat_response, render_events=chat_events)
+
+
+def _plan_output(data: s.ChatCompletionRequest,
+                 tokenizer: Any) -> tuple[ToolPlan | None, tuple[StructuredOutput | None, str]]:
+    """The request's tool plan and its output constraint (with the field it came from)."""
+    plan = tool_plan(data)
+    return plan, structured_output(data, plan, tokenizer=tokenizer)
 
 
 def message_texts(messages: Sequence[s.ChatMessage]) -> Iterator[tuple[str, str | None]]:

@@ -70,6 +70,7 @@ class ServerState:
     draining: bool = False
     stoppers: set[Callable[[], None]] = attrs.field(factory=set)
     tokenize_limiter: anyio.CapacityLimiter | None = None
+    tokenizer_routes_limiter: anyio.CapacityLimiter | None = None
     reject_unknown_fields: bool = False  #: unknown top-level request fields: 400 instead of a warning
     sse_keepalive_s: float | None = DEFAULT_SSE_KEEPALIVE_S  #: quiet seconds before an SSE keep-alive comment
 
@@ -79,6 +80,7 @@ class ServerState:
         self.prompts = PromptBuilder(engine.tokenizer, inputs=engine.inputs)
         self.token_text = TokenText(engine.tokenizer)
         self.tokenize_limiter = anyio.CapacityLimiter(1)
+        self.tokenizer_routes_limiter = anyio.CapacityLimiter(1)
         if self.max_prompt_chars is None:
             longest = _longest_token_chars(engine.tokenizer)
             if longest:
@@ -98,6 +100,11 @@ class ServerState:
         encode and decode only read it (truncation and padding settings, the calls that change it, are
         never touched on this path)."""
         return await anyio.to_thread.run_sync(fn, *args, limiter=self.tokenize_limiter)
+
+    async def tokenize_only(self, fn: Callable[..., T], *args: Any) -> T:
+        """:meth:`tokenize` for ``/tokenize`` and ``/detokenize``, in a queue of their own: a flood of them
+        waits behind itself, not in front of the generation requests' prompts."""
+        return await anyio.to_thread.run_sync(fn, *args, limiter=self.tokenizer_routes_limiter)
 
     def check_prompt_chars(self, texts: Iterable[tuple[str, str | None]]) -> None:
         """Refuse, before tokenizing, text that cannot fit in the context whatever it tokenizes to:

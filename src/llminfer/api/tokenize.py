@@ -30,13 +30,15 @@ __all__ = ["DetokenizeRequest", "DetokenizeResponse", "TokenizeRequest", "Tokeni
 
 
 class TokenizeRequest(Struct, kw_only=True):
-    """``POST /tokenize``: exactly one of ``prompt`` (text) and ``messages`` (a chat)."""
+    """``POST /tokenize``: exactly one of ``prompt`` (text) and ``messages`` (a chat; vLLM's
+    ``add_generation_prompt`` may only be true, its ``add_special_tokens`` only false)."""
 
     model: str | None = None
     prompt: str | None = None
     messages: Annotated[list[s.ChatMessage], Meta(min_length=1)] | None = None
     tools: list[Any] | None = None
     add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = None
     return_token_strs: bool | None = None
 
 
@@ -71,31 +73,41 @@ async def tokenize(request: Request, data: SkipValidation[TokenizeRequest]) -> T
 
     Raises:
         APIError: 400 when neither or both of ``prompt`` and ``messages`` are given, for ``tools`` without
-            ``messages`` or ``add_special_tokens`` with them, and for what the chat route refuses in
-            ``messages`` and ``tools``; 404 unknown model.
+            ``messages``, ``add_special_tokens: true`` or ``add_generation_prompt: false`` with them, and for
+            what the chat route refuses in ``messages`` and ``tools``; 404 unknown model.
     """
     data, state = _parse(request, data, TokenizeRequest)
-    assert state.prompts is not None
+    prompts = state.prompts
+    assert prompts is not None
     if (data.prompt is None) == (data.messages is None):
         raise bad_request("give exactly one of 'prompt' and 'messages'", "prompt" if data.prompt is None
                           else "messages", "invalid_value" if data.prompt is not None else "missing_required_parameter")
     if data.messages is not None:
-        if data.add_special_tokens is not None:
-            raise bad_request("'add_special_tokens' applies to 'prompt'; a chat gets what its template adds",
-                              "add_special_tokens", "invalid_value")
-        plan = tool_plan(s.ChatCompletionRequest(messages=data.messages, tools=data.tools))
-        state.check_prompt_chars(message_texts(data.messages))
-        ids = await state.tokenize(state.prompts.chat, data.messages, plan.tools if plan is not None else ())
+        messages = data.messages
+        if data.add_special_tokens:
+            raise bad_request("a chat gets the special tokens its template writes; 'add_special_tokens' must be "
+                              "false or absent with 'messages'", "add_special_tokens", "invalid_value")
+        if data.add_generation_prompt is False:
+            raise bad_request("only add_generation_prompt=true is supported: the count is the prompt a chat "
+                              "completion would see", "add_generation_prompt", "invalid_value")
+        state.check_prompt_chars(message_texts(messages))
+
+        def render() -> list[int]:  # the tools' schemas too: a large one takes seconds to check
+            plan = tool_plan(s.ChatCompletionRequest(messages=messages, tools=data.tools))
+            return prompts.chat(messages, plan.tools if plan is not None else ())
+
+        ids = await state.tokenize_only(render)
     else:
         if data.tools is not None:
             raise bad_request("'tools' applies to 'messages'", "tools", "invalid_value")
         assert data.prompt is not None
         state.check_prompt_chars([("prompt", data.prompt)])
         add_special = data.add_special_tokens is not False
-        ids = await state.tokenize(partial(state.prompts.encode, add_special_tokens=add_special), data.prompt, "prompt")
-    strs = state.engine.tokenizer.convert_ids_to_tokens(ids) if data.return_token_strs else None
-    return TokenizeResponse(count=len(ids), max_model_len=state.prompts.inputs.max_model_len, tokens=ids,
-                            token_strs=strs)
+        ids = await state.tokenize_only(partial(prompts.encode, add_special_tokens=add_special), data.prompt,
+                                        "prompt")
+    strs = await state.tokenize_only(state.engine.tokenizer.convert_ids_to_tokens, ids) \
+        if data.return_token_strs else None
+    return TokenizeResponse(count=len(ids), max_model_len=prompts.inputs.max_model_len, tokens=ids, token_strs=strs)
 
 
 @post("/detokenize", status_code=200, responses=OPENAPI_ERRORS, summary="Detokenize token ids",
@@ -108,11 +120,18 @@ async def detokenize(request: Request, data: SkipValidation[DetokenizeRequest]) 
     """
     data, state = _parse(request, data, DetokenizeRequest)
     assert state.prompts is not None
-    tokens = list(data.tokens)
-    if tokens:
-        state.prompts.check_ids(tokens, "tokens")
-    text = await state.tokenize(state.engine.tokenizer.decode, tokens)
-    return DetokenizeResponse(prompt=text)
+    vocab_size = state.prompts.inputs.vocab_size
+    tokens = data.tokens
+
+    def decode() -> str:  # millions of ids take a second to check and decode: off the event loop
+        if vocab_size is not None:
+            for i, t in enumerate(tokens):
+                if t >= vocab_size:
+                    raise bad_request(f"token id {t} is outside the vocabulary [0, {vocab_size})", f"tokens[{i}]",
+                                      "invalid_value")
+        return state.engine.tokenizer.decode(tokens)
+
+    return DetokenizeResponse(prompt=await state.tokenize_only(decode))
 
 
 def _parse(request: Request, raw: Any, cls: type[T]) -> tuple[T, ServerState]:

@@ -22,6 +22,7 @@ from llminfer.api.errors import bad_request, from_engine_error
 from llminfer.chat import ChatRenderer
 from llminfer.errors import InvalidRequestError
 from llminfer.frontend.input import InputProcessor
+from llminfer.sampling.constraint import PARAM as STRUCTURED_OUTPUT_PARAM
 from llminfer.sampling.structured import StructuredOutput
 from llminfer.tools import Tool, ToolPlan, plan_tools
 from llminfer.tools.answer_format import calls_or_answer
@@ -217,7 +218,8 @@ def tool_plan(body: s.ChatCompletionRequest) -> ToolPlan | None:
     try:
         return plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
     except InvalidRequestError as exc:
-        raise bad_request(str(exc), exc.param, exc.code) from None
+        # the constraint's own limits (its size) name "structured_output", no field of this request: the tools'
+        raise bad_request(str(exc), "tools" if exc.param == STRUCTURED_OUTPUT_PARAM else exc.param, exc.code) from None
 
 
 _STRUCTURED_OUTPUTS_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
@@ -267,14 +269,16 @@ def _structured_outputs(value: dict[str, Any]) -> StructuredOutput:
     return StructuredOutput(**{_STRUCTURED_OUTPUTS_KEYS[key]: v})
 
 
-def structured_output(body: Body, plan: ToolPlan | None = None) -> tuple[StructuredOutput | None, str]:
+def structured_output(body: Body, plan: ToolPlan | None = None, *,
+                      tokenizer: Any = None) -> tuple[StructuredOutput | None, str]:
     """The output constraint of a request and the field it came from (to name in errors).
 
     Sources: ``response_format`` (OpenAI), ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
     ``guided_grammar`` / ``guided_json_object`` (vLLM's older fields), ``structured_outputs`` (vLLM's
     newer object), and the constraint ``tool_choice`` ``required`` or a named function implies. At most one
     of the first kinds. With ``tool_choice`` ``auto`` the output is tool calls or an answer in that format
-    (:func:`~llminfer.tools.answer_format.calls_or_answer`); ``required`` or a named function decide the
+    (:func:`~llminfer.tools.answer_format.calls_or_answer`, the branch picked by the model's first choice
+    with ``tokenizer``); ``required`` or a named function decide the
     output themselves (the format is then for later turns' answers).
 
     Raises:
@@ -305,7 +309,7 @@ def structured_output(body: Body, plan: ToolPlan | None = None) -> tuple[Structu
         try:
             answer = make()
             if plan is not None and plan.mode == "auto":
-                return calls_or_answer(plan, answer, answer_param=param), param
+                return calls_or_answer(plan, answer, answer_param=param, tokenizer=tokenizer), param
         except InvalidRequestError as exc:
             # a tool's parameters the combined grammar cannot enforce are blamed on the tool, the rest on param
             on_tools = plan is not None and (exc.param or "").startswith(plan.tools_param)

@@ -87,8 +87,9 @@ def read_busy_seconds(cpus: list[int], path: str = "/proc/stat") -> float | None
 
 
 def own_cpu_seconds() -> float:
-    """CPU seconds (user + system) used so far by this process and its descendants: the living ones (psutil,
-    about 1 ms to list them on a machine with ~70 processes) and the ended ones it waited for (getrusage).
+    """CPU seconds (user + system) used so far by this process and its descendants: the living ones with the
+    ones they waited for (psutil, about 1 ms to list them on a machine with ~70 processes) and the ended
+    ones this process waited for (getrusage). It never decreases.
 
     Child processes do this engine's own work (Inductor's compile workers, the grammar compile process, vLLM's
     workers), so they are no neighbour. Counted as one, a cold ``torch.compile`` made ``auto`` drop to one
@@ -110,8 +111,16 @@ def own_cpu_seconds() -> float:
     for child in children:
         with contextlib.suppress(psutil.Error):  # it ended meanwhile (counted once waited for)
             times = child.cpu_times()
-            total += times.user + times.system
-    return total
+            # children_*: the processes it started and waited for (a compile process forks one per job)
+            total += times.user + times.system + times.children_user + times.children_system
+    global _own_high
+    with _own_lock:  # never backwards: a descendant that ended and was not yet waited for counts nowhere
+        _own_high = max(_own_high, total)
+        return _own_high
+
+
+_own_high = 0.0
+_own_lock = threading.Lock()
 
 
 class ThreadGovernor:

@@ -145,6 +145,9 @@ class StructuredOutput:
         regex: a regular expression the whole output must match.
         grammar: a context-free grammar in xgrammar's EBNF (GBNF-style: ``root ::= "yes" | "no"``).
         choice: the output is exactly one of these strings.
+        call_opening_ids: with ``grammar``: the tokens that open its tool-call branch, when the grammar is
+            tool calls or an answer (:func:`llminfer.tools.answer_format.calls_or_answer`): the model's own
+            first choice then picks the branch (:class:`~llminfer.sampling.processors.CallOrAnswer`).
 
     Raises:
         InvalidRequestError: none or more than one constraint, or a value of the wrong type
@@ -158,6 +161,7 @@ class StructuredOutput:
     regex: str | None = None
     grammar: str | None = None
     choice: tuple[str, ...] | None = attrs.field(default=None, converter=_choices)
+    call_opening_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
 
     def __attrs_post_init__(self) -> None:
         given = [name for name in ("json_schema", "regex", "grammar", "choice") if getattr(self, name) is not None]
@@ -174,6 +178,9 @@ class StructuredOutput:
                 raise InvalidRequestError(f"{name} must be a non-empty string", param=PARAM)
         if self.choice is not None and (not self.choice or not all(self.choice)):
             raise InvalidRequestError("choice must be a non-empty list of non-empty strings", param=PARAM)
+        if self.call_opening_ids and (self.grammar is None or not all(
+                isinstance(i, int) and i >= 0 for i in self.call_opening_ids)):
+            raise InvalidRequestError("call_opening_ids are token ids, with a grammar", param=PARAM)
         if not isinstance(self.strict, bool):
             raise InvalidRequestError("strict must be true or false", param=PARAM)
         if self.json_schema is not None:

@@ -276,7 +276,41 @@ class ForcedWords(RowProcessor):
             row[token] = keep if torch.isfinite(keep) else 0.0
 
 
+class CallOrAnswer(RowProcessor):
+    """Under ``tool_choice: "auto"`` with an answer format, the output is tool calls or an answer
+    (:func:`llminfer.tools.answer_format.calls_or_answer`), and the first token picks the branch. The
+    constrained distribution would pick it badly: the format's mask takes away the prose a model starts an
+    answer with, so the call opening keeps nearly all of what is left (SmolLM2-135M: ``<`` at logprob -0.001
+    against ``{`` at -7.2 on "Who wrote Hamlet?", and then a call every time). Here the model's own first
+    choice decides, before the mask: when its most likely first token opens a call (one of the
+    constraint's ``call_opening_ids``) only those stay, otherwise they are banned and the answer follows.
+    Deterministic, whatever the temperature; the tokens after the first are left alone."""
+
+    field = "structured_output"
+    in_vllm = False  # vLLM's guided decoding has no hook before its mask
+
+    @staticmethod
+    def applies(params: Any) -> bool:
+        return params.structured_output is not None and bool(params.structured_output.call_opening_ids)
+
+    def __init__(self, params: Any, history: RequestHistory, context: dict[str, Any]) -> None:
+        super().__init__(params, history, context)
+        self.opening = torch.tensor(params.structured_output.call_opening_ids, dtype=torch.long,
+                                    device=context["device"])
+
+    def __call__(self, row: torch.Tensor, history: RequestHistory) -> None:
+        if history.num_generated:
+            return
+        opening = self.opening[self.opening < row.shape[0]]
+        if bool((opening == row.argmax()).any()):
+            kept = row[opening].clone()
+            row.fill_(NEG_INF)
+            row[opening] = kept
+        else:
+            row[opening] = NEG_INF
+
+
 #: The per-row processors, in the order they run.
 ROW_PROCESSORS: tuple[type[RowProcessor], ...] = (
-    LogitBias, RepetitionPenalty, PresenceFrequencyPenalty, NoRepeatNGram, BadWords, ForcedWords,
+    LogitBias, RepetitionPenalty, PresenceFrequencyPenalty, NoRepeatNGram, BadWords, ForcedWords, CallOrAnswer,
 )

@@ -8,7 +8,7 @@ How each ``tool_choice`` is served (:class:`ToolPlan`):
   ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` (several allowed). Text outside the
   blocks is content; a block whose JSON is malformed (or names an unknown tool) stays content. With an answer
   format (``response_format``) the output is constrained to call blocks or an answer in that format
-  (:func:`llminfer.tools.answer_format.calls_or_answer`).
+  (:func:`llminfer.tools.answer_format.calls_or_answer`), the model's own first choice picking which.
 - ``"required"``: the output is constrained to a JSON array of ``{"name": <a tool>, "arguments": <its
   parameters>}`` objects (at most one when ``parallel_tool_calls`` is false), parsed into calls.
 - a named function (``{"type": "function", "function": {"name": ...}}``): the output is constrained to

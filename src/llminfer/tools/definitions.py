@@ -6,6 +6,7 @@ JSON Schemas of their arguments, and how a request's tools are served (:func:`pl
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,6 +17,7 @@ from llminfer.sampling.schema import KEYWORDS, SchemaError, normalize_schema, sp
 from llminfer.sampling.structured import StructuredOutput
 
 _EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 
 
 @attrs.frozen
@@ -72,6 +74,11 @@ def parse_tools(tools: Sequence[Any] | None, *, param: str = "tools") -> tuple[T
         name = function.get("name")
         if not isinstance(name, str) or not name:
             raise InvalidRequestError("a function needs a non-empty 'name'", param=f"{where}.function.name")
+        if not _TOOL_NAME.fullmatch(name):
+            # OpenAI's rule, plus '.' and ':' (namespaced MCP tools); a quote, a newline or '</tool_call>' in a
+            # name would break the call syntax the model writes and the parser reads
+            raise InvalidRequestError(f"a function name must be 1 to 64 letters, digits, '_', '-', '.' or ':'; got "
+                                      f"{name[:80]!r}", param=f"{where}.function.name")
         description = function.get("description")
         if description is not None and not isinstance(description, str):
             raise InvalidRequestError("'description' must be a string", param=f"{where}.function.description")
