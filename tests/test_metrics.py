@@ -34,7 +34,10 @@ class Scrape:
     """One parsed /metrics response."""
 
     def __init__(self, url: str) -> None:
-        self.text = httpx.get(url + "/metrics", timeout=30).text
+        r = httpx.get(url + "/metrics", timeout=30)
+        # Prometheus' text format, the charset once (a scraper's parser reads the header)
+        assert r.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
+        self.text = r.text
         self.families = {f.name: f for f in text_string_to_metric_families(self.text)}
         self.samples = [s for f in self.families.values() for s in f.samples]
 

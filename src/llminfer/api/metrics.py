@@ -33,7 +33,8 @@ REQUEST_LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5
                            40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 TOKEN_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5))  # 1, 2, 5, 10, ... 500000 tokens
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+#: Prometheus' text format; Litestar appends "; charset=utf-8" to text/* media types itself
+CONTENT_TYPE = "text/plain; version=0.0.4"
 
 
 class StepHistogram:

@@ -67,6 +67,7 @@ class ServerState:
     prompts: PromptBuilder | None = None
     token_text: TokenText | None = None
     max_prompt_chars: int | None = None
+    prompt_chars_from_context: bool = False  #: max_prompt_chars was derived from the context length, not set
     draining: bool = False
     stoppers: set[Callable[[], None]] = attrs.field(factory=set)
     tokenize_limiter: anyio.CapacityLimiter | None = None
@@ -85,6 +86,7 @@ class ServerState:
             longest = _longest_token_chars(engine.tokenizer)
             if longest:
                 self.max_prompt_chars = engine.max_model_len * longest
+                self.prompt_chars_from_context = True
         compiler = getattr(getattr(engine, "runtime", None), "grammar_compiler", None)
         if compiler is not None:
             compiler.prepare()  # in the background: the first constrained request need not build it
@@ -122,8 +124,10 @@ class ServerState:
         for param, text in texts:
             total += len(text or "")
             if total > limit:
-                raise APIError(400, f"the prompt is longer than {limit} characters, more than the model's "
-                                    "context can hold; shorten it", param=param, code="context_length_exceeded")
+                why = ("more than the model's context can hold" if self.prompt_chars_from_context
+                       else "this server's limit (max_prompt_chars)")
+                raise APIError(400, f"the prompt is longer than {limit} characters, {why}; shorten it", param=param,
+                               code="context_length_exceeded")
 
     def begin_shutdown(self, grace_s: float) -> None:
         """Stop admitting (503) and report unready; called once by the server when SIGTERM/SIGINT arrives."""

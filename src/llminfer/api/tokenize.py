@@ -98,7 +98,7 @@ async def tokenize(request: Request, data: SkipValidation[TokenizeRequest]) -> T
 
         ids = await state.tokenize_only(render)
     else:
-        if data.tools is not None:
+        if data.tools:
             raise bad_request("'tools' applies to 'messages'", "tools", "invalid_value")
         assert data.prompt is not None
         state.check_prompt_chars([("prompt", data.prompt)])

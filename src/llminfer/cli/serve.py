@@ -88,7 +88,8 @@ def serve(
         bound = sock.getsockname()[1]
         where = f"[{host}]" if ":" in host else host
         def listening() -> None:
-            typer.echo(f"serving {cfg.model_name} at http://{where}:{bound}/v1 (Ctrl-C stops)", err=True)
+            typer.echo(f"serving {cfg.served_model_name or cfg.model_name} at http://{where}:{bound}/v1 (Ctrl-C stops)",
+                       err=True)
 
         try:
             forced = run_server(asgi_app, host=host, port=port, log_level=engine_opts.log_level, limits=limits,
