@@ -79,6 +79,19 @@ def test_auto_counts_a_core_used_70_percent_or_more_as_busy():
     assert g.update() == 2
 
 
+def test_compiled_graphs_keep_one_count():
+    """adapt=False (the compiled backend): the count stays, whatever the neighbours do; an explicit count wins."""
+    m = FakeMachine()
+    g = m.governor(max_threads=4, adapt=False)
+    assert g.mode == "fixed (compiled graphs)" and g.threads == 4
+    m.advance(0.6, others=3.0)
+    assert g.update() == 4 and g.changes == 0
+    assert m.governor(num_threads=2, adapt=False).threads == 2
+    engine = __import__("llminfer").InferenceEngine(EngineConfig(backend="compiled"))
+    assert engine.threads.mode == "fixed (compiled graphs)"
+    assert __import__("llminfer").InferenceEngine(EngineConfig()).threads.mode == "auto"
+
+
 def test_fixed_and_environment_counts_never_change(monkeypatch):
     m = FakeMachine()
     g = m.governor(num_threads=3)

@@ -84,7 +84,9 @@ class InferenceEngine:
         external = backend_spec(self.cfg.backend).external_engine
         use_thread = model_thread_enabled() and not external
         # torch's thread count for the steps (llminfer.core.threads); an external engine sets its own
-        self.threads = ThreadGovernor(self.cfg.num_threads) if not external else None
+        # (fixed for compiled graphs: their parallel regions are sized when they compile)
+        self.threads = (ThreadGovernor(self.cfg.num_threads, adapt=self.cfg.backend != "compiled")
+                        if not external else None)
         self.model_thread: ModelThreadLease | None = shared_model_thread(self.threads) if use_thread else None
         # where the pipeline runs (a background loop, or the caller's inside running()); start() and
         # close() from many threads at once: never two half-started loops, none started after close()

@@ -137,6 +137,11 @@ class ThreadGovernor:
         cpus: the logical CPUs to watch (default: :func:`allowed_cpus`).
         max_threads: the most threads ``auto`` uses (default: torch's count on the calling thread: the physical
             cores, or what ``torch.set_num_threads`` set there).
+        adapt: False keeps ``auto``'s count at ``max_threads`` (mode ``"fixed (compiled graphs)"``): Inductor
+            sizes a compiled graph's OpenMP regions at compile time and dynamo guards on the count, so each
+            change would compile every step shape again (10-15 s each on the bench model; with a benchmark
+            client using half a core, ``auto`` dropped to 1 thread and ``llminfer serve --backend compiled``
+            fell from 450 to 227 output tok/s while it recompiled).
 
     Raises:
         ValueError: ``num_threads`` below 1.
@@ -146,7 +151,8 @@ class ThreadGovernor:
                  clock: Callable[[], float] = time.monotonic,
                  busy_reader: Callable[[list[int]], float | None] = read_busy_seconds,
                  own_reader: Callable[[], float] = own_cpu_seconds, cpus: list[int] | None = None,
-                 max_threads: int | None = None, sleep: Callable[[float], None] = time.sleep) -> None:
+                 max_threads: int | None = None, sleep: Callable[[float], None] = time.sleep,
+                 adapt: bool = True) -> None:
         if num_threads is not None and num_threads < 1:
             raise ValueError(f"num_threads must be >= 1 or None, got {num_threads}")
         import torch
@@ -161,6 +167,9 @@ class ThreadGovernor:
         elif os.environ.get("OMP_NUM_THREADS", "").strip():
             self.mode = "OMP_NUM_THREADS"
             self.threads = default
+        elif not adapt:
+            self.mode = "fixed (compiled graphs)"
+            self.threads = max(1, max_threads or default)
         else:
             self.mode = "auto"
             self.threads = max(1, max_threads or default)
