@@ -83,8 +83,8 @@ class InferenceEngine:
         # handlers, which only the main thread can) and steps in its own processes.
         external = backend_spec(self.cfg.backend).external_engine
         use_thread = model_thread_enabled() and not external
-        # torch's thread count for the steps (llminfer.core.threads); an external engine sets its own
-        # (fixed for compiled graphs: their parallel regions are sized when they compile)
+        # torch's thread count for the steps (llminfer.core.threads; fixed for compiled graphs, whose
+        # parallel regions are sized when they compile); an external engine sets its own
         self.threads = (ThreadGovernor(self.cfg.num_threads, adapt=self.cfg.backend != "compiled")
                         if not external else None)
         self.model_thread: ModelThreadLease | None = shared_model_thread(self.threads) if use_thread else None
