@@ -85,8 +85,7 @@ class InferenceEngine:
         use_thread = model_thread_enabled() and not external
         # torch's thread count for the steps (llminfer.core.threads; fixed for compiled graphs, whose
         # parallel regions are sized when they compile); an external engine sets its own
-        self.threads = (ThreadGovernor(self.cfg.num_threads, adapt=self.cfg.backend != "compiled")
-                        if not external else None)
+        self.threads = None if external else ThreadGovernor(self.cfg.num_threads, adapt=self.cfg.backend != "compiled")
         self.model_thread: ModelThreadLease | None = shared_model_thread(self.threads) if use_thread else None
         # where the pipeline runs (a background loop, or the caller's inside running()); start() and
         # close() from many threads at once: never two half-started loops, none started after close()
