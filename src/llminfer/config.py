@@ -250,6 +250,10 @@ class EngineConfig:
     #: bf16/fp16 where native (one extra copy of the head); without oneDNN an fp32 head is stored column-major
     #: instead (no copy). See :mod:`llminfer.kernels.prepack`.
     cpu_prepack_lm_head: bool = attrs.field(default=True, validator=_bool)
+    #: On CPU (eager and compiled backends), greedy rows that need no logits take an fp32 head's exact argmax
+    #: through a bf16 copy of the head (one more half-size copy) where a probe at load measures it faster.
+    #: See :mod:`llminfer.kernels.argmax_screen`.
+    cpu_argmax_screen: bool = attrs.field(default=True, validator=_bool)
     #: On CPU (eager and compiled backends, x86-64 with AVX2 + FMA), run the fp32 decode attention and the
     #: linear products (fp32 layers and int8 weight-only layers, at any row count, so a row's bits do not
     #: depend on its batch; int8 with fp32 activations, or on AVX-512 VNNI with 14-bit integer activations) on

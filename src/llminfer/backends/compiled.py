@@ -152,10 +152,14 @@ class CompiledBackend(HFBackend):
     def from_runtime(cls, rt: Any, cfg: Any) -> CompiledBackend:
         """The compiled backend for a loaded :class:`~llminfer.runtime.Runtime` and its
         :class:`~llminfer.config.EngineConfig` (registered in :data:`llminfer.backends.registry.BACKENDS`)."""
-        return cls(rt.model, rt.kv_cache, rt.eos_token_ids, max_num_tokens=max(cfg.scheduler.max_num_batched_tokens, 1),
-                   max_batch_size=cfg.max_batch_size, mode=cfg.compile_mode, cudagraphs=cfg.compile_cudagraphs,
-                   fallback_to_eager=cfg.compile_fallback_to_eager, attention_backend=rt.attention_backend,
-                   max_model_len=rt.max_model_len)
+        backend = cls(rt.model, rt.kv_cache, rt.eos_token_ids,
+                      max_num_tokens=max(cfg.scheduler.max_num_batched_tokens, 1), max_batch_size=cfg.max_batch_size,
+                      mode=cfg.compile_mode, cudagraphs=cfg.compile_cudagraphs,
+                      fallback_to_eager=cfg.compile_fallback_to_eager, attention_backend=rt.attention_backend,
+                      max_model_len=rt.max_model_len)
+        if cfg.cpu_argmax_screen:
+            backend.attach_argmax_screen()
+        return backend
 
     def __init__(self, model: torch.nn.Module, cache: PagedKVCache, eos_token_ids: Sequence[int] = (), *,
                  max_num_tokens: int = 2048, max_batch_size: int = 16, mode: str = "default",
@@ -185,9 +189,11 @@ class CompiledBackend(HFBackend):
             self._head = model.get_output_embeddings()
             if self.device.type == "cpu":
                 self._head = cpu_head(self._head)
+            self.output_head = self._head
             fn = fresh_function(_body_forward, tag)
         else:
             self._module = model
+            self.output_head = None
             fn = fresh_function(_full_forward, tag)
         self._target: Callable = torch.compile(fn, backend=self._counter, fullgraph=True, dynamic=False)
         from llminfer.backends.cuda_graphs import batch_buckets

@@ -11,6 +11,7 @@ from llminfer.backends.attention import PagedKVCache
 from llminfer.backends.base import StepBackend, StepResult
 from llminfer.backends.decoder_loop import uses_decoder_loop
 from llminfer.backends.packing import PackedStep, prompt_logprobs, run_packed
+from llminfer.kernels.prepack import argmax_only
 from llminfer.protocols.messages import SchedulerOutput
 
 __all__ = ["HFBackend", "build_eager", "run_packed"]
@@ -32,8 +33,11 @@ def build_eager(rt: Any, cfg: Any) -> StepBackend:
 
         return SpeculativeBackend(rt.model, rt.kv_cache, rt.draft_model, rt.draft_cache, rt.eos_token_ids,
                                   cfg.speculative_num_assistant_tokens, cfg.speculative_confidence_threshold)
-    return HFBackend(rt.model, rt.kv_cache, rt.eos_token_ids, rt.attention_backend, cuda_graphs=cfg.cuda_graphs,
-                     max_batch_size=cfg.max_batch_size, max_model_len=rt.max_model_len)
+    backend = HFBackend(rt.model, rt.kv_cache, rt.eos_token_ids, rt.attention_backend, cuda_graphs=cfg.cuda_graphs,
+                        max_batch_size=cfg.max_batch_size, max_model_len=rt.max_model_len)
+    if cfg.cpu_argmax_screen:
+        backend.attach_argmax_screen()
+    return backend
 
 
 class HFBackend(StepBackend):
@@ -54,6 +58,9 @@ class HFBackend(StepBackend):
                  attention_backend: str = "torch", cuda_graphs: bool = False, max_batch_size: int = 16,
                  max_model_len: int = 2048) -> None:
         super().__init__(model, cache, eos_token_ids, attention_backend)
+        #: The module that computes the logits (where an argmax screen may sit; :meth:`attach_argmax_screen`).
+        self.output_head: torch.nn.Module | None = (
+            model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None)
         self.graphs: Any = None
         if cuda_graphs and self.device.type == "cuda" and attention_backend == "triton":
             from llminfer.backends.cuda_graphs import DecodeGraphRunner
@@ -64,10 +71,13 @@ class HFBackend(StepBackend):
     def run_step(self, plan: SchedulerOutput) -> StepResult:
         """Pack the plan, run the model once, sample every sampling sequence and read the prompt logprobs."""
         step = PackedStep.from_plan(plan, self.states)
-        logits = self.forward(step)
+        seqs = [s for s in plan.sequences if s.sample]
+        greedy = [row for row, s in enumerate(seqs) if self.states[s.request_id].argmax_only]
+        with argmax_only(self.output_head, greedy):
+            logits = self.forward(step)
         n = len(step.sample_rows)
         result = StepResult(prompt_logprobs=prompt_logprobs(logits[n:], step.jobs) if step.jobs else {})
-        self.sample_rows(logits[:n], [s for s in plan.sequences if s.sample], result)
+        self.sample_rows(logits[:n], seqs, result)
         return result
 
     def forward(self, step: PackedStep) -> torch.Tensor:
@@ -92,8 +102,22 @@ class HFBackend(StepBackend):
         # one row per sequence in a pure-decode step: a sequence's row is its index
         return logits if len(step.sample_rows) == len(step.tokens) else logits[list(step.sample_rows)]
 
+    def attach_argmax_screen(self) -> bool:
+        """Screen greedy rows through a bf16 copy of an fp32 CPU head where measured faster
+        (:func:`~llminfer.kernels.argmax_screen.attach_argmax_screen`); returns whether it did."""
+        if self.device.type != "cpu" or self.output_head is None:
+            return False
+        from llminfer.kernels.argmax_screen import attach_argmax_screen
+
+        return attach_argmax_screen(self.output_head)
+
     def describe(self) -> dict[str, Any]:
-        """Facts for ``engine.info()``: steps run so far, the attention kernels, CUDA-graph counts, and whether
-        steps run through llminfer's decoder loop (:mod:`llminfer.backends.decoder_loop`) or ``model(...)``."""
+        """Facts for ``engine.info()``: steps run so far, the attention kernels, CUDA-graph counts, whether
+        steps run through llminfer's decoder loop (:mod:`llminfer.backends.decoder_loop`) or ``model(...)``,
+        and the argmax screen (its load-time probe in ms, rows screened, candidates per row), or None."""
+        screen = getattr(self.output_head, "argmax_screen", None)
+        probe = getattr(self.output_head, "argmax_screen_probe_ms", None)
         return {**super().describe(), "cuda_graphs": self.graphs.describe() if self.graphs is not None else None,
-                "decoder_loop": uses_decoder_loop(self.model)}
+                "decoder_loop": uses_decoder_loop(self.model),
+                "argmax_screen": None if probe is None else {
+                    "kept": screen is not None, "probe_ms": probe, **(screen.describe() if screen else {})}}

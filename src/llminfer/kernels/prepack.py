@@ -17,6 +17,10 @@ The packed copy costs the head's bytes once more (the plain weight stays for tie
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
 import structlog
 import torch
 import torch.nn.functional as F
@@ -96,6 +100,12 @@ class PrepackedLinear(nn.Linear):
     #: Products of at most this many rows run on llminfer's kernel instead; 0 (the default) for none. Set
     #: from :func:`head_kernel_rows` by the backends that run llminfer's CPU kernels.
     kernel_rows = 0
+    #: An fp32 head's :class:`~llminfer.kernels.argmax_screen.ArgmaxScreen`, or None (set by
+    #: :func:`~llminfer.kernels.argmax_screen.attach_argmax_screen`).
+    argmax_screen = None
+    #: Rows of the next products whose caller needs only each row's argmax (set around a step by
+    #: :func:`argmax_only`); with a screen, those rows' logits are ``-inf`` outside the fp32 candidates.
+    argmax_only_rows: tuple[int, ...] = ()
 
     def __init__(self, linear: nn.Linear) -> None:
         adopt_linear(self, linear)
@@ -115,13 +125,47 @@ class PrepackedLinear(nn.Linear):
                 or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
             return F.linear(x, self.weight, self.bias)
         flat = x.reshape(-1, self.in_features)
+        screen = self.argmax_screen
+        if self.argmax_only_rows and screen is not None and not screen.stale:
+            return self._screened(flat, screen).reshape(*x.shape[:-1], self.out_features)
+        return self._full(flat).reshape(*x.shape[:-1], self.out_features)
+
+    def _screened(self, flat: torch.Tensor, screen: Any) -> torch.Tensor:
+        rows = self.argmax_only_rows
+        if len(rows) == flat.shape[0]:
+            out = screen.logits(flat)
+            return out if out is not None else self._full(flat)
+        picked = torch.tensor(rows, dtype=torch.long)
+        others = torch.tensor(sorted(set(range(flat.shape[0])) - set(rows)), dtype=torch.long)
+        part = screen.logits(flat.index_select(0, picked))
+        if part is None:
+            return self._full(flat)
+        out = torch.empty(flat.shape[0], self.out_features, dtype=flat.dtype)
+        out.index_copy_(0, picked, part)
+        out.index_copy_(0, others, self._full(flat.index_select(0, others)))
+        return out
+
+    def _full(self, flat: torch.Tensor) -> torch.Tensor:
         if flat.shape[0] <= self.kernel_rows:  # a few rows read the plain weight faster on llminfer's kernel
             flat = flat.contiguous()
-            out = (bf16_linear(flat, self.weight, self.bias) if x.dtype == torch.bfloat16
-                   else skinny_linear(flat, self.weight, None, self.bias))
-        else:
-            out = torch.ops.mkldnn._linear_pointwise(flat, self._packed_weight(), self.bias, "none", [], "")
-        return out.reshape(*x.shape[:-1], self.out_features)
+            return (bf16_linear(flat, self.weight, self.bias) if flat.dtype == torch.bfloat16
+                    else skinny_linear(flat, self.weight, None, self.bias))
+        return torch.ops.mkldnn._linear_pointwise(flat, self._packed_weight(), self.bias, "none", [], "")
+
+
+@contextlib.contextmanager
+def argmax_only(head: nn.Module | None, rows: Sequence[int]) -> Iterator[None]:
+    """Within the block, the rows ``rows`` (indices into the head's flattened input) of ``head``'s products
+    need only their argmax: a :class:`PrepackedLinear` with an argmax screen then scores only their fp32
+    candidates. A no-op for any other head or when ``rows`` is empty. Not re-entrant; one thread."""
+    if not rows or getattr(head, "argmax_screen", None) is None:
+        yield
+        return
+    head.argmax_only_rows = tuple(rows)  # type: ignore[union-attr]
+    try:
+        yield
+    finally:
+        head.argmax_only_rows = ()  # type: ignore[union-attr]
 
 
 def transpose_linear_weight(linear: nn.Linear) -> bool:

@@ -89,6 +89,13 @@ class SamplingState(RequestHistory):
             self.grammar.accept(token)  # the token came from the grammar's own mask
 
     @property
+    def argmax_only(self) -> bool:
+        """Whether this step's token is the plain argmax of the raw logits: greedy, with no processor, ban,
+        grammar or logprobs reading them (:attr:`~llminfer.sampling.params.SamplingParams.speculation_allowed`
+        covers all of those)."""
+        return self.params.greedy and self.params.speculation_allowed
+
+    @property
     def can_ban_everything(self) -> bool:
         return any(p.can_ban_everything for p in self.processors)
 

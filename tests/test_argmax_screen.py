@@ -1,0 +1,103 @@
+"""The argmax screen: a bf16 copy of an fp32 head that must give each greedy row the fp32 head's argmax."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from helpers import make_engine
+from llminfer.kernels.argmax_screen import ArgmaxScreen, attach_argmax_screen, screen_margin
+from llminfer.kernels.prepack import PrepackedLinear, argmax_only, prepack_supported
+from llminfer.models import builtin_model_path
+
+needs_bf16 = pytest.mark.skipif(not prepack_supported(torch.bfloat16, torch.device("cpu")),
+                                reason="this CPU's oneDNN has no bf16 matmul")
+
+
+def _bf16_matmul(weight: torch.Tensor):
+    """The screen's arithmetic: bf16 operands, fp32 sums, the result rounded to bf16."""
+    copy = weight.to(torch.bfloat16).float()
+    return lambda x: (x.float() @ copy.T).to(torch.bfloat16)
+
+
+def _fp32_scores(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return torch.stack([(weight * row).sum(dim=1) for row in x])  # the screen's own fp32 score, every token
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), rows=st.integers(1, 6), vocab=st.integers(2, 400),
+       d=st.sampled_from([8, 64, 96]), ties=st.integers(0, 5), scale=st.sampled_from([1e-3, 1.0, 30.0]))
+def test_screen_keeps_the_fp32_argmax(seed, rows, vocab, d, ties, scale):
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(vocab, d, generator=gen) * 0.05
+    x = torch.randn(rows, d, generator=gen) * scale
+    # near-ties that bf16 cannot tell apart: copies of the current winner moved by a few fp32 ulps
+    top = int(_fp32_scores(weight, x)[0].argmax())
+    for k in range(min(ties, vocab - 1)):
+        j = (top + 1 + k) % vocab
+        weight[j] = weight[top]
+        weight[j, k % d] += (k - 2) * 1e-6
+    screen = ArgmaxScreen(weight, _bf16_matmul(weight))
+    with torch.inference_mode():
+        out = screen.logits(x)
+    assert out is not None
+    exact = _fp32_scores(weight, x)
+    assert out.argmax(dim=1).tolist() == exact.argmax(dim=1).tolist()
+    kept = torch.isfinite(out)
+    assert torch.equal(out[kept], exact[kept])  # candidates carry their fp32 scores, the others -inf
+
+
+def test_margin_grows_with_the_dot_length():
+    assert 3 * 2.0**-8 < screen_margin(64) < screen_margin(4096) < 0.03
+
+
+def test_non_finite_rows_fall_back_to_the_full_head():
+    weight = torch.randn(50, 8)
+    screen = ArgmaxScreen(weight, _bf16_matmul(weight))
+    with torch.inference_mode():
+        assert screen.logits(torch.tensor([[math.nan] * 8])) is None
+        assert screen.logits(torch.zeros(1, 8)) is not None  # all-equal logits: every token a candidate
+
+
+@needs_bf16
+def test_prepacked_head_screens_only_the_named_rows():
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 3000, bias=False)
+    head = PrepackedLinear(linear)
+    assert attach_argmax_screen(head, min_elements=0, require_faster=False)
+    x = torch.randn(1, 5, 64)
+    with torch.inference_mode():
+        full = head(x)
+        with argmax_only(head, [1, 3]):
+            mixed = head(x)
+        assert head.argmax_only_rows == ()
+    assert torch.equal(mixed[0, [0, 2, 4]], full[0, [0, 2, 4]])  # rows that need logits get all of them
+    assert torch.isinf(mixed[0, [1, 3]]).any()
+    assert mixed[0, [1, 3]].argmax(-1).tolist() == full[0, [1, 3]].argmax(-1).tolist()
+    with torch.no_grad():
+        linear.weight.mul_(-1)  # an in-place change makes the copy stale: the full head again
+    with torch.inference_mode(), argmax_only(head, [0, 1, 2, 3, 4]):
+        assert torch.isfinite(head(x)).all()
+
+
+@needs_bf16
+def test_engine_greedy_tokens_equal_with_and_without_the_screen():
+    prompts = ["Hello there", "The capital of", "a b c d e f", "x"]
+    kinds = [dict(temperature=0.0), dict(temperature=0.0, logprobs=2), dict(temperature=0.8, seed=3),
+             dict(temperature=0.0, min_new_tokens=6)]
+    results = {}
+    for screen in (False, True):
+        with make_engine(builtin_model_path(), cpu_argmax_screen=False) as engine:
+            if screen:
+                assert attach_argmax_screen(engine.backend.output_head, min_elements=0, require_faster=False)
+            results[screen] = [engine.run(p, max_new_tokens=12, **kw) for p, kw in zip(prompts, kinds)]
+            info = engine.backend.describe()["argmax_screen"]
+            assert (info is not None and info["rows"] > 0) == screen
+    for plain, screened in zip(results[False], results[True]):
+        assert plain.token_ids == screened.token_ids
+    assert results[True][1].logprobs == results[False][1].logprobs  # logprob rows take the full head
