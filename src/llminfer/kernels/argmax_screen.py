@@ -8,14 +8,14 @@ keeps every token that could still be the fp32 argmax, and scores only those in 
 
 The bound. For row ``x`` and vocabulary row ``w_j`` let ``s_j = sum_i x_i w_ji`` (exact). The screen rounds
 ``x`` and ``w_j`` to bf16 (unit roundoff ``u = 2^-8``), accumulates their exact products in fp32 and rounds
-the sum to bf16, so ``|a_j - s_j| <= ((1+u)^3 (1+g) - 1) * sum_i |x_i||w_ji|`` with ``g = d 2^-24 / (1 - d
-2^-24)`` the fp32 summation bound for ``d`` terms (Higham, *Accuracy and Stability of Numerical Algorithms*,
-2nd ed., section 3.1). The fp32 score ``r_j`` is within ``g * sum_i |x_i||w_ji|`` of ``s_j``, and by
-Cauchy-Schwarz ``sum_i |x_i||w_ji| <= ||x|| * max_j ||w_j||``. With ``E`` the sum of both bounds (doubled
-against the rounding of the norms themselves, plus an absolute term for the denormals that ``vdpbf16ps``
-treats as zero), the fp32 argmax ``j*`` satisfies ``a_j* >= r_j* - E >= r_k - E >= a_k - 2E`` for every
-``k``, so ``{j : a_j >= max_k a_k - 2E}`` holds it. Tokens outside that set get ``-inf``; the set is scored
-``r_j = dot(x, w_j)`` in fp32, one row at a time, so a row's token does not depend on its batch.
+the sum to bf16, so ``|a_j - s_j| <= ((1+u)^3 (1+g) - 1) * sum_i |x_i||w_ji|`` with ``g = n 2^-24 / (1 - n
+2^-24)`` the fp32 summation bound for ``n`` terms (Higham, *Accuracy and Stability of Numerical Algorithms*,
+2nd ed., section 3.1), taken for ``n = 2d``. The fp32 score ``r_j`` is within ``g * sum_i |x_i||w_ji|`` of ``s_j``, and by
+Cauchy-Schwarz ``sum_i |x_i||w_ji| <= ||x|| * max_j ||w_j||``. With ``E`` the sum of both bounds (raised
+by a quarter against the rounding of the norms and the threshold, plus an absolute term for the denormals
+that ``vdpbf16ps`` treats as zero), the fp32 argmax ``j*`` satisfies ``a_j* >= r_j* - E >= r_k - E >= a_k - 2E`` for every
+``k``, so ``{j : a_j >= max_k a_k - 2E}`` holds it. Tokens outside that set keep ``a_j``, which is below
+``max_k a_k - 2E`` and so below ``r_j*``; the set is scored ``r_j = dot(x, w_j)`` in fp32, each on its own, so a row's token does not depend on its batch.
 
 The screen is kept only where a short measurement at load shows it faster than the fp32 head
 (:func:`attach_argmax_screen`); its figures are in the README's CPU section.
@@ -23,7 +23,6 @@ The screen is kept only where a short measurement at load shows it faster than t
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 
@@ -44,11 +43,13 @@ MAX_CANDIDATES_PER_ROW = 4096
 
 def screen_margin(in_features: int) -> float:
     """The relative error bound ``c`` (:math:`|a_j - r_j| \\le c\\,\\|x\\|\\max_j\\|w_j\\|`) of a bf16 screen
-    against the fp32 score for dot products of ``in_features`` terms (see the module docstring), doubled."""
+    against the fp32 score for dot products of ``in_features`` terms (see the module docstring), with the
+    summation bound taken for twice the terms (``vdpbf16ps`` adds two products per lane and step) and a
+    quarter more against the rounding of the norms and of the threshold itself."""
     u = 2.0**-8
-    unit = in_features * 2.0**-24
+    unit = 2 * in_features * 2.0**-24
     g = unit / (1.0 - unit)
-    return 2.0 * (((1 + u) ** 3) * (1 + g) - 1 + g)
+    return 1.25 * (((1 + u) ** 3) * (1 + g) - 1 + g)
 
 
 class ArgmaxScreen:
@@ -59,8 +60,7 @@ class ArgmaxScreen:
         bf16_head: ``x_bf16 [R, d] -> [R, V]`` bf16, the product with the bf16 copy (built by
             :func:`attach_argmax_screen`).
 
-    The copy costs ``V * d * 2`` bytes (155 MB for 151,646 x 512), plus oneDNN's packed copy of it once a
-    product of more than a few rows has run.
+    The copy costs ``V * d * 2`` bytes (155 MB for 151,646 x 512), in oneDNN's packed layout.
     """
 
     def __init__(self, weight: torch.Tensor, bf16_head: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -79,7 +79,8 @@ class ArgmaxScreen:
         return self.weight._version != self.version
 
     def logits(self, x: torch.Tensor) -> torch.Tensor | None:
-        """Logits whose argmax is each row's fp32 argmax: the fp32 score at each candidate, ``-inf`` elsewhere.
+        """Logits whose argmax is each row's fp32 argmax: the fp32 score at each candidate, the screen's value
+        (strictly below the best candidate's score) elsewhere. Only their argmax means anything.
 
         Args:
             x: ``[R, d]`` float32 hidden states on CPU.
@@ -101,11 +102,12 @@ class ArgmaxScreen:
         index = torch.from_numpy(flat)
         rows, cols = index // vocab, index % vocab
         scores = (self.weight.index_select(0, cols) * x.index_select(0, rows)).sum(dim=1)
-        out = screen.fill_(-math.inf)
-        out.view(-1)[index] = scores
+        # The other tokens keep their screen values: each is below max a - 2E, and the best candidate's score
+        # is at least max a - E, so none of them can be the argmax (and no [R, V] fill is needed).
+        screen.view(-1)[index] = scores
         self.rows_screened += x.shape[0]
         self.candidates += len(flat)
-        return out
+        return screen
 
     def describe(self) -> dict[str, float | int]:
         """Rows screened so far and their mean number of fp32-scored candidates."""
@@ -133,8 +135,8 @@ def attach_argmax_screen(head: nn.Module, *, min_elements: int = MIN_HEAD_ELEMEN
     Returns:
         Whether the screen was attached (``head.argmax_screen``). Raises nothing: a failure keeps the fp32 head.
     """
-    from llminfer.kernels.build import bf16_kernel_available, target_isa
-    from llminfer.kernels.prepack import PrepackedLinear, head_kernel_rows, prepack_supported
+    from llminfer.kernels.build import target_isa
+    from llminfer.kernels.prepack import PrepackedLinear, prepack_supported
 
     weight = getattr(head, "weight", None)
     if (not isinstance(head, PrepackedLinear) or head.bias is not None or weight is None
@@ -143,12 +145,14 @@ def attach_argmax_screen(head: nn.Module, *, min_elements: int = MIN_HEAD_ELEMEN
             or not prepack_supported(torch.bfloat16, weight.device)):
         return False
     try:
-        with torch.no_grad():  # not inference mode: the copies must keep version counters
-            copy = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
-            copy.weight = nn.Parameter(weight.detach().to(torch.bfloat16), requires_grad=False)
-            bf16_head = PrepackedLinear(copy)
-            if bf16_kernel_available():
-                bf16_head.kernel_rows = head_kernel_rows(bf16_head)
+        with torch.no_grad():  # not inference mode: the fp32 weight's version counter is read
+            # oneDNN's packed bf16 product at every row count: on Zen 4 it beat llminfer's bf16 kernel from 2
+            # rows on and tied at 1 (bench/bench_cpu_kernels.py), and only the packed copy is then kept.
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(torch.bfloat16), None)
+
+            def bf16_head(x: torch.Tensor) -> torch.Tensor:
+                return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
             screen = ArgmaxScreen(weight, bf16_head)
         with torch.inference_mode():
             probe = torch.randn(1, weight.shape[1])

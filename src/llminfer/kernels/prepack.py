@@ -104,7 +104,7 @@ class PrepackedLinear(nn.Linear):
     #: :func:`~llminfer.kernels.argmax_screen.attach_argmax_screen`).
     argmax_screen = None
     #: Rows of the next products whose caller needs only each row's argmax (set around a step by
-    #: :func:`argmax_only`); with a screen, those rows' logits are ``-inf`` outside the fp32 candidates.
+    #: :func:`argmax_only`); with a screen, those rows' logits are exact only at the fp32 candidates.
     argmax_only_rows: tuple[int, ...] = ()
 
     def __init__(self, linear: nn.Linear) -> None:
