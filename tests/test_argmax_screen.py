@@ -1,4 +1,4 @@
-"""The argmax screen: a bf16 copy of an fp32 head that must give each greedy row the fp32 head's argmax."""
+"""The argmax screen: bf16 and int8 copies of an fp32 head that must give each greedy row the fp32 head's argmax."""
 
 from __future__ import annotations
 
@@ -11,18 +11,41 @@ from hypothesis import strategies as st
 from torch import nn
 
 from helpers import make_engine
-from llminfer.kernels.argmax_screen import ArgmaxScreen, attach_argmax_screen, screen_margin
+from llminfer.kernels.argmax_screen import (
+    ArgmaxScreen,
+    ScreenProduct,
+    attach_argmax_screen,
+    int8_screen,
+    screen_margin,
+)
+from llminfer.kernels.build import skinny_linear_available
 from llminfer.kernels.prepack import PrepackedLinear, argmax_only, prepack_supported
 from llminfer.models import builtin_model_path
 
-needs_bf16 = pytest.mark.skipif(not prepack_supported(torch.bfloat16, torch.device("cpu")),
-                                reason="this CPU's oneDNN has no bf16 matmul")
+needs_kernels = pytest.mark.skipif(not skinny_linear_available(), reason="llminfer's CPU kernels are not built here")
+needs_a_copy = pytest.mark.skipif(
+    not (skinny_linear_available() or prepack_supported(torch.bfloat16, torch.device("cpu"))),
+    reason="neither llminfer's int8 kernel nor oneDNN's bf16 matmul runs here")
 
 
 def _bf16_matmul(weight: torch.Tensor):
-    """The screen's arithmetic: bf16 operands, fp32 sums, the result rounded to bf16."""
+    """The bf16 screen's arithmetic: bf16 operands, fp32 sums, the result rounded to bf16."""
     copy = weight.to(torch.bfloat16).float()
-    return lambda x: (x.float() @ copy.T).to(torch.bfloat16)
+    return lambda x: (x.to(torch.bfloat16).float() @ copy.T).to(torch.bfloat16)
+
+
+def _bf16_reference(weight: torch.Tensor) -> ArgmaxScreen:
+    """A screen with bf16_screen's bound on :func:`_bf16_matmul` (any CPU)."""
+    margin = screen_margin(weight.shape[1]) * float(weight.norm(dim=1).max())
+    product = ScreenProduct("bf16", _bf16_matmul(weight), lambda x: x.norm(dim=1, keepdim=True) * margin, 0)
+    return ArgmaxScreen(weight, [(0, product)])
+
+
+def _screens(weight: torch.Tensor) -> list[ArgmaxScreen]:
+    screens = [_bf16_reference(weight)]
+    if skinny_linear_available() and weight.shape[1] % 32 == 0:
+        screens.append(ArgmaxScreen(weight, [(0, int8_screen(weight))]))
+    return screens
 
 
 def _fp32_scores(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -31,7 +54,7 @@ def _fp32_scores(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), rows=st.integers(1, 6), vocab=st.integers(2, 400),
-       d=st.sampled_from([8, 64, 96]), ties=st.integers(0, 5), scale=st.sampled_from([1e-3, 1.0, 30.0]))
+       d=st.sampled_from([8, 64, 96, 512]), ties=st.integers(0, 5), scale=st.sampled_from([1e-3, 1.0, 30.0]))
 def test_screen_keeps_the_fp32_argmax(seed, rows, vocab, d, ties, scale):
     gen = torch.Generator().manual_seed(seed)
     weight = torch.randn(vocab, d, generator=gen) * 0.05
@@ -42,14 +65,14 @@ def test_screen_keeps_the_fp32_argmax(seed, rows, vocab, d, ties, scale):
         j = (top + 1 + k) % vocab
         weight[j] = weight[top]
         weight[j, k % d] += (k - 2) * 1e-6
-    screen = ArgmaxScreen(weight, _bf16_matmul(weight))
-    with torch.inference_mode():
-        out = screen.logits(x)
-    assert out is not None
     exact = _fp32_scores(weight, x)
-    assert out.argmax(dim=1).tolist() == exact.argmax(dim=1).tolist()
-    best = out.max(dim=1, keepdim=True).values
-    assert bool((torch.eq(out, exact) | (out < best)).all())  # the best carry their fp32 scores
+    for screen in _screens(weight):
+        with torch.inference_mode():
+            out = screen.logits(x)
+        assert out is not None
+        assert out.argmax(dim=1).tolist() == exact.argmax(dim=1).tolist()
+        best = out.max(dim=1, keepdim=True).values
+        assert bool((torch.eq(out, exact) | (out < best)).all())  # the best carry their fp32 scores
 
 
 @pytest.mark.parametrize("d", [64, 512, 2048])
@@ -64,10 +87,26 @@ def test_screen_order_flipped_by_bf16_rounding(d, scale):
     weight[2, 0::2] = 1 + 2.0**-9
     x = torch.ones(1, d) * scale
     x[0, 1::2] = -scale
-    screen = ArgmaxScreen(weight, _bf16_matmul(weight))
     with torch.inference_mode():
-        assert int(_bf16_matmul(weight)(x.to(torch.bfloat16)).float().argmax()) == 1
-        assert int(screen.logits(x).argmax()) == int(_fp32_scores(weight, x).argmax()) == 2
+        assert int(_bf16_matmul(weight)(x).float().argmax()) == 1
+        assert int(_bf16_reference(weight).logits(x).argmax()) == int(_fp32_scores(weight, x).argmax()) == 2
+
+
+@needs_kernels
+@pytest.mark.parametrize("d", [64, 512])
+def test_screen_order_flipped_by_int8_rounding(d):
+    """Token 2 wins in fp32 and loses in int8: its first weight sets a scale of 1, so its 0.4s round to 0,
+    while token 1's weights are exact codes."""
+    weight = torch.zeros(3, d)
+    weight[:, 0] = 127.0
+    weight[1, 2] = 1.0
+    weight[2, 2::2] = 0.4
+    x = torch.ones(1, d)
+    x[0, 1::2] = -1.0
+    product = int8_screen(weight)
+    with torch.inference_mode():
+        assert int(product.product(x).argmax()) == 1
+        assert int(ArgmaxScreen(weight, [(0, product)]).logits(x).argmax()) == int(_fp32_scores(weight, x).argmax()) == 2
 
 
 def test_margin_grows_with_the_dot_length():
@@ -76,13 +115,13 @@ def test_margin_grows_with_the_dot_length():
 
 def test_non_finite_rows_fall_back_to_the_full_head():
     weight = torch.randn(50, 8)
-    screen = ArgmaxScreen(weight, _bf16_matmul(weight))
+    screen = _bf16_reference(weight)
     with torch.inference_mode():
         assert screen.logits(torch.tensor([[math.nan] * 8])) is None
         assert screen.logits(torch.zeros(1, 8)) is not None  # all-equal logits: every token a candidate
 
 
-@needs_bf16
+@needs_a_copy
 def test_prepacked_head_screens_only_the_named_rows():
     torch.manual_seed(0)
     linear = nn.Linear(64, 3000, bias=False)
@@ -105,7 +144,7 @@ def test_prepacked_head_screens_only_the_named_rows():
             assert torch.equal(head(x), full)
 
 
-@needs_bf16
+@needs_a_copy
 def test_engine_greedy_tokens_equal_with_and_without_the_screen():
     prompts = ["Hello there", "The capital of", "a b c d e f", "x"]
     kinds = [dict(temperature=0.0), dict(temperature=0.0, logprobs=2), dict(temperature=0.8, seed=3),

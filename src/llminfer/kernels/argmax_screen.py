@@ -1,31 +1,38 @@
-"""The exact fp32 argmax of a large LM head at bf16 speed: screen in bf16, score the candidates in fp32.
+"""The exact fp32 argmax of a large LM head at a lower precision's speed: screen, then score the candidates in fp32.
 
 A greedy request that needs no logits (no logprobs, processors, bans or grammar) only needs the head's argmax.
 On CPU the fp32 head dominates a small model's decode step (151,646 x 512 is 310 MB to read per step at one
-row, 5 GFLOP per step at 32 rows). :class:`ArgmaxScreen` runs such rows through a bf16 copy of the head
-(half the bytes; ``vdpbf16ps`` retires twice the products of an fp32 FMA), bounds the screen's error per row,
-keeps every token that could still be the fp32 argmax, and scores only those in fp32 from the fp32 weight.
+row, 5 GFLOP per step at 32 rows). :class:`ArgmaxScreen` runs such rows through a cheaper copy of the head
+(:func:`int8_screen`: a quarter of the bytes, for memory-bound steps of a row or a few; :func:`bf16_screen`:
+half the bytes, and ``vdpbf16ps`` retires twice the products of an fp32 FMA, for larger steps), bounds the
+copy's error per row, keeps every token that could still be the fp32 argmax, and scores only those in fp32
+from the fp32 weight.
 
-The bound. For row ``x`` and vocabulary row ``w_j`` let ``s_j = sum_i x_i w_ji`` (exact). The screen rounds
-``x`` and ``w_j`` to bf16 (unit roundoff ``u = 2^-8``), accumulates their exact products in fp32 and rounds
-the sum to bf16, so ``|a_j - s_j| <= ((1+u)^3 (1+g) - 1) * sum_i |x_i||w_ji|`` with ``g = n 2^-24 / (1 - n
-2^-24)`` the fp32 summation bound for ``n`` terms (Higham, *Accuracy and Stability of Numerical Algorithms*,
-2nd ed., section 3.1), taken for ``n = 2d``. The fp32 score ``r_j`` is within ``g * sum_i |x_i||w_ji|`` of ``s_j``, and by
-Cauchy-Schwarz ``sum_i |x_i||w_ji| <= ||x|| * max_j ||w_j||``. With ``E`` the sum of both bounds (raised
-by a quarter against the rounding of the norms and the threshold, plus an absolute term for the denormals
-that ``vdpbf16ps`` treats as zero), the fp32 argmax ``j*`` satisfies ``a_j* >= r_j* - E >= r_k - E >= a_k - 2E`` for every
-``k``, so ``{j : a_j >= max_k a_k - 2E}`` holds it. Tokens outside that set keep ``a_j``, which is below
-``max_k a_k - 2E`` and so below ``r_j*``; the set is scored ``r_j = dot(x, w_j)`` in fp32, each on its own, so a row's token does not depend on its batch.
+The bound, for the bf16 copy. For row ``x`` and vocabulary row ``w_j`` let ``s_j = sum_i x_i w_ji`` (exact).
+The copy rounds ``x`` and ``w_j`` to bf16 (unit roundoff ``u = 2^-8``), accumulates their exact products in
+fp32 and rounds the sum to bf16, so ``|a_j - s_j| <= ((1+u)^3 (1+g) - 1) * sum_i |x_i||w_ji|`` with
+``g = n 2^-24 / (1 - n 2^-24)`` the fp32 summation bound for ``n`` terms (Higham, *Accuracy and Stability of
+Numerical Algorithms*, 2nd ed., section 3.1), taken for ``n = 2d``. The fp32 score ``r_j`` is within
+``g * sum_i |x_i||w_ji|`` of ``s_j``, and by Cauchy-Schwarz ``sum_i |x_i||w_ji| <= ||x|| * max_j ||w_j||``.
+The int8 copy's bound (:func:`int8_screen`) adds the weights' and the activations' rounding instead. With
+``E`` the sum of the bounds (raised by a quarter against the rounding of the norms and the threshold), the
+fp32 argmax ``j*`` satisfies ``a_j* >= r_j* - E >= r_k - E >= a_k - 2E`` for every ``k``, so
+``{j : a_j >= max_k a_k - 2E}`` holds it. Tokens outside that set keep ``a_j``, which is below
+``max_k a_k - 2E`` and so below ``r_j*``; the set is scored ``r_j = dot(x, w_j)`` in fp32, each on its own, so
+a row's token does not depend on its batch.
 
-The screen is kept only where a short measurement at load shows it faster than the fp32 head
-(:func:`attach_argmax_screen`); its figures are in the README's CPU section.
+Which copy runs where, and whether the screen is kept at all, is measured at load
+(:func:`attach_argmax_screen`); the figures are in the README's CPU section.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
+import attrs
 import numpy as np
 import structlog
 import torch
@@ -33,43 +40,115 @@ from torch import nn
 
 log = structlog.get_logger("llminfer.argmax_screen")
 
-__all__ = ["ArgmaxScreen", "attach_argmax_screen", "screen_margin"]
+__all__ = ["ArgmaxScreen", "ScreenProduct", "attach_argmax_screen", "bf16_screen", "int8_screen", "screen_margin"]
 
 #: A head smaller than this (elements) is not screened: its fp32 product is already cheap.
 MIN_HEAD_ELEMENTS = 8 * 2**20
 #: More candidates than this per row (a nearly flat row of logits) and the rows are scored in full instead.
 MAX_CANDIDATES_PER_ROW = 4096
+#: The row counts :func:`attach_argmax_screen` times each copy at, with the repetitions (median taken).
+PROBES = ((1, 5), (2, 3), (8, 3))
+#: Against the rounding of the norms and of the threshold itself, every bound is raised by a quarter.
+BOUND_SLACK = 1.25
+
+
+def _summation_bound(terms: int) -> float:
+    unit = terms * 2.0**-24
+    return unit / (1.0 - unit)
 
 
 def screen_margin(in_features: int) -> float:
     """The relative error bound ``c`` (:math:`|a_j - r_j| \\le c\\,\\|x\\|\\max_j\\|w_j\\|`) of a bf16 screen
     against the fp32 score for dot products of ``in_features`` terms (see the module docstring), with the
-    summation bound taken for twice the terms (``vdpbf16ps`` adds two products per lane and step) and a
-    quarter more against the rounding of the norms and of the threshold itself."""
+    summation bound taken for twice the terms (``vdpbf16ps`` adds two products per lane and step) and
+    :data:`BOUND_SLACK`."""
     u = 2.0**-8
-    unit = 2 * in_features * 2.0**-24
-    g = unit / (1.0 - unit)
-    return 1.25 * (((1 + u) ** 3) * (1 + g) - 1 + g)
+    g = _summation_bound(2 * in_features)
+    return BOUND_SLACK * (((1 + u) ** 3) * (1 + g) - 1 + g)
+
+
+@attrs.frozen
+class ScreenProduct:
+    """One approximate product of the head and its error bound.
+
+    Attributes:
+        name: ``"bf16"`` or ``"int8"``.
+        product: fp32 ``x [R, d]`` -> ``[R, V]`` approximate logits (any float dtype).
+        error_bound: fp32 ``x [R, d]`` -> fp32 ``[R, 1]``: for every token ``j``, a bound on the distance
+            between the approximate logit and the fp32 score ``dot(x, w_j)``.
+        bytes: what the copy holds.
+    """
+
+    name: str
+    product: Callable[[torch.Tensor], torch.Tensor]
+    error_bound: Callable[[torch.Tensor], torch.Tensor]
+    bytes: int
+
+
+def bf16_screen(weight: torch.Tensor) -> ScreenProduct:
+    """oneDNN's packed bf16 copy of ``weight`` (fp32 ``[V, d]``): ``V * d * 2`` bytes. Its bound is
+    :func:`screen_margin` times ``||x|| * max_j ||w_j||``. Raises RuntimeError where oneDNN has no bf16 kernel."""
+    with torch.no_grad():
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(torch.bfloat16), None)
+        wmax = float(weight.norm(dim=1).max())
+    margin = screen_margin(weight.shape[1]) * wmax
+    tiny = weight.shape[1] * 2.0**-100  # denormals that vdpbf16ps counts as zero
+
+    def product(x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), packed, None, "none", [], "")
+
+    def error_bound(x: torch.Tensor) -> torch.Tensor:
+        return x.norm(dim=1, keepdim=True) * margin + tiny
+
+    return ScreenProduct("bf16", product, error_bound, packed.numel() * 2)
+
+
+def int8_screen(weight: torch.Tensor) -> ScreenProduct:
+    """A per-row symmetric int8 copy of ``weight`` (fp32 ``[V, d]``, ``d % 32 == 0``) on llminfer's
+    :func:`~llminfer.kernels.linear.int8_linear` (``V * d`` bytes plus a scale per row).
+
+    Its bound for row ``x``: the weights' rounding (``|w - s q| <= s / 2``) costs at most
+    ``max_j s_j / 2 * ||x||_1``; the activations' rounding (14 bits per row on VNNI, none elsewhere) at most
+    ``max_j s_j ||q_j||_1 * ||x||_inf / 16382``; the fp32 sums and the fp32 score at most
+    ``2 g(2d) * ||x|| * max_j ||w_j||``; all times :data:`BOUND_SLACK`.
+    Raises RuntimeError where the kernel is not loaded.
+    """
+    from llminfer.kernels.linear import int8_linear
+
+    with torch.no_grad():
+        scale = weight.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127
+        codes = torch.round(weight / scale[:, None]).clamp_(-127, 127)
+        code_mass = float((codes.abs().sum(dim=1) * scale).max())
+        codes = codes.to(torch.int8).contiguous()
+        wmax = float(weight.norm(dim=1).max()) * (1 + 2.0**-7)
+        max_scale = float(scale.max())
+    g = 2 * _summation_bound(2 * weight.shape[1])
+
+    def product(x: torch.Tensor) -> torch.Tensor:
+        return int8_linear(x.contiguous(), codes, scale)
+
+    def error_bound(x: torch.Tensor) -> torch.Tensor:
+        ax = x.abs()
+        return BOUND_SLACK * (ax.sum(dim=1, keepdim=True) * (max_scale / 2)
+                              + ax.amax(dim=1, keepdim=True) * (code_mass / 16382)
+                              + x.norm(dim=1, keepdim=True) * (g * wmax))
+
+    return ScreenProduct("int8", product, error_bound, codes.numel() + scale.numel() * 4)
 
 
 class ArgmaxScreen:
-    """A bf16 copy of an fp32 head ``weight`` (``[V, d]``, no bias) that finds each row's fp32 argmax.
+    """Approximate copies of an fp32 head ``weight`` (``[V, d]``, no bias) that find each row's fp32 argmax.
 
     Args:
         weight: the fp32 head weight ``[V, d]``, contiguous, on CPU (kept by reference for the fp32 scores).
-        bf16_head: ``x_bf16 [R, d] -> [R, V]`` bf16, the product with the bf16 copy (built by
-            :func:`attach_argmax_screen`).
-
-    The copy costs ``V * d * 2`` bytes (155 MB for 151,646 x 512), in oneDNN's packed layout.
+        products: ``(max_rows, product)`` pairs, by increasing ``max_rows``: a call of ``R`` rows takes the
+            first whose ``max_rows >= R``, else the last (built by :func:`attach_argmax_screen`).
     """
 
-    def __init__(self, weight: torch.Tensor, bf16_head: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    def __init__(self, weight: torch.Tensor, products: Sequence[tuple[int, ScreenProduct]]) -> None:
         self.weight = weight
-        self.bf16_head = bf16_head
+        self.products = list(products)
         self.version = weight._version
-        with torch.no_grad():
-            self.max_row_norm = float(weight.norm(dim=1).max())
-        self.margin = screen_margin(weight.shape[1])
         self.rows_screened = 0
         self.candidates = 0
 
@@ -77,6 +156,10 @@ class ArgmaxScreen:
     def stale(self) -> bool:
         """Whether the fp32 weight was modified in place since the copy was made (then do not use it)."""
         return self.weight._version != self.version
+
+    def product_for(self, rows: int) -> ScreenProduct:
+        """The copy a product of ``rows`` rows runs on."""
+        return next((p for limit, p in self.products if rows <= limit), self.products[-1][1])
 
     def logits(self, x: torch.Tensor) -> torch.Tensor | None:
         """Logits whose argmax is each row's fp32 argmax: the fp32 score at each candidate, the screen's value
@@ -90,10 +173,9 @@ class ArgmaxScreen:
             :data:`MAX_CANDIDATES_PER_ROW` candidates in a row): then the caller runs the fp32 head.
         """
         vocab = self.weight.shape[0]
-        screen = self.bf16_head(x.to(torch.bfloat16)).float()  # [R, V]
-        norms = x.norm(dim=1, keepdim=True)
-        threshold = screen.amax(dim=1, keepdim=True) - 2.0 * (self.margin * self.max_row_norm * norms
-                                                              + x.shape[1] * 2.0**-100)
+        chosen = self.product_for(x.shape[0])
+        screen = chosen.product(x).float()  # [R, V]; a fresh tensor (bf16 -> fp32, or int8's own output)
+        threshold = screen.amax(dim=1, keepdim=True) - 2.0 * chosen.error_bound(x)
         if not bool(torch.isfinite(threshold).all()):
             return None
         flat = np.flatnonzero(screen.numpy() >= threshold.numpy())  # SIMD compare and scan, few hits
@@ -109,9 +191,10 @@ class ArgmaxScreen:
         self.candidates += len(flat)
         return screen
 
-    def describe(self) -> dict[str, float | int]:
-        """Rows screened so far and their mean number of fp32-scored candidates."""
-        return {"rows": self.rows_screened,
+    def describe(self) -> dict[str, Any]:
+        """The copies (which rows take which), rows screened so far and their mean fp32-scored candidates."""
+        return {"products": {p.name: limit for limit, p in self.products},
+                "rows": self.rows_screened,
                 "candidates_per_row": round(self.candidates / self.rows_screened, 1) if self.rows_screened else 0}
 
 
@@ -126,44 +209,64 @@ def _median_ms(fn: Callable[[], object], reps: int = 5) -> float:
 
 
 def attach_argmax_screen(head: nn.Module, *, min_elements: int = MIN_HEAD_ELEMENTS, require_faster: bool = True) -> bool:
-    """Give ``head`` (a :class:`~llminfer.kernels.prepack.PrepackedLinear` over an fp32 weight, no bias) an
-    :class:`ArgmaxScreen` where that is faster: on CPU with native bf16 in oneDNN, outside a forced AVX2 build
-    (``LLMINFER_CPU_KERNEL_ISA=avx2`` stands for CPUs without it), for heads of at least
-    ``min_elements`` (:data:`MIN_HEAD_ELEMENTS`), and when one row through the screen takes under 90 % of the
-    fp32 head's time (median of 5 each, about 0.1 s at load; ``require_faster=False`` skips that condition).
+    """Give ``head`` (a :class:`~llminfer.kernels.prepack.PrepackedLinear` over an fp32 weight, no bias, at
+    least ``min_elements`` elements) an :class:`ArgmaxScreen` where that is faster, choosing its copies by
+    measurement.
+
+    The candidates: :func:`bf16_screen` where oneDNN has native bf16 and the kernels are not forced to AVX2
+    (``LLMINFER_CPU_KERNEL_ISA=avx2`` stands for CPUs without AVX-512 BF16), and :func:`int8_screen` where
+    llminfer's kernels are loaded and ``d % 32 == 0``. At each of :data:`PROBES`' row counts the fp32 head and
+    each copy's screen are timed (about a second at load for a 151k x 512 head); the faster copy takes the
+    steps up to that count (the last one's, all larger steps). The screen is kept when its 1-row time is
+    under 90 % of the fp32 head's (``require_faster=False`` keeps it regardless).
 
     Returns:
-        Whether the screen was attached (``head.argmax_screen``). Raises nothing: a failure keeps the fp32 head.
+        Whether the screen was attached (``head.argmax_screen``; ``head.argmax_screen_probe_ms`` holds the
+        probe). Raises nothing: a failure keeps the fp32 head.
     """
-    from llminfer.kernels.build import target_isa
+    from llminfer.kernels.build import skinny_linear_available, target_isa
+    from llminfer.kernels.cpu_info import cpu_flags
     from llminfer.kernels.prepack import PrepackedLinear, prepack_supported
 
     weight = getattr(head, "weight", None)
     if (not isinstance(head, PrepackedLinear) or head.bias is not None or weight is None
             or weight.dtype != torch.float32 or weight.device.type != "cpu" or not weight.is_contiguous()
-            or weight.numel() < min_elements or target_isa() == "avx2"
-            or not prepack_supported(torch.bfloat16, weight.device)):
+            or weight.numel() < min_elements):
         return False
+    builders = []
+    if (target_isa() != "avx2" and "avx512_bf16" in cpu_flags()
+            and prepack_supported(torch.bfloat16, weight.device)):
+        builders.append(bf16_screen)
+    if weight.shape[1] % 32 == 0 and skinny_linear_available():
+        builders.append(int8_screen)
+    products, probe = [], {}
     try:
         with torch.no_grad():  # not inference mode: the fp32 weight's version counter is read
-            # oneDNN's packed bf16 product at every row count: on Zen 4 it beat llminfer's bf16 kernel from 2
-            # rows on and tied at 1 (bench/bench_cpu_kernels.py), and only the packed copy is then kept.
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(torch.bfloat16), None)
-
-            def bf16_head(x: torch.Tensor) -> torch.Tensor:
-                return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-
-            screen = ArgmaxScreen(weight, bf16_head)
+            for build in builders:
+                with contextlib.suppress(RuntimeError):  # an oneDNN build without bf16, a kernel without int8
+                    products.append(build(weight))
+        if not products:
+            return False
         with torch.inference_mode():
-            probe = torch.randn(1, weight.shape[1])
-            full_ms = _median_ms(lambda: head(probe))
-            screened_ms = _median_ms(lambda: screen.logits(probe))
-        screen.rows_screened = screen.candidates = 0
-    except RuntimeError as exc:  # an oneDNN build without the bf16 kernel
+            for rows, reps in PROBES:
+                x = torch.randn(rows, weight.shape[1])
+                probe[f"fp32_{rows}"] = _median_ms(lambda x=x: head(x), reps)
+                for p in products:
+                    probe[f"{p.name}_{rows}"] = _median_ms(lambda x=x, p=p: ArgmaxScreen(weight, [(0, p)]).logits(x),
+                                                           reps)
+    except RuntimeError as exc:
         log.warning("argmax screen unavailable; using the fp32 head", error=str(exc)[:200])
         return False
-    keep = screened_ms < 0.9 * full_ms or not require_faster
-    log.debug("argmax screen measured", fp32_ms=round(full_ms, 2), screened_ms=round(screened_ms, 2), kept=keep)
-    head.argmax_screen = screen if keep else None
-    head.argmax_screen_probe_ms = {"fp32": round(full_ms, 2), "screened": round(screened_ms, 2)}
+    chosen: list[tuple[int, ScreenProduct]] = []
+    for rows, _ in PROBES:  # the fastest copy at each probed size takes the steps up to that size
+        best = min(products, key=lambda p, rows=rows: probe[f"{p.name}_{rows}"])
+        if chosen and chosen[-1][1] is best:
+            chosen.pop()
+        chosen.append((rows, best))
+    chosen[-1] = (2**31, chosen[-1][1])
+    keep = probe[f"{chosen[0][1].name}_1"] < 0.9 * probe["fp32_1"] or not require_faster
+    probe = {k: round(v, 2) for k, v in probe.items()}
+    log.debug("argmax screen measured", kept=keep, **probe)
+    head.argmax_screen = ArgmaxScreen(weight, chosen) if keep else None
+    head.argmax_screen_probe_ms = probe
     return keep
