@@ -1,7 +1,7 @@
 """The argmax screen (``EngineConfig.cpu_argmax_screen``) on and off: greedy output tokens/s, side by side.
 
-Model: the ~102M Qwen2-shaped benchmark model (common.BENCH_DTYPE, CPU), whose fp32 LM head (151,646 x 512) is most
-of a decode step. Greedy, prompts of 32 random tokens, ``--new-tokens`` new tokens (ignore_eos), at batch 1, 8
+Model: the ~102M Qwen2-shaped benchmark model in float32 (the screen is for fp32 heads), CPU, whose LM head
+(151,646 x 512) is most of a decode step. Greedy, prompts of 32 random tokens, ``--new-tokens`` new tokens (ignore_eos), at batch 1, 8
 and 32 (continuous batching). Two engines of one backend, the screen off and on; the timed runs alternate
 between them per repetition, on the same prompts, and every sequence's tokens are compared. The screen's
 load-time probe (ms for one row, fp32 head against the screen) and its mean candidates per row are reported.
@@ -18,7 +18,6 @@ import argparse
 import statistics
 
 from common import (
-    BENCH_DTYPE,
     BENCH_VOCAB,
     bench_model_path,
     environment,
@@ -32,7 +31,7 @@ from llminfer.logging import configure_logging
 
 
 def engine(backend: Backend, max_batch: int, screen: bool) -> InferenceEngine:
-    cfg = EngineConfig(model_name=str(bench_model_path()), backend=backend, dtype=BENCH_DTYPE, device="cpu",
+    cfg = EngineConfig(model_name=str(bench_model_path()), backend=backend, dtype="float32", device="cpu",
                        max_batch_size=max_batch, batch_timeout_ms=20, cpu_argmax_screen=screen,
                        cache=CacheConfig(page_size_tokens=16, kv_cache_memory_bytes=512 << 20),
                        scheduler=SchedulerConfig(max_num_batched_tokens=2048))
@@ -77,7 +76,7 @@ def main() -> dict:
     for e in engines.values():
         e.close()
     print(f"[argmax_screen] screen: {screen}")
-    payload = {"benchmark": "argmax_screen", "model": f"bench-qwen2-102m ({BENCH_DTYPE}, cpu)",
+    payload = {"benchmark": "argmax_screen", "model": "bench-qwen2-102m (float32, cpu)",
                "backend": args.backend, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
                "results": results, "screen": screen, "environment": environment()}
     print(f"-> {save('argmax_screen', payload)}")
