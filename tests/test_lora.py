@@ -75,6 +75,30 @@ def test_adapter_changes_output_matches_peft_and_unload_restores_base(qwen2_dir,
     assert after == base
 
 
+def test_adapter_on_the_lm_head_with_the_argmax_screen(qwen2_dir, tmp_path, prompt):
+    """Greedy rows with no logits to read take the head's argmax screen, which a LoRA adapter on ``lm_head``
+    would bypass: with such an adapter loaded the rows take the wrapped head (PEFT keeps the wrapper after
+    an unload, so the full head from then on), and the tokens equal those of an engine without the screen."""
+    from llminfer.kernels.argmax_screen import attach_argmax_screen
+
+    adapter = _make_adapter(qwen2_dir, tmp_path / "head", 3, targets=("lm_head",))
+    kw = dict(max_new_tokens=NEW, ignore_eos=True, temperature=0.0)
+    outputs = []
+    for screen in (False, True):
+        with make_engine(qwen2_dir, cpu_argmax_screen=False) as engine:
+            if screen:
+                assert attach_argmax_screen(engine.backend.output_head, min_elements=0, require_faster=False)
+            outputs.append(list(engine.run(prompt, **kw).token_ids))
+            screened = engine.backend.describe()["argmax_screen"]
+            engine.load_adapter(str(adapter), "head")
+            outputs.append(list(engine.run(prompt, **kw).token_ids))
+            if screen:
+                assert screened["rows"] > 0  # the base head was screened
+                assert engine.backend.describe()["argmax_screen"]["rows"] == screened["rows"]  # not the adapter's
+    assert outputs[0] == outputs[2] and outputs[1] == outputs[3]
+    assert outputs[0] != outputs[1]
+
+
 def test_prefix_cache_is_partitioned_by_adapter(qwen2_dir, adapters, prompt):
     """One shared prompt under base, a, b, and the same name reloaded with other weights: a request only ever
     hits blocks computed under its own adapter, and every output equals the cold-cache output."""

@@ -224,6 +224,10 @@ class CompiledBackend(HFBackend):
                     raise
                 self.disable_compiled(exc)
 
+    def screenable_head(self) -> torch.nn.Module | None:
+        """The head this backend calls after its graph (:attr:`output_head`), or None with the head inside it."""
+        return self.output_head
+
     def attach_decode_graphs(self, max_batch_size: int, max_model_len: int, capture: bool = True) -> Any:
         """Replay pure-decode steps of the compiled graph from the eager backend's
         :class:`~llminfer.backends.cuda_graphs.DecodeGraphRunner` (``capture=False``: run each bucket on

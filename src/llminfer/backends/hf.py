@@ -73,7 +73,7 @@ class HFBackend(StepBackend):
         step = PackedStep.from_plan(plan, self.states)
         seqs = [s for s in plan.sequences if s.sample]
         greedy = [row for row, s in enumerate(seqs) if self.states[s.request_id].argmax_only]
-        with argmax_only(self.output_head, greedy):
+        with argmax_only(self.screenable_head(), greedy):
             logits = self.forward(step)
         n = len(step.sample_rows)
         result = StepResult(prompt_logprobs=prompt_logprobs(logits[n:], step.jobs) if step.jobs else {})
@@ -101,6 +101,15 @@ class HFBackend(StepBackend):
         logits = self.graphs.run([t[0] for t in step.tokens], list(step.starts), list(step.block_tables))
         # one row per sequence in a pure-decode step: a sequence's row is its index
         return logits if len(step.sample_rows) == len(step.tokens) else logits[list(step.sample_rows)]
+
+    def screenable_head(self) -> torch.nn.Module | None:
+        """:attr:`output_head` while the model still calls it as its head and no hook sits on it, else None:
+        an adapter that wraps the head (PEFT's LoRA on ``lm_head``) or a forward hook changes its output, which
+        an argmax screen does not see."""
+        head = self.output_head
+        if head is None or self.model.get_output_embeddings() is not head:
+            return None
+        return None if head._forward_hooks or head._forward_pre_hooks else head
 
     def attach_argmax_screen(self) -> bool:
         """Screen greedy rows through a bf16 copy of an fp32 CPU head where measured faster
