@@ -142,6 +142,61 @@ def test_prepacked_head_screens_only_the_named_rows():
         full = head(x)
         with argmax_only(head, [0, 1, 2, 3, 4]):
             assert torch.equal(head(x), full)
+    linear.weight.data = linear.weight.data.clone()  # so does a replaced tensor
+    assert head.argmax_screen.stale
+
+
+@needs_kernels
+def test_rows_beside_screened_ones_keep_their_bits():
+    """The rows that need logits take the kernel the whole step would take (llminfer's up to 8 rows, oneDNN
+    beyond), not the one their own count would pick."""
+    torch.manual_seed(0)
+    head = PrepackedLinear(nn.Linear(64, 3000, bias=False))
+    head.kernel_rows = 8
+    assert attach_argmax_screen(head, min_elements=0, require_faster=False)
+    for total, screened in ((12, [0, 1, 2, 3, 4, 5]), (12, [3]), (5, [1, 3])):
+        x = torch.randn(total, 64)
+        with torch.inference_mode():
+            full = head(x)
+            with argmax_only(head, screened):
+                mixed = head(x)
+        others = [i for i in range(total) if i not in screened]
+        assert torch.equal(mixed[others], full[others])
+
+
+def test_a_copy_whose_bound_keeps_too_many_candidates_is_dropped():
+    weight = torch.randn(300, 8)
+    loose = ScreenProduct("loose", _bf16_matmul(weight), lambda x: torch.full((x.shape[0], 1), 1e9), 0)
+    tight = _bf16_reference(weight).products[0][1]
+    screen = ArgmaxScreen(weight, [(1, loose), (2**31, tight)])
+    x = torch.randn(1, 8)
+    with torch.inference_mode(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr("llminfer.kernels.argmax_screen.MAX_CANDIDATES_PER_ROW", 10)
+        for _ in range(16):
+            screen.logits(x)
+        assert screen.dropped == ["loose"] and screen.product_for(1) is tight
+        assert screen.logits(x) is not None
+        only = ArgmaxScreen(weight, [(2**31, loose)])
+        for _ in range(16):
+            assert only.logits(x) is None
+        assert not only.active
+
+
+@needs_a_copy
+@pytest.mark.parametrize("where", ["model", "global"])
+def test_a_hook_that_can_see_the_logits_turns_the_screen_off(where):
+    with make_engine(builtin_model_path(), cpu_argmax_screen=False) as engine:
+        head = engine.backend.output_head
+        assert attach_argmax_screen(head, min_elements=0, require_faster=False)
+        assert engine.backend.screenable_head() is head
+        handle = (engine.model.register_forward_hook(lambda *a: None) if where == "model"
+                  else torch.nn.modules.module.register_module_forward_hook(lambda *a: None))
+        try:
+            assert engine.backend.screenable_head() is None
+            engine.run("Hello", max_new_tokens=3, temperature=0.0)
+            assert engine.backend.describe()["argmax_screen"]["rows"] == 0
+        finally:
+            handle.remove()
 
 
 @needs_a_copy

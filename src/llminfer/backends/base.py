@@ -23,6 +23,15 @@ from llminfer.results import TokenLogprob
 from llminfer.sampling.sampler import SamplingState, sample
 
 
+def logits_hooked(model: torch.nn.Module, head: torch.nn.Module) -> bool:
+    """Whether a forward hook can see or change the logits: one on ``head`` or on ``model`` (the causal LM
+    whose output holds them), or a global module hook."""
+    from torch.nn.modules import module as nn_module
+
+    return bool(nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks
+                or head._forward_hooks or head._forward_pre_hooks or model._forward_hooks)
+
+
 @attrs.define
 class StepResult:
     """What :meth:`StepBackend.run_step` produced (the fields of :class:`StepOutput` it fills).

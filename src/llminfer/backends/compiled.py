@@ -47,6 +47,7 @@ import structlog
 import torch
 
 from llminfer.backends.attention import PagedKVCache, build_metadata
+from llminfer.backends.base import logits_hooked
 from llminfer.backends.compile_config import (
     COMPILE_BACKEND_ENV,
     CountingBackend,
@@ -225,8 +226,10 @@ class CompiledBackend(HFBackend):
                 self.disable_compiled(exc)
 
     def screenable_head(self) -> torch.nn.Module | None:
-        """The head this backend calls after its graph (:attr:`output_head`), or None with the head inside it."""
-        return self.output_head
+        """The head this backend calls after its graph (:attr:`output_head`), or None with the head inside it
+        or where a hook can see the logits (:func:`~llminfer.backends.base.logits_hooked`)."""
+        head = self.output_head
+        return None if head is None or logits_hooked(self.model, head) else head
 
     def attach_decode_graphs(self, max_batch_size: int, max_model_len: int, capture: bool = True) -> Any:
         """Replay pure-decode steps of the compiled graph from the eager backend's

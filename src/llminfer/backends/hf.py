@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from llminfer.backends.attention import PagedKVCache
-from llminfer.backends.base import StepBackend, StepResult
+from llminfer.backends.base import StepBackend, StepResult, logits_hooked
 from llminfer.backends.decoder_loop import uses_decoder_loop
 from llminfer.backends.packing import PackedStep, prompt_logprobs, run_packed
 from llminfer.kernels.prepack import argmax_only
@@ -103,13 +103,13 @@ class HFBackend(StepBackend):
         return logits if len(step.sample_rows) == len(step.tokens) else logits[list(step.sample_rows)]
 
     def screenable_head(self) -> torch.nn.Module | None:
-        """:attr:`output_head` while the model still calls it as its head and no hook sits on it, else None:
-        an adapter that wraps the head (PEFT's LoRA on ``lm_head``) or a forward hook changes its output, which
-        an argmax screen does not see."""
+        """:attr:`output_head` while the model still calls it as its head and no hook can see the logits
+        (:func:`~llminfer.backends.base.logits_hooked`), else None: an adapter that wraps the head (PEFT's LoRA
+        on ``lm_head``) or a forward hook changes the logits, which an argmax screen does not see."""
         head = self.output_head
         if head is None or self.model.get_output_embeddings() is not head:
             return None
-        return None if head._forward_hooks or head._forward_pre_hooks else head
+        return None if logits_hooked(self.model, head) else head
 
     def attach_argmax_screen(self) -> bool:
         """Screen greedy rows through a bf16 copy of an fp32 CPU head where measured faster

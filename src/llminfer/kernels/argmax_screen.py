@@ -46,6 +46,10 @@ __all__ = ["ArgmaxScreen", "ScreenProduct", "attach_argmax_screen", "bf16_screen
 MIN_HEAD_ELEMENTS = 8 * 2**20
 #: More candidates than this per row (a nearly flat row of logits) and the rows are scored in full instead.
 MAX_CANDIDATES_PER_ROW = 4096
+#: A copy that fell back to the fp32 head (too many candidates) in more than this share of its first
+#: :data:`DROP_AFTER_CALLS` calls or later is dropped (:meth:`ArgmaxScreen._count`).
+DROP_FALLBACK_SHARE = 0.125
+DROP_AFTER_CALLS = 16
 #: The row counts :func:`attach_argmax_screen` times each copy at, with the repetitions (median taken).
 PROBES = ((1, 5), (2, 3), (8, 3))
 #: Against the rounding of the norms and of the threshold itself, every bound is raised by a quarter.
@@ -148,18 +152,43 @@ class ArgmaxScreen:
     def __init__(self, weight: torch.Tensor, products: Sequence[tuple[int, ScreenProduct]]) -> None:
         self.weight = weight
         self.products = list(products)
-        self.version = weight._version
+        self.version = (weight._version, weight.data_ptr())
         self.rows_screened = 0
         self.candidates = 0
+        self.calls: dict[str, int] = {}
+        self.fallbacks: dict[str, int] = {}
+        self.dropped: list[str] = []
 
     @property
     def stale(self) -> bool:
-        """Whether the fp32 weight was modified in place since the copy was made (then do not use it)."""
-        return self.weight._version != self.version
+        """Whether the fp32 weight was modified in place or replaced since the copies were made (then do not use
+        them). An in-place edit through ``weight.data`` moves neither and is not seen, as for oneDNN's packed
+        copy (:class:`~llminfer.kernels.prepack.PrepackedLinear`)."""
+        return (self.weight._version, self.weight.data_ptr()) != self.version
+
+    @property
+    def active(self) -> bool:
+        """Whether any copy is left (:meth:`logits` drops one whose bound keeps too many candidates)."""
+        return bool(self.products)
 
     def product_for(self, rows: int) -> ScreenProduct:
         """The copy a product of ``rows`` rows runs on."""
         return next((p for limit, p in self.products if rows <= limit), self.products[-1][1])
+
+    def _count(self, product: ScreenProduct, fell_back: bool) -> None:
+        """Drop a copy whose bound proves too loose on the real hidden states (the load-time probe used random
+        ones): after :data:`DROP_AFTER_CALLS` calls, one that fell back to the fp32 head in more than
+        :data:`DROP_FALLBACK_SHARE` of them. Its step sizes go to the next copy, or the screen ends."""
+        name = product.name
+        self.calls[name] = self.calls.get(name, 0) + 1
+        self.fallbacks[name] = self.fallbacks.get(name, 0) + fell_back
+        if self.calls[name] >= DROP_AFTER_CALLS and self.fallbacks[name] > DROP_FALLBACK_SHARE * self.calls[name]:
+            limits = [limit for limit, p in self.products if p is not product]
+            kept = [p for _, p in self.products if p is not product]
+            self.products = list(zip(limits[:-1] + [2**31], kept)) if kept else []
+            self.dropped.append(name)
+            log.info("argmax screen copy dropped: its bound keeps too many candidates", copy=name,
+                     calls=self.calls[name], fallbacks=self.fallbacks[name])
 
     def logits(self, x: torch.Tensor) -> torch.Tensor | None:
         """Logits whose argmax is each row's fp32 argmax: the fp32 score at each candidate, the screen's value
@@ -172,6 +201,8 @@ class ArgmaxScreen:
             ``[R, V]`` float32, or None where the screen cannot decide cheaply (a non-finite row, more than
             :data:`MAX_CANDIDATES_PER_ROW` candidates in a row): then the caller runs the fp32 head.
         """
+        if not self.products:
+            return None
         vocab = self.weight.shape[0]
         chosen = self.product_for(x.shape[0])
         screen = chosen.product(x).float()  # [R, V]; a fresh tensor (bf16 -> fp32, or int8's own output)
@@ -179,7 +210,9 @@ class ArgmaxScreen:
         if not bool(torch.isfinite(threshold).all()):
             return None
         flat = np.flatnonzero(screen.numpy() >= threshold.numpy())  # SIMD compare and scan, few hits
-        if len(flat) > MAX_CANDIDATES_PER_ROW * x.shape[0]:
+        too_many = len(flat) > MAX_CANDIDATES_PER_ROW * x.shape[0]
+        self._count(chosen, too_many)
+        if too_many:
             return None
         index = torch.from_numpy(flat)
         rows, cols = index // vocab, index % vocab
@@ -192,9 +225,10 @@ class ArgmaxScreen:
         return screen
 
     def describe(self) -> dict[str, Any]:
-        """The copies (which rows take which), rows screened so far and their mean fp32-scored candidates."""
-        return {"products": {p.name: limit for limit, p in self.products},
-                "rows": self.rows_screened,
+        """The copies (``[max_rows, name]`` in order), those dropped, calls and fallbacks per copy, rows screened so
+        far and their mean fp32-scored candidates."""
+        return {"products": [[limit, p.name] for limit, p in self.products], "dropped": self.dropped,
+                "calls": self.calls, "fallbacks": self.fallbacks, "rows": self.rows_screened,
                 "candidates_per_row": round(self.candidates / self.rows_screened, 1) if self.rows_screened else 0}
 
 

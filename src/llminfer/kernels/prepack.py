@@ -126,7 +126,7 @@ class PrepackedLinear(nn.Linear):
             return F.linear(x, self.weight, self.bias)
         flat = x.reshape(-1, self.in_features)
         screen = self.argmax_screen
-        if self.argmax_only_rows and screen is not None and not screen.stale:
+        if self.argmax_only_rows and screen is not None and screen.active and not screen.stale:
             return self._screened(flat, screen).reshape(*x.shape[:-1], self.out_features)
         return self._full(flat).reshape(*x.shape[:-1], self.out_features)
 
@@ -142,11 +142,13 @@ class PrepackedLinear(nn.Linear):
             return self._full(flat)
         out = torch.empty(flat.shape[0], self.out_features, dtype=flat.dtype)
         out.index_copy_(0, picked, part)
-        out.index_copy_(0, others, self._full(flat.index_select(0, others)))
+        # the kernel the whole step would have taken, so these rows keep the bits they have without a screen
+        out.index_copy_(0, others, self._full(flat.index_select(0, others), rows_in_step=flat.shape[0]))
         return out
 
-    def _full(self, flat: torch.Tensor) -> torch.Tensor:
-        if flat.shape[0] <= self.kernel_rows:  # a few rows read the plain weight faster on llminfer's kernel
+    def _full(self, flat: torch.Tensor, rows_in_step: int | None = None) -> torch.Tensor:
+        rows = flat.shape[0] if rows_in_step is None else rows_in_step
+        if rows <= self.kernel_rows:  # a few rows read the plain weight faster on llminfer's kernel
             flat = flat.contiguous()
             return (bf16_linear(flat, self.weight, self.bias) if flat.dtype == torch.bfloat16
                     else skinny_linear(flat, self.weight, None, self.bias))
