@@ -112,7 +112,7 @@ class HFBackend(StepBackend):
         return None if logits_hooked(self.model, head) else head
 
     def attach_argmax_screen(self) -> bool:
-        """Screen greedy rows through a bf16 copy of an fp32 CPU head where measured faster
+        """Screen greedy rows through int8 / bf16 copies of an fp32 CPU head where measured faster
         (:func:`~llminfer.kernels.argmax_screen.attach_argmax_screen`); returns whether it did."""
         if self.device.type != "cpu" or self.output_head is None:
             return False

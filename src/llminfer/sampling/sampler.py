@@ -59,7 +59,7 @@ class SamplingState(RequestHistory):
     """
 
     __slots__ = ("params", "generator", "token_ids", "num_prompt", "eos_token_ids", "grammar", "processors",
-                 "forced")
+                 "forced", "argmax_only")
 
     def __init__(self, params: SamplingParams, device: torch.device | str, prompt_token_ids: Sequence[int] = (),
                  bad_words_ids: Sequence[tuple[int, ...]] = (),
@@ -79,6 +79,10 @@ class SamplingState(RequestHistory):
             p for cls in ROW_PROCESSORS if (p := cls.for_request(params, self, context)) is not None]
         forced = [p for p in self.processors if isinstance(p, ForcedWords)]
         self.forced: ForcedWords | None = forced[0] if forced else None
+        #: Whether every token of this request is the plain argmax of the raw logits: greedy, with no
+        #: processor, ban, grammar or logprobs reading them (``SamplingParams.speculation_allowed`` covers all of
+        #: those; the request's parameters do not change, so it is decided once).
+        self.argmax_only = params.greedy and params.speculation_allowed
 
     def append(self, token: int) -> None:
         """Record the token chosen for this request."""
@@ -87,13 +91,6 @@ class SamplingState(RequestHistory):
             processor.update(self, token)
         if self.grammar is not None and not self.grammar.terminated:
             self.grammar.accept(token)  # the token came from the grammar's own mask
-
-    @property
-    def argmax_only(self) -> bool:
-        """Whether this step's token is the plain argmax of the raw logits: greedy, with no processor, ban,
-        grammar or logprobs reading them (:attr:`~llminfer.sampling.params.SamplingParams.speculation_allowed`
-        covers all of those)."""
-        return self.params.greedy and self.params.speculation_allowed
 
     @property
     def can_ban_everything(self) -> bool:
