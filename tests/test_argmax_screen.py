@@ -15,6 +15,8 @@ from llminfer.kernels.argmax_screen import (
     ArgmaxScreen,
     ScreenProduct,
     attach_argmax_screen,
+    int8_a8_available,
+    int8_a8_screen,
     int8_screen,
     screen_margin,
 )
@@ -45,11 +47,20 @@ def _screens(weight: torch.Tensor) -> list[ArgmaxScreen]:
     screens = [_bf16_reference(weight)]
     if skinny_linear_available() and weight.shape[1] % 32 == 0:
         screens.append(ArgmaxScreen(weight, [(0, int8_screen(weight))]))
+    if int8_a8_available(weight.shape[1]):
+        screens.append(ArgmaxScreen(weight, [(0, int8_a8_screen(weight))]))
     return screens
 
 
 def _fp32_scores(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    return torch.stack([(weight * row).sum(dim=1) for row in x])  # the screen's own fp32 score, every token
+    """The screen's own fp32 score of every token: the kernel's candidate scoring with every token a candidate
+    where the kernels are loaded, else the torch sum the screen uses there."""
+    if skinny_linear_available() and weight.shape[1] % 8 == 0:
+        scores = torch.zeros(x.shape[0], weight.shape[0])
+        threshold = torch.full((x.shape[0],), -math.inf)
+        torch.ops.llminfer_cpu.screen_candidates(scores, threshold, weight.contiguous(), x.contiguous(), weight.shape[0])
+        return scores
+    return torch.stack([(weight * row).sum(dim=1) for row in x])
 
 
 @settings(max_examples=60, deadline=None)
@@ -107,6 +118,79 @@ def test_screen_order_flipped_by_int8_rounding(d):
     with torch.inference_mode():
         assert int(product.product(x).argmax()) == 1
         assert int(ArgmaxScreen(weight, [(0, product)]).logits(x).argmax()) == int(_fp32_scores(weight, x).argmax()) == 2
+
+
+needs_a8 = pytest.mark.skipif(not int8_a8_available(64), reason="int8_linear_a8 needs the AVX-512 VNNI kernel build")
+
+
+@needs_a8
+@pytest.mark.parametrize("d", [64, 512])
+def test_screen_order_flipped_by_8_bit_activations(d):
+    """Token 2 wins in fp32 and loses on 8-bit activations: x's first element sets the row's step to 1, so
+    its 0.4s round to 0, while token 1's one activation is exact."""
+    weight = torch.zeros(3, d)
+    weight[:, 0] = 127.0
+    weight[1, 1] = 1.0
+    weight[2, 2::2] = 1.0
+    x = torch.full((1, d), 0.4)
+    x[0, 0], x[0, 1] = 127.0, 1.0
+    product = int8_a8_screen(weight)
+    with torch.inference_mode():
+        assert int(product.product(x).argmax()) == 1
+        assert int(ArgmaxScreen(weight, [(0, product)]).logits(x).argmax()) == int(_fp32_scores(weight, x).argmax()) == 2
+
+
+def _a8_reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """int8_linear_a8's arithmetic in torch: rows rounded to max|x| / 127 steps, exact integer dots,
+    float32(dot) * sx * scale."""
+    sx = x.abs().amax(dim=1, keepdim=True) / 127
+    q = torch.round(x / sx).clamp(-127, 127)
+    dot = (q.double() @ codes.double().T).float()
+    return dot * sx * scale
+
+
+@needs_a8
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), rows=st.integers(1, 9), channels=st.integers(1, 70),
+       blocks=st.sampled_from([1, 2, 8, 9, 16, 17, 33]))
+def test_int8_linear_a8_is_exact_and_batch_independent(seed, rows, channels, blocks):
+    """Every output equals the integer reference bit for bit (the panel path up to K = 1024, the tiled one
+    beyond), and each row's outputs do not depend on the other rows."""
+    gen = torch.Generator().manual_seed(seed)
+    d = 64 * blocks
+    weight = torch.randn(channels, d, generator=gen)
+    scale = weight.abs().amax(dim=1) / 127
+    codes = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+    sums = codes.sum(dim=1, dtype=torch.int32)
+    x = torch.randn(rows, d, generator=gen) * 3
+    out = torch.ops.llminfer_cpu.int8_linear_a8(x, codes, scale, sums)
+    assert torch.equal(out, _a8_reference(x, codes, scale))
+    for r in range(rows):
+        assert torch.equal(torch.ops.llminfer_cpu.int8_linear_a8(x[r:r + 1].contiguous(), codes, scale, sums), out[r:r + 1])
+
+
+@needs_a8
+def test_int8_linear_a8_rows_with_nan_or_inf_give_nan():
+    codes = torch.ones(5, 64, dtype=torch.int8)
+    x = torch.ones(3, 64)
+    x[0, 3], x[2, 0] = math.nan, math.inf
+    out = torch.ops.llminfer_cpu.int8_linear_a8(x, codes, torch.ones(5), codes.sum(dim=1, dtype=torch.int32))
+    assert bool(out[0].isnan().all()) and bool(out[2].isnan().all()) and torch.equal(out[1], torch.full((5,), 64.0))
+
+
+@needs_kernels
+def test_screen_candidates_scores_exactly_the_tokens_at_the_threshold():
+    gen = torch.Generator().manual_seed(3)
+    weight, x = torch.randn(1000, 64, generator=gen), torch.randn(3, 64, generator=gen)
+    approx = x @ weight.T + torch.randn(3, 1000, generator=gen) * 0.01
+    threshold = approx.amax(dim=1) - 1.0
+    scored = approx.clone()
+    found = torch.ops.llminfer_cpu.screen_candidates(scored, threshold, weight, x, 1000)
+    hit = approx >= threshold[:, None]
+    assert found == int(hit.sum())
+    assert torch.equal(scored[~hit], approx[~hit])
+    assert torch.allclose(scored[hit], (x @ weight.T)[hit], atol=1e-4)
+    assert torch.ops.llminfer_cpu.screen_candidates(approx.clone(), threshold, weight, x, int(hit.sum(dim=1).min()) - 1) == -1
 
 
 def test_margin_grows_with_the_dot_length():

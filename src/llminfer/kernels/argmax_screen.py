@@ -3,10 +3,11 @@
 A greedy request that needs no logits (no logprobs, processors, bans or grammar) only needs the head's argmax.
 On CPU the fp32 head dominates a small model's decode step (151,646 x 512 is 310 MB to read per step at one
 row, 5 GFLOP per step at 32 rows). :class:`ArgmaxScreen` runs such rows through a cheaper copy of the head
-(:func:`int8_screen`: a quarter of the bytes, for memory-bound steps of a row or a few; :func:`bf16_screen`:
-half the bytes, and ``vdpbf16ps`` retires twice the products of an fp32 FMA, for larger steps), bounds the
+(:func:`int8_screen`: a quarter of the bytes, for memory-bound steps of a row; :func:`int8_a8_screen`: the
+same copy on 8-bit activations and exact u8 x s8 integer sums, for larger steps on AVX-512 VNNI;
+:func:`bf16_screen`: half the bytes, and ``vdpbf16ps`` retires twice the products of an fp32 FMA), bounds the
 copy's error per row, keeps every token that could still be the fp32 argmax, and scores only those in fp32
-from the fp32 weight.
+from the fp32 weight (``csrc/screen_candidates.cpp``: one pass per row over the approximate logits).
 
 The bound, for the bf16 copy. For row ``x`` and vocabulary row ``w_j`` let ``s_j = sum_i x_i w_ji`` (exact).
 The copy rounds ``x`` and ``w_j`` to bf16 (unit roundoff ``u = 2^-8``), accumulates their exact products in
@@ -40,7 +41,8 @@ from torch import nn
 
 log = structlog.get_logger("llminfer.argmax_screen")
 
-__all__ = ["ArgmaxScreen", "ScreenProduct", "attach_argmax_screen", "bf16_screen", "int8_screen", "screen_margin"]
+__all__ = ["ArgmaxScreen", "ScreenProduct", "attach_argmax_screen", "bf16_screen", "int8_a8_available", "int8_a8_screen",
+           "int8_screen", "int8_screens", "screen_margin"]
 
 #: A head smaller than this (elements) is not screened: its fp32 product is already cheap.
 MIN_HEAD_ELEMENTS = 8 * 2**20
@@ -51,7 +53,7 @@ MAX_CANDIDATES_PER_ROW = 4096
 DROP_FALLBACK_SHARE = 0.125
 DROP_AFTER_CALLS = 16
 #: The row counts :func:`attach_argmax_screen` times each copy at, with the repetitions (median taken).
-PROBES = ((1, 5), (2, 3), (8, 3))
+PROBES = ((1, 5), (2, 3), (8, 3), (32, 2))
 #: Against the rounding of the norms and of the threshold itself, every bound is raised by a quarter.
 BOUND_SLACK = 1.25
 
@@ -107,7 +109,39 @@ def bf16_screen(weight: torch.Tensor) -> ScreenProduct:
     return ScreenProduct("bf16", product, error_bound, packed.numel() * 2)
 
 
-def int8_screen(weight: torch.Tensor) -> ScreenProduct:
+@attrs.frozen
+class _Int8Copy:
+    """A per-row symmetric int8 copy of an fp32 head and the constants of its error bounds."""
+
+    codes: torch.Tensor  # int8 [V, d]
+    scale: torch.Tensor  # fp32 [V]
+    max_scale: float     # max_j s_j
+    code_mass: float     # max_j s_j ||q_j||_1
+    wmax: float          # max_j ||w_j||, raised by 2^-7 against its own rounding
+
+    @classmethod
+    def of(cls, weight: torch.Tensor) -> _Int8Copy:
+        with torch.no_grad():
+            scale = weight.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127
+            codes = torch.round(weight / scale[:, None]).clamp_(-127, 127)
+            code_mass = float((codes.abs().sum(dim=1) * scale).max())
+            return cls(codes.to(torch.int8).contiguous(), scale, float(scale.max()), code_mass,
+                       float(weight.norm(dim=1).max()) * (1 + 2.0**-7))
+
+    def error_bound(self, x: torch.Tensor, activation_steps: float, terms: int) -> torch.Tensor:
+        """The bound for rows ``x`` where each activation row is rounded to ``max|x| / activation_steps``
+        steps (``inf``: not rounded), with fp32 sums of ``terms`` terms in the copy and the score."""
+        ax = x.abs()
+        g = 2 * _summation_bound(terms)
+        return BOUND_SLACK * (ax.sum(dim=1, keepdim=True) * (self.max_scale / 2)
+                              + ax.amax(dim=1, keepdim=True) * (self.code_mass / (2 * activation_steps))
+                              + x.norm(dim=1, keepdim=True) * (g * self.wmax))
+
+    def bytes(self) -> int:
+        return self.codes.numel() + self.scale.numel() * 4
+
+
+def int8_screen(weight: torch.Tensor, copy: _Int8Copy | None = None) -> ScreenProduct:
     """A per-row symmetric int8 copy of ``weight`` (fp32 ``[V, d]``, ``d % 32 == 0``) on llminfer's
     :func:`~llminfer.kernels.linear.int8_linear` (``V * d`` bytes plus a scale per row).
 
@@ -119,25 +153,53 @@ def int8_screen(weight: torch.Tensor) -> ScreenProduct:
     """
     from llminfer.kernels.linear import int8_linear
 
-    with torch.no_grad():
-        scale = weight.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127
-        codes = torch.round(weight / scale[:, None]).clamp_(-127, 127)
-        code_mass = float((codes.abs().sum(dim=1) * scale).max())
-        codes = codes.to(torch.int8).contiguous()
-        wmax = float(weight.norm(dim=1).max()) * (1 + 2.0**-7)
-        max_scale = float(scale.max())
-    g = 2 * _summation_bound(2 * weight.shape[1])
+    c = copy or _Int8Copy.of(weight)
+    terms = 2 * weight.shape[1]
 
     def product(x: torch.Tensor) -> torch.Tensor:
-        return int8_linear(x.contiguous(), codes, scale)
+        return int8_linear(x.contiguous(), c.codes, c.scale)
 
-    def error_bound(x: torch.Tensor) -> torch.Tensor:
-        ax = x.abs()
-        return BOUND_SLACK * (ax.sum(dim=1, keepdim=True) * (max_scale / 2)
-                              + ax.amax(dim=1, keepdim=True) * (code_mass / 16382)
-                              + x.norm(dim=1, keepdim=True) * (g * wmax))
+    return ScreenProduct("int8", product, lambda x: c.error_bound(x, 8191.0, terms), c.bytes())
 
-    return ScreenProduct("int8", product, error_bound, codes.numel() + scale.numel() * 4)
+
+def int8_a8_available(in_features: int) -> bool:
+    """Whether :func:`int8_a8_screen` runs here: the kernels' AVX-512 VNNI build and ``in_features % 64 == 0``
+    (up to 65536)."""
+    from llminfer.kernels.build import skinny_linear_available
+
+    if in_features % 64 or in_features > 65536 or not skinny_linear_available():
+        return False
+    return "zmm" in torch.ops.llminfer_cpu.q8_instruction()
+
+
+def int8_a8_screen(weight: torch.Tensor, copy: _Int8Copy | None = None) -> ScreenProduct:
+    """The int8 copy of :func:`int8_screen` on 8-bit activations: ``torch.ops.llminfer_cpu.int8_linear_a8``
+    (``csrc/int8_linear_a8.cpp``; AVX-512 VNNI, ``d % 64 == 0``) rounds each activation row to
+    ``max|x| / 127`` steps and sums u8 x s8 products exactly in int32 (``vpdpbusd``, 64 a instruction, the
+    row's activations held in registers), about twice the products per instruction of the 14-bit path and
+    no widening of the weights. Its bound is :func:`int8_screen`'s with ``||x||_inf / 254`` in place of
+    ``/ 16382``. Raises RuntimeError where the kernel cannot run it (:func:`int8_a8_available`).
+    """
+    if not int8_a8_available(weight.shape[1]):
+        raise RuntimeError("int8_linear_a8 needs the AVX-512 VNNI kernel build and in_features % 64 == 0")
+    c = copy or _Int8Copy.of(weight)
+    sums = c.codes.sum(dim=1, dtype=torch.int32)
+    op = torch.ops.llminfer_cpu.int8_linear_a8
+    terms = 2 * weight.shape[1]
+
+    def product(x: torch.Tensor) -> torch.Tensor:
+        return op(x.contiguous(), c.codes, c.scale, sums)
+
+    return ScreenProduct("int8-a8", product, lambda x: c.error_bound(x, 127.0, terms), c.bytes() + sums.numel() * 4)
+
+
+def int8_screens(weight: torch.Tensor) -> list[ScreenProduct]:
+    """:func:`int8_screen` and, where it runs, :func:`int8_a8_screen`, sharing one int8 copy."""
+    c = _Int8Copy.of(weight)
+    products = [int8_screen(weight, c)]
+    if int8_a8_available(weight.shape[1]):
+        products.append(int8_a8_screen(weight, c))
+    return products
 
 
 class ArgmaxScreen:
@@ -158,6 +220,10 @@ class ArgmaxScreen:
         self.calls: dict[str, int] = {}
         self.fallbacks: dict[str, int] = {}
         self.dropped: list[str] = []
+        from llminfer.kernels.build import skinny_linear_available
+
+        # candidates found and scored in one C++ pass where the kernels are loaded (else numpy and torch)
+        self._fused = weight.shape[1] % 8 == 0 and skinny_linear_available()
 
     @property
     def stale(self) -> bool:
@@ -209,19 +275,28 @@ class ArgmaxScreen:
         threshold = screen.amax(dim=1, keepdim=True) - 2.0 * chosen.error_bound(x)
         if not bool(torch.isfinite(threshold).all()):
             return None
-        flat = np.flatnonzero(screen.numpy() >= threshold.numpy())  # SIMD compare and scan, few hits
-        too_many = len(flat) > MAX_CANDIDATES_PER_ROW * x.shape[0]
-        self._count(chosen, too_many)
-        if too_many:
-            return None
-        index = torch.from_numpy(flat)
-        rows, cols = index // vocab, index % vocab
-        scores = (self.weight.index_select(0, cols) * x.index_select(0, rows)).sum(dim=1)
+        if self._fused:
+            # one pass per row in C++ (csrc/screen_candidates.cpp): compare, and score each candidate in place
+            found = torch.ops.llminfer_cpu.screen_candidates(screen, threshold.view(-1).contiguous(), self.weight,
+                                                             x.contiguous(), MAX_CANDIDATES_PER_ROW)
+            self._count(chosen, found < 0)
+            if found < 0:
+                return None
+        else:
+            flat = np.flatnonzero(screen.numpy() >= threshold.numpy())  # SIMD compare and scan, few hits
+            too_many = len(flat) > MAX_CANDIDATES_PER_ROW * x.shape[0]
+            self._count(chosen, too_many)
+            if too_many:
+                return None
+            index = torch.from_numpy(flat)
+            rows, cols = index // vocab, index % vocab
+            scores = (self.weight.index_select(0, cols) * x.index_select(0, rows)).sum(dim=1)
+            screen.view(-1)[index] = scores
+            found = len(flat)
         # The other tokens keep their screen values: each is below max a - 2E, and the best candidate's score
         # is at least max a - E, so none of them can be the argmax (and no [R, V] fill is needed).
-        screen.view(-1)[index] = scores
         self.rows_screened += x.shape[0]
-        self.candidates += len(flat)
+        self.candidates += found
         return screen
 
     def describe(self) -> dict[str, Any]:
@@ -267,18 +342,19 @@ def attach_argmax_screen(head: nn.Module, *, min_elements: int = MIN_HEAD_ELEMEN
             or weight.dtype != torch.float32 or weight.device.type != "cpu" or not weight.is_contiguous()
             or weight.numel() < min_elements):
         return False
-    builders = []
+    builders: list[Callable[[torch.Tensor], list[ScreenProduct]]] = []
     if (target_isa() != "avx2" and "avx512_bf16" in cpu_flags()
             and prepack_supported(torch.bfloat16, weight.device)):
-        builders.append(bf16_screen)
+        builders.append(lambda w: [bf16_screen(w)])
     if weight.shape[1] % 32 == 0 and skinny_linear_available():
-        builders.append(int8_screen)
-    products, probe = [], {}
+        builders.append(int8_screens)
+    products: list[ScreenProduct] = []
+    probe: dict[str, float] = {}
     try:
         with torch.no_grad():  # not inference mode: the fp32 weight's version counter is read
             for build in builders:
                 with contextlib.suppress(RuntimeError):  # an oneDNN build without bf16, a kernel without int8
-                    products.append(build(weight))
+                    products.extend(build(weight))
         if not products:
             return False
         with torch.inference_mode():

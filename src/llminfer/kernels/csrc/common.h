@@ -1,7 +1,7 @@
 // What every kernel of llminfer's CPU library shares: the ISA the build targets, the fp32 vector operations,
 // and the loop over an output's tiles. Each op is one .cpp file next to this one (skinny_linear.cpp,
-// int8_linear.cpp, int4_linear.cpp, bf16_linear.cpp, int8_linear_q8.cpp, int4_linear_q8.cpp,
-// paged_decode_attention.cpp; library.cpp defines the library and the build's queries), all compiled into one
+// int8_linear.cpp, int4_linear.cpp, bf16_linear.cpp, int8_linear_q8.cpp, int4_linear_q8.cpp, int8_linear_a8.cpp,
+// screen_candidates.cpp, paged_decode_attention.cpp; library.cpp defines the library and the build's queries), all compiled into one
 // extension by llminfer/kernels/build.py.
 //
 // Built for AVX-512 (F, BW, DQ, VL: 16 fp32 lanes, 32 registers) where the CPU has it, else for AVX2 + FMA
