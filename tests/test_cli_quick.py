@@ -83,6 +83,8 @@ def _no_load(*_args, **_kwargs):
     (["serve", "--threads", "0"], "--threads"),
     (["compare", "--threads", "-1"], "--threads"),
     (["chat", "--threads", "0"], "Invalid value for '--threads'"),  # chat takes it too (checked, not unknown)
+    (["serve", "--max-num-batched-tokens", "0"], "--max-num-batched-tokens"),
+    (["bench", "--long-prefill-token-threshold", "-1"], "--long-prefill-token-threshold"),
     (["run", ""], "empty"),
 ])
 def test_every_flag_is_checked_before_the_model_loads(argv, needle, monkeypatch, capsys):
@@ -94,6 +96,14 @@ def test_every_flag_is_checked_before_the_model_loads(argv, needle, monkeypatch,
     err = capsys.readouterr().err.strip().splitlines()
     assert exc.value.code not in (0, None) and len(err) == 1 and err[0].startswith("error:"), err
     assert needle in err[0], err
+
+
+def test_scheduler_flags_reach_the_engine_config():
+    from llminfer.cli.engine_options import EngineOptions
+
+    cfg = EngineOptions(max_num_batched_tokens=512, long_prefill_token_threshold=128).to_config(check=False)
+    assert (cfg.scheduler.max_num_batched_tokens, cfg.scheduler.long_prefill_token_threshold) == (512, 128)
+    assert EngineOptions().to_config(check=False).scheduler == EngineConfig().scheduler  # unset: the defaults
 
 
 def test_old_flag_spellings_map_to_the_new_names():

@@ -38,6 +38,8 @@ from llminfer.cli.options import (
     KVBytes,
     LocalOnly,
     LogLevel,
+    LongPrefill,
+    MaxBatchedTokens,
     MaxLen,
     Model,
     NoPrefix,
@@ -94,6 +96,8 @@ class EngineOptions:
     compile_mode: CompileMode = "default"
     attention_backend: AttnBackend = "auto"
     threads: Threads = None
+    max_num_batched_tokens: MaxBatchedTokens = None
+    long_prefill_token_threshold: LongPrefill = 0
     assistant_model: Assistant = None
     spec_num_assistant_tokens: SpecK = 5
     spec_confidence_threshold: SpecC = 0.4

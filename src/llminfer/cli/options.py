@@ -95,6 +95,13 @@ BatchSizes = Annotated[str, typer.Option("--batch-sizes", help="Comma-separated 
 Runs = Annotated[int, typer.Option("--runs", help="Measured runs per batch size (after warm-up).")]
 Warmup = Annotated[int, typer.Option("--warmup", help="Warm-up runs per batch size (not measured).")]
 PromptLen = Annotated[int, typer.Option("--prompt-len", help="Tokens per synthetic prompt.")]
+MaxBatchedTokens = Annotated[int | None, typer.Option(
+    "--max-num-batched-tokens", min=1, help="Tokens computed in one engine step over all sequences, prefill "
+    "chunks included (vLLM's flag; default: 2048). Smaller steps keep decode streams and new requests' "
+    "time to first token short while long prompts arrive; larger ones prefill faster.")]
+LongPrefill = Annotated[int, typer.Option(
+    "--long-prefill-token-threshold", min=0, help="Most prompt tokens one request computes in one step "
+    "(chunked prefill), so one long prompt cannot take a whole step; 0: only the step budget.")]
 Threads = Annotated[int | None, typer.Option("--threads", min=1, help="CPU threads of the model step (default: "
                                              "OMP_NUM_THREADS if set, else the idle physical cores, measured).")]
 
@@ -108,7 +115,7 @@ def build_config(
     trust_remote_code: bool = False, tp_size: int = 1, pp_size: int = 1, assistant_model: str | None = None,
     spec_num_assistant_tokens: int = 5, spec_confidence_threshold: float = 0.4,
     quant: QuantMode | str = QuantMode.NONE, attention_backend: str = "auto", threads: int | None = None,
-    **extra: Any,
+    max_num_batched_tokens: int | None = None, long_prefill_token_threshold: int = 0, **extra: Any,
 ) -> EngineConfig:
     """Turn the engine flags (keyword arguments named like the command parameters; the defaults are the
     flags' defaults) into a validated :class:`EngineConfig`. ``extra`` goes to ``EngineConfig`` as is.
@@ -125,7 +132,10 @@ def build_config(
             max_model_len=max_model_len,
             cache=CacheConfig(page_size_tokens=page_size, enable_prefix_cache=not no_prefix_cache,
                               kv_cache_memory_bytes=kv_cache_bytes),
-            quant=QuantConfig(mode=quant), scheduler=SchedulerConfig(),
+            quant=QuantConfig(mode=quant),
+            scheduler=SchedulerConfig(long_prefill_token_threshold=long_prefill_token_threshold,
+                                      **({} if max_num_batched_tokens is None
+                                         else {"max_num_batched_tokens": max_num_batched_tokens})),
             hf_revision=revision, hf_token=hf_token, hf_local_files_only=local_files_only, hf_cache_dir=cache_dir,
             hf_trust_remote_code=trust_remote_code, tp_size=tp_size, pp_size=pp_size,
             assistant_model_name=assistant_model, speculative_num_assistant_tokens=spec_num_assistant_tokens,
@@ -152,7 +162,8 @@ CONFIG_FLAGS: dict[str, str] = {
     "max_model_len": "--max-model-len", "tp_size": "--tp-size", "pp_size": "--pp-size",
     "attention_backend": "--attention-backend", "speculative_num_assistant_tokens": "--spec-num-assistant-tokens",
     "speculative_confidence_threshold": "--spec-confidence-threshold", "speculative_method": "--spec-method",
-    "num_threads": "--threads",
+    "num_threads": "--threads", "max_num_batched_tokens": "--max-num-batched-tokens",
+    "long_prefill_token_threshold": "--long-prefill-token-threshold",
     "speculative_prompt_lookup_max": "--spec-prompt-lookup-max",
     "speculative_prompt_lookup_min": "--spec-prompt-lookup-min",
 }
