@@ -552,3 +552,27 @@ def test_a_second_ctrl_c_ends_every_stream_with_done_and_exits_130(tmp_path):
         assert frames and frames[-1] == "[DONE]", frames[-3:]
         assert frames[-2]["error"]["code"] == "aborted", frames[-2]
     assert "Traceback" not in out, out[-3000:]
+
+
+def test_run_server_shortens_the_gil_switch_interval_while_it_serves(monkeypatch):
+    """The model thread gets the GIL back within SERVER_SWITCH_INTERVAL_S of the event loop's Python, and the
+    interpreter's own interval is restored afterwards."""
+    from llminfer.api import server as server_module
+
+    seen = []
+
+    class Recorder:
+        force_exit = False
+
+        def __init__(self, *_args, **_kwargs):
+            pass
+
+        def run(self, sockets=None):
+            seen.append(sys.getswitchinterval())
+
+    monkeypatch.setattr(server_module, "_Server", Recorder)
+    monkeypatch.setattr(server_module, "uvicorn_config", lambda *a, **k: None)
+    before = sys.getswitchinterval()
+    assert server_module.run_server(object()) is False
+    assert seen == [pytest.approx(min(before, server_module.SERVER_SWITCH_INTERVAL_S))]
+    assert seen[0] < 0.005 and sys.getswitchinterval() == before
