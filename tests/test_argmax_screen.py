@@ -191,6 +191,8 @@ def test_screen_candidates_scores_exactly_the_tokens_at_the_threshold():
     assert torch.equal(scored[~hit], approx[~hit])
     assert torch.allclose(scored[hit], (x @ weight.T)[hit], atol=1e-4)
     assert torch.ops.llminfer_cpu.screen_candidates(approx.clone(), threshold, weight, x, int(hit.sum(dim=1).min()) - 1) == -1
+    with pytest.raises(RuntimeError, match="max_candidates"):
+        torch.ops.llminfer_cpu.screen_candidates(approx.clone(), threshold, weight, x, -1)
 
 
 def test_margin_grows_with_the_dot_length():

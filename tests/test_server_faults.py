@@ -576,3 +576,7 @@ def test_run_server_shortens_the_gil_switch_interval_while_it_serves(monkeypatch
     assert server_module.run_server(object()) is False
     assert seen == [pytest.approx(min(before, server_module.SERVER_SWITCH_INTERVAL_S))]
     assert seen[0] < 0.005 and sys.getswitchinterval() == before
+    monkeypatch.setattr(server_module, "uvicorn_config", lambda *a, **k: 1 / 0)  # fails before serving
+    with pytest.raises(ZeroDivisionError):
+        server_module.run_server(object())
+    assert sys.getswitchinterval() == before

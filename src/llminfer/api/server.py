@@ -351,11 +351,11 @@ def run_server(app: Any, host: str = "127.0.0.1", port: int = 8000, log_level: s
     """
     limits = limits or ServerLimits()
     raise_open_files_limit()
+    server = _Server(uvicorn_config(app, host, port, log_level, limits), app, limits.shutdown_grace_s, on_listening)
     switch_interval = sys.getswitchinterval()
     sys.setswitchinterval(min(switch_interval, SERVER_SWITCH_INTERVAL_S))
     on_main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _raise_terminated) if on_main else None
-    server = _Server(uvicorn_config(app, host, port, log_level, limits), app, limits.shutdown_grace_s, on_listening)
     try:
         server.run(sockets=[sock] if sock is not None else None)
     except (KeyboardInterrupt, _Terminated):

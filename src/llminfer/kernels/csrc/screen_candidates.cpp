@@ -68,6 +68,7 @@ int64_t screen_candidates(const at::Tensor& logits, const at::Tensor& threshold,
   TORCH_CHECK(weight.size(0) == V && x.size(0) == R && x.size(1) == d && threshold.size(0) == R, op,
               ": shapes disagree (logits [R, V], threshold [R], weight [V, d], x [R, d])");
   TORCH_CHECK(d % 8 == 0, op, ": d must be a multiple of 8, got ", d);
+  TORCH_CHECK(max_candidates >= 0, op, ": max_candidates must be >= 0, got ", max_candidates);
   float* lp = logits.data_ptr<float>();
   const float* tp = threshold.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
