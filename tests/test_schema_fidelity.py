@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from pathlib import Path
 from typing import Any
 
@@ -258,11 +257,8 @@ def test_slow_compiles_are_killed_and_free_the_pool(tokenizer, monkeypatch):
     monkeypatch.setattr(constraint_mod, "MAX_SCHEMA_CHARS", 10**8)
     compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id], timeout_s=2.0, max_workers=2)
     try:
-        compiler.prepare().result(timeout=120)
-        for _ in range(1200):  # the compile server imports xgrammar (seconds); slow compiles need it up
-            if compiler._compile_server() is not None:
-                break
-            time.sleep(0.1)
+        # the compile server imports xgrammar (seconds); slow compiles need it up (what `serve` waits for)
+        assert compiler.wait_ready(120) and compiler._compile_server() is not None
         slow = [compiler.submit(StructuredOutput(json_schema={"enum": [f"slow {k} value {i}" for i in range(100_000)]}))
                 for k in range(2)]
         for handle in slow:

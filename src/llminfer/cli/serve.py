@@ -79,6 +79,11 @@ def serve(
         engine = load_engine(cfg, engine_opts.log_level, engine_opts.adapter, engine_opts.adapter_name)
         if compile_warmup and hasattr(engine.backend, "warmup"):  # the compiled backend
             warm_up(engine)
+        compiler = getattr(getattr(engine, "runtime", None), "grammar_compiler", None)
+        if compiler is not None:
+            # Listen (and answer /health) only once structured output's compile process has started: it takes
+            # seconds of a core, which the first requests would otherwise share with it.
+            compiler.wait_ready(GRAMMAR_READY_TIMEOUT_S)
         asgi_app = create_app(engine, api_key=key, max_queue_size=max_queue_size,
                               max_prompt_chars=max_prompt_chars, reject_unknown_fields=reject_unknown_fields,
                               sse_keepalive_s=sse_keepalive_s or None)
@@ -103,6 +108,10 @@ def serve(
                                                "ended")
         forced_exit.exit_code = FORCED_EXIT_CODE
         raise forced_exit
+
+
+#: The longest ``serve`` waits for structured output's compile process before it listens anyway.
+GRAMMAR_READY_TIMEOUT_S = 60.0
 
 
 def warm_up(engine) -> int:

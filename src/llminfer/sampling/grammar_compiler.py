@@ -146,6 +146,24 @@ class GrammarCompiler:
         constrained request does not pay for it)."""
         return self._pool.submit(self._prepare)
 
+    def wait_ready(self, timeout_s: float) -> bool:
+        """:meth:`prepare`, then wait until the compile server (where compiles are isolated) has started:
+        its interpreter imports xgrammar and loads the tokenizer info, seconds of one core's time that
+        would otherwise overlap the first requests. Returns whether it is ready within ``timeout_s``
+        seconds (False leaves it starting in the background, as before). Raises nothing."""
+        deadline = time.monotonic() + timeout_s
+        try:
+            self.prepare().result(timeout=timeout_s)
+        except Exception:  # noqa: BLE001 - xgrammar missing or the build failed: constrained requests say why
+            return False
+        server = self._server
+        if not self.isolate or server is None:
+            return True
+        while not server.ready.wait(0.05):
+            if server.failed or time.monotonic() > deadline:
+                return False
+        return True
+
     def _prepare(self) -> None:
         self._xgrammar()
         if self.isolate:
