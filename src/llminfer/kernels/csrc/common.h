@@ -132,6 +132,23 @@ inline vec vload(const c10::BFloat16* p) {
 inline vec vload_half(const c10::BFloat16* p) { return vload(p); }
 #endif
 
+#if LLMINFER_KERNEL_AVX512
+// max|x| over a row of K floats (K % 16 == 0), and whether the row is finite: max_ps drops a NaN operand, so
+// NaNs are looked for on their own (the activation quantizers of int16_activations.h and int8_linear_a8.cpp).
+inline float row_abs_max(const float* row, int64_t K, bool* finite) {
+  __m512 mx = _mm512_setzero_ps();
+  __mmask16 nan = 0;
+  for (int64_t k = 0; k < K; k += 16) {
+    const __m512 v = _mm512_loadu_ps(row + k);
+    mx = _mm512_max_ps(mx, _mm512_abs_ps(v));
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  }
+  const float amax = _mm512_reduce_max_ps(mx);
+  *finite = nan == 0 && std::isfinite(amax);
+  return amax;
+}
+#endif
+
 constexpr int kRows = 4;  // MT: activation rows per tile
 // NT: weight rows (output channels) per tile. AVX2 (16 registers): 12 accumulators + 3 weights + 1 x.
 // AVX-512 (32 registers): 24 + 6 + 1; at one row that is also 6 independent FMA chains instead of 3.

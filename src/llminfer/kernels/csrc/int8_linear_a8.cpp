@@ -31,15 +31,8 @@ ByteRows quantize_rows_a8(const float* x, int64_t M, int64_t K) {
   parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       const float* row = x + m * K;
-      __m512 mx = _mm512_setzero_ps();
-      __mmask16 nan = 0;  // max_ps drops a NaN operand, so NaNs are looked for on their own
-      for (int64_t k = 0; k < K; k += 16) {
-        const __m512 v = _mm512_loadu_ps(row + k);
-        mx = _mm512_max_ps(mx, _mm512_abs_ps(v));
-        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-      }
-      const float amax = _mm512_reduce_max_ps(mx);
-      const bool finite = nan == 0 && std::isfinite(amax);
+      bool finite;
+      const float amax = row_abs_max(row, K, &finite);
       uint8_t* q = r.q.data() + m * K;
       if (!finite || amax == 0.f) {
         std::fill(q, q + K, static_cast<uint8_t>(128));
