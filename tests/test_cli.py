@@ -35,14 +35,15 @@ def test_run_json_and_stream_agree():
     assert s.stdout.startswith(text)
 
 
-def test_info_reports_model_and_kv():
-    p = llminfer("info", "--json")
+def test_info_reports_model_kv_and_step_budget():
+    p = llminfer("info", "--json", "--max-num-batched-tokens", "64", "--long-prefill-token-threshold", "16")
     assert p.returncode == 0, p.stderr
     facts = json.loads(p.stdout)
     for key in ("python", "torch", "transformers", "device", "architecture", "parameters", "weight_bytes",
                 "kv_blocks", "kv_tokens"):
         assert key in facts
     assert facts["architecture"] == "Qwen2ForCausalLM"
+    assert (facts["max_num_batched_tokens"], facts["long_prefill_token_threshold"]) == (64, 16)
 
 
 @pytest.mark.parametrize(

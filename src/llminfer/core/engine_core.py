@@ -342,10 +342,13 @@ class EngineCore:
         return {"running": self.scheduler.num_running, "waiting": self.scheduler.num_waiting}
 
     def describe(self) -> dict[str, Any]:
-        """KV capacity facts plus the backend's own (for ``engine.info()``)."""
+        """KV capacity facts, the step budget, plus the backend's own (for ``engine.info()``)."""
         kv = self.scheduler.kv
+        limits = self.scheduler.limits
         facts: dict[str, Any] = {"kv_blocks": kv.num_blocks, "kv_block_size": kv.block_size,
-                                 "kv_tokens": kv.capacity_tokens, "prefix_cache": kv.enable_prefix_cache}
+                                 "kv_tokens": kv.capacity_tokens, "prefix_cache": kv.enable_prefix_cache,
+                                 "max_num_batched_tokens": limits.max_num_batched_tokens,
+                                 "long_prefill_token_threshold": limits.long_prefill_token_threshold}
         describe = getattr(self.backend, "describe", None)
         if describe is not None:
             facts.update(describe())
