@@ -16,6 +16,7 @@ from typing import Any
 from llminfer.errors import InvalidRequestError, one_line
 from llminfer.sampling.constraint import COMPACT, PARAM, StructuredOutput, _enum_values
 from llminfer.sampling.grammar_server import _CompileServer
+from llminfer.sampling.tokenizer_info import text_only_tokenizer_info
 
 
 class GrammarHandle:
@@ -147,22 +148,16 @@ class GrammarCompiler:
         return self._pool.submit(self._prepare)
 
     def wait_ready(self, timeout_s: float) -> bool:
-        """:meth:`prepare`, then wait until the compile server (where compiles are isolated) has started:
-        its interpreter imports xgrammar and loads the tokenizer info, seconds of one core's time that
-        would otherwise overlap the first requests. Returns whether it is ready within ``timeout_s``
-        seconds (False leaves it starting in the background, as before). Raises nothing."""
+        """:meth:`prepare`, then wait (at most ``timeout_s`` s) for the compile server to start: its
+        interpreter imports xgrammar and loads the tokenizer info, seconds of a core that would otherwise
+        overlap the first requests (``serve`` waits before it listens). Returns whether it is ready."""
         deadline = time.monotonic() + timeout_s
         try:
             self.prepare().result(timeout=timeout_s)
         except Exception:  # noqa: BLE001 - xgrammar missing or the build failed: constrained requests say why
             return False
         server = self._server
-        if not self.isolate or server is None:
-            return True
-        while not server.ready.wait(0.05):
-            if server.failed or time.monotonic() > deadline:
-                return False
-        return True
+        return not self.isolate or server is None or server.wait_ready(deadline)
 
     def _prepare(self) -> None:
         self._xgrammar()
@@ -365,35 +360,6 @@ def check_grammar_syntax(spec: StructuredOutput) -> None:
     except Exception as exc:  # noqa: BLE001 - xgrammar reports bad input as RuntimeError
         raise InvalidRequestError(f"invalid or unsupported {kind.replace('_', ' ')}: {clean_error(exc)}",
                                   param=PARAM) from None
-
-
-def special_token_ids(tokenizer: Any) -> set[int]:
-    """Ids of the tokenizer's special tokens (``<|im_end|>``, ``<|endoftext|>``, ...)."""
-    ids = {int(i) for i in getattr(tokenizer, "all_special_ids", ())}
-    decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
-    ids.update(int(i) for i, token in decoder.items() if getattr(token, "special", False))
-    return ids
-
-
-def text_only_tokenizer_info(xgrammar: Any, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> Any:
-    """xgrammar's tokenizer info in which special tokens never stand for text.
-
-    ``TokenizerInfo.from_huggingface`` keeps special tokens' strings, so a choice or grammar literal such
-    as ``"<|im_end|>"`` could be produced as the special token itself: the stop token, which ends the
-    request and is not part of the text (an empty output). Their strings are blanked here, which xgrammar
-    reads as "special, never matched"; the stop tokens are still allowed where the grammar accepts.
-    """
-    info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                   stop_token_ids=list(stop_token_ids) or None)
-    special = special_token_ids(tokenizer)
-    if not special:
-        return info
-    encoded = [""] * vocab_size
-    for token, idx in tokenizer.get_vocab().items():
-        if idx < vocab_size and idx not in special:
-            encoded[idx] = token
-    return xgrammar.TokenizerInfo(encoded, vocab_type=info.vocab_type, vocab_size=vocab_size,
-                                  stop_token_ids=info.stop_token_ids, add_prefix_space=info.add_prefix_space)
 
 
 # xgrammar 0.2.9 writes the characters of a string with minLength / maxLength as this class, which lets

@@ -48,6 +48,16 @@ class _CompileServer:
         threading.Thread(target=self._read, args=(info_json,), daemon=True,
                          name="llminfer-grammar-server").start()
 
+    def wait_ready(self, deadline: float) -> bool:
+        """Wait until the worker has started, failed or ``deadline`` (``time.monotonic()``) has passed;
+        return whether it has started."""
+        import time
+
+        while not self.ready.wait(0.05):
+            if self.failed or time.monotonic() > deadline:
+                return False
+        return True
+
     def _read(self, info_json: str) -> None:
         try:
             with self._lock:

@@ -14,7 +14,8 @@ How it flows, and where each part lives (this module is the public door to all o
    :class:`GrammarCompiler` (:mod:`llminfer.sampling.grammar_compiler`), which compiles it in a worker
    thread (xgrammar releases the GIL) or, for a constraint that may compile slowly, in a killable process of
    the compile server (:mod:`llminfer.sampling.grammar_server`, :mod:`llminfer.sampling.grammar_worker`),
-   caches it by (constraint, tokenizer), and hands back a :class:`GrammarHandle` at once;
+   caches it by (constraint, tokenizer; xgrammar's view of the tokenizer: :mod:`llminfer.sampling.tokenizer_info`),
+   and hands back a :class:`GrammarHandle` at once;
 3. the scheduler keeps the request waiting until its grammar is ready, and fails it (``param`` named) if
    compiling failed or ran past ``timeout_s``; other requests are scheduled meanwhile;
 4. the backend's sampler keeps one :class:`GrammarMatcher` per constrained request
@@ -40,10 +41,9 @@ from llminfer.sampling.grammar_compiler import (
     SMALL_SCHEMA_CHARS,
     GrammarCompiler,
     GrammarHandle,
-    special_token_ids,
-    text_only_tokenizer_info,
 )
 from llminfer.sampling.grammar_mask import GrammarMatcher, allocate_bitmask, apply_bitmask
+from llminfer.sampling.tokenizer_info import special_token_ids, text_only_tokenizer_info
 
 __all__ = [
     "COMPACT",
