@@ -301,3 +301,19 @@ def test_engine_greedy_tokens_equal_with_and_without_the_screen():
     for plain, screened in zip(results[False], results[True]):
         assert plain.token_ids == screened.token_ids
     assert results[True][1].logprobs == results[False][1].logprobs  # logprob rows take the full head
+
+
+@needs_kernels
+def test_the_torch_candidate_path_finds_the_same_tokens_as_the_fused_one():
+    """Where the kernels are not loaded the screen scans and scores in numpy and torch: the same candidates,
+    the same argmax, the same count, as the C++ pass."""
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn(5000, 64, generator=gen) * 0.05
+    x = torch.randn(4, 64, generator=gen)
+    fused, plain = (ArgmaxScreen(weight, [(0, int8_screen(weight))]) for _ in range(2))
+    plain._fused = False
+    with torch.inference_mode():
+        a, b = fused.logits(x), plain.logits(x)
+    assert fused._fused and a is not None and b is not None
+    assert a.argmax(dim=1).tolist() == b.argmax(dim=1).tolist() == (x @ weight.T).argmax(dim=1).tolist()
+    assert fused.candidates == plain.candidates > 0
