@@ -9,12 +9,12 @@ activations, or 14-bit integer ones on AVX-512 VNNI); int4-wo on llminfer's kern
 (14-bit activations), else on torch's (bf16 activations). The accuracy has one more row,
 ``int4-wo-int4-head``: every layer and the head in int4.
 
-int8-wo runs in its default format (groups of 32, ``int8_group_size=32``: one kernel, ``int8_group_linear``)
-and per output channel (``int8-wo-channel``, ``int8_group_size=0``). Per channel and int4-wo each run on both
-kernel paths, the q8 path (``int8-wo-channel:q8``, ``int4-wo:q8``: 8-bit activations per 32 columns, u8 x s8
-dot products) and the wide one (``...:wide``), forced with ``LLMINFER_CPU_KERNEL_INT8_PATH`` / ``_INT4_PATH``
-at load; the rounds visit all of them in turn, and the plain ``int8-wo-channel`` / ``int4-wo`` keys repeat the
-figures of the path ``quant_paths`` chose here.
+int8-wo runs in its default format (groups of 32, ``int8_group_size=32``) and per output channel
+(``int8-wo-channel``, ``int8_group_size=0``). Each int8 format and int4-wo run on both kernel paths, the q8 path
+(``int8-wo:q8``, ``int8-wo-channel:q8``, ``int4-wo:q8``: 8-bit activations per 32 columns, u8 x s8 dot
+products) and the wide one (``...:wide``: 14-bit activations), forced with ``LLMINFER_CPU_KERNEL_INT8_PATH`` /
+``_INT4_PATH`` at load; the rounds visit all of them in turn, and the plain ``int8-wo`` / ``int8-wo-channel`` /
+``int4-wo`` keys repeat the figures of the path ``quant_paths`` chose here.
 
 Speed: one request at a time (batch 1), a 32-token prompt, greedy, EOS ignored; ms/token is the engine's
 time per output token after the first (``(total_latency_ms - ttft_ms) / (tokens - 1)``), the median over ``--reps`` rounds that
@@ -73,9 +73,9 @@ from llminfer.models.kernel_swap import enable_cpu_kernels
 from llminfer.models.weight_only import quantize_model
 
 #: (variant, mode, kernel path): every quantized mode on both paths of llminfer's CPU kernel.
-#: (key, mode, forced kernel path, int8 group size): int8-wo in its default groups of 32 (one kernel, no
-#: path to choose), and per output channel (``int8_group_size=0``) on each of its two kernel paths.
-VARIANTS = (("none", "none", None, 32), ("int8-wo", "int8-wo", None, 32),
+#: (key, mode, forced kernel path, int8 group size): int8-wo in its default groups of 32 and per output channel
+#: (``int8_group_size=0``), and int4-wo, each on both kernel paths.
+VARIANTS = (("none", "none", None, 32), ("int8-wo:q8", "int8-wo", "q8", 32), ("int8-wo:wide", "int8-wo", "wide", 32),
             ("int8-wo-channel:q8", "int8-wo", "q8", 0), ("int8-wo-channel:wide", "int8-wo", "wide", 0),
             ("int4-wo:q8", "int4-wo", "q8", 32), ("int4-wo:wide", "int4-wo", "wide", 32))
 
@@ -216,9 +216,9 @@ def main() -> dict:
         e.close()
     acc = accuracy(path, acc_prompts, args.group_size, bnb=bool(args.model))
     chosen = {k: v["path"] for k, v in path_choice.quant_paths().items()} if build.skinny_linear_available() \
-        else {"int8": "wide", "int4": "wide"}
-    for m in ("int8-wo-channel", "int4-wo"):  # the plain keys: the path chosen here
-        v = f"{m}:{chosen[m.split('-')[0]]}"
+        else {"int8": "wide", "int8-group": "wide", "int4": "wide"}
+    for m, kind in (("int8-wo", "int8-group"), ("int8-wo-channel", "int8"), ("int4-wo", "int4")):
+        v = f"{m}:{chosen[kind]}"  # the plain keys: the path chosen here
         for d in (tpot, tokens, facts, read_bytes, acc):
             d[m] = d[v]
     ms = {m: statistics.median(v) for m, v in tpot.items()}

@@ -52,6 +52,7 @@ from llminfer.backends import packing
 from llminfer.backends.attention import ATTN_IMPLEMENTATION, paged_attention_forward
 from llminfer.backends.decoder_loop import use_decoder_loop
 from llminfer.benchmark.environment import StealMeter
+from llminfer.config import QuantConfig, QuantMode
 from llminfer.logging import configure_logging
 
 PARTS = ("linear_attn", "linear_mlp", "lm_head", "attention", "model_other", "metadata", "sampling",
@@ -299,14 +300,16 @@ def _loadavg() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def run(quick: bool, reps: int, plain_only: bool = False, compare: str | None = None) -> dict[str, Any]:
+def run(quick: bool, reps: int, plain_only: bool = False, compare: str | None = None,
+        quant: str = "none") -> dict[str, Any]:
     configure_logging("warning")
     torch.set_num_threads(int(os.environ.get("LLMINFER_BENCH_THREADS", "2")))
     load_before = _loadavg()
     steal = StealMeter()
     cfg = EngineConfig(model_name=str(bench_model_path()), dtype="float32", device="cpu", max_batch_size=32,
                        batch_timeout_ms=0, attention_backend=os.environ.get("LLMINFER_BENCH_ATTENTION", "auto"),
-                       cache=CacheConfig(page_size_tokens=16, kv_cache_memory_bytes=256 << 20))
+                       cache=CacheConfig(page_size_tokens=16, kv_cache_memory_bytes=256 << 20),
+                       quant=QuantConfig(mode=QuantMode(quant)))
     engine = InferenceEngine(cfg).load().start()
     try:
         engine.run_batch_continuous(random_prompts(2, 16, BENCH_VOCAB, seed=99), max_new_tokens=4)  # warm-up
@@ -343,7 +346,7 @@ def run(quick: bool, reps: int, plain_only: bool = False, compare: str | None = 
             cases.append(case)
     finally:
         engine.close()
-    return {"benchmark": "step_profile", "dtype": "float32", "reps": reps, "quick": quick,
+    return {"benchmark": "step_profile", "dtype": "float32", "quant": quant, "reps": reps, "quick": quick,
             "copy_bandwidth_bytes_per_s": bw, "cases": cases,
             "loadavg_before": load_before,
             "loadavg_after": _loadavg(),
@@ -362,8 +365,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="instead: the decode period before a change and after, alternating: 'step' (the "
                     "default) is this suite's step changes (row-major fp32 LM head, torch argmax), "
                     "'decoder-loop' transformers' model forward against llminfer's decoder loop")
+    ap.add_argument("--quant", default="none", help="weight quantization of the model (--quant of llminfer: "
+                    "none, int8-wo, int4-wo, ...)")
     args = ap.parse_args(argv)
-    results = run(args.quick, args.reps, args.plain_only, args.before_after)
+    results = run(args.quick, args.reps, args.plain_only, args.before_after, args.quant)
     if args.before_after:
         print(f"load average before {results['loadavg_before']}, after {results['loadavg_after']}; "
               f"steal {_pct(results.get('steal_pct'))}")

@@ -189,3 +189,18 @@ def test_engines_report_the_loop_and_match_hf_greedy(model_dirs, family, looped)
     finally:
         engine.close()
     assert got == hf_greedy(model_dirs[family], prompts, 12)
+
+
+@pytest.mark.skipif(not __import__("llminfer.kernels.build", fromlist=["x"]).skinny_linear_available(),
+                    reason="llminfer's CPU kernel does not build here")
+def test_a_model_on_llminfers_kernels_keeps_the_bits_of_its_forward():
+    """After the kernel swap (SkinnyLinear, KernelRMSNorm), the loop calls the norms' op directly: the same bits."""
+    from llminfer.kernels.layers import KernelRMSNorm
+    from llminfer.models.kernel_swap import enable_cpu_kernels
+
+    model = _model("qwen2")
+    enable_cpu_kernels(model)
+    assert type(model.model.norm) is KernelRMSNorm and decoder_loop.uses_decoder_loop(model)
+    for tokens, starts in (([[5, 6, 7]], [0]), ([[1], [2, 3]], [40, 7])):
+        assert torch.equal(_prefill_then_step(model, tokens, starts, loop=True),
+                           _prefill_then_step(model, tokens, starts, loop=False))

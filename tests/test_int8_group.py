@@ -138,3 +138,81 @@ def test_layer_fallback_without_the_kernel_equals_the_kernel(monkeypatch: pytest
     monkeypatch.setattr(Int8GroupWeightOnlyLinear, "_op", None)
     if int8_group.kernel_available():
         torch.testing.assert_close(layer(x).double(), ref, rtol=2e-3, atol=2e-3)
+
+
+# ------------------------------------------------------------------ the q8 path (csrc/int8_group_linear_q8.cpp)
+def _q8_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Per output element: sum_k |W[n, k]| * d[m, block(k)] / 2 (the 8-bit activation rounding) plus float32
+    sums, with d = max|x| / 127 per block of 32 columns (llama.cpp's Q8_0)."""
+    m, k = x.shape
+    d = x.double().reshape(m, k // 32, 32).abs().amax(-1) / 127
+    per_block = weight.double().abs().reshape(weight.shape[0], k // 32, 32).sum(-1)
+    return (d / 2) @ per_block.T + 1e-4 * (1 + x.double().abs() @ weight.double().abs().T)
+
+
+@needs_kernel
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 40), groups=st.integers(1, 40), rows=st.integers(1, 9), seed=st.integers(0, 2**16),
+       bias=st.booleans())
+def test_q8_kernel_is_within_its_rounding_bound_and_batch_invariant(n, groups, rows, seed, bias) -> None:
+    # groups up to 40: full and partial runs of 16 (AVX-512) and 8 (AVX2) groups in the packed order
+    k = 32 * groups
+    gen = torch.Generator().manual_seed(seed)
+    codes, scale, minimum = quantize_int8_groupwise(torch.randn(n, k, generator=gen), 32)
+    weight = dequantize_int8_groupwise(codes, scale, minimum)
+    x = torch.randn(rows, k, generator=gen) * torch.rand(rows, 1, generator=gen) * 4
+    b = torch.randn(n, generator=gen) if bias else None
+    packed = int8_group.pack_int8_group_q8(codes)
+    assert torch.equal(int8_group.unpack_int8_group_q8(packed), codes)
+    out = int8_group.int8_group_linear_q8(x, packed, scale, minimum, b)
+    ref = x.double() @ weight.double().T + (0 if b is None else b.double())
+    assert ((out.double() - ref).abs() <= _q8_bound(x, weight)).all()
+    for r in range(rows):  # a row's bits do not depend on the other rows
+        assert torch.equal(int8_group.int8_group_linear_q8(x[r:r + 1].clone(), packed, scale, minimum, b), out[r:r + 1])
+
+
+@needs_kernel
+def test_q8_kernel_uses_the_exact_integer_sums() -> None:
+    # activations already on their 8-bit grid (d = 1: values in [-127, 127], each block holding 127) and codes
+    # with scale 1, minimum 0: the product is an exact integer, which float32 holds
+    gen = torch.Generator().manual_seed(3)
+    k, n = 32 * 20, 24
+    x = torch.randint(-127, 128, (3, k), generator=gen).float()
+    x.view(3, -1, 32)[..., 0] = 127.0
+    codes = torch.randint(0, 256, (n, k), generator=gen).to(torch.uint8)
+    codes[0] = 0  # c - 128 = -128 everywhere: the plain-AVX2 sign trick's edge
+    scale, minimum = torch.ones(n, k // 32), torch.zeros(n, k // 32)
+    out = int8_group.int8_group_linear_q8(x, int8_group.pack_int8_group_q8(codes), scale, minimum)
+    assert torch.equal(out.double(), x.double() @ codes.double().T)
+
+
+@needs_kernel
+def test_q8_kernel_nan_row_and_argument_errors() -> None:
+    codes, scale, minimum = quantize_int8_groupwise(torch.randn(8, 64), 32)
+    packed = int8_group.pack_int8_group_q8(codes)
+    x = torch.randn(3, 64)
+    x[1, 5] = float("nan")
+    out = int8_group.int8_group_linear_q8(x, packed, scale, minimum)
+    assert out[1].isnan().all() and not out[[0, 2]].isnan().any()
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        int8_group.int8_group_linear_q8(torch.randn(1, 48), torch.zeros(8, 48, dtype=torch.uint8),
+                                        torch.ones(8, 1), torch.zeros(8, 1))
+    with pytest.raises(RuntimeError, match="scale and minimum"):
+        int8_group.int8_group_linear_q8(x[:1], packed, scale[:, :1].contiguous(), minimum)
+
+
+@needs_kernel
+def test_layer_on_the_q8_path_keeps_its_weight_and_agrees_with_the_wide_path() -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 40)
+    layer = Int8GroupWeightOnlyLinear(linear, 32)
+    x = torch.randn(2, 5, 96)
+    wide = layer(x)
+    before = layer.dequantized_weight()
+    assert layer.use_q8_path() and layer.kernel_path == "q8" and layer.use_q8_path()  # idempotent
+    assert torch.equal(layer.dequantized_weight(), before)  # the re-laid-out codes are the same weight
+    q8 = layer(x)
+    assert q8.shape == wide.shape and q8.dtype == torch.float32
+    assert ((q8 - wide).double().abs() <= _q8_bound(x.reshape(-1, 96), before).reshape(2, 5, 40) + 1e-3).all()
+    wider = Int8GroupWeightOnlyLinear(nn.Linear(128, 8), 64)
+    assert not wider.use_q8_path() and wider.kernel_path == "wide"  # the q8 kernel takes groups of 32 only

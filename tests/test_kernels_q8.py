@@ -178,6 +178,7 @@ def test_paths_follow_the_environment(monkeypatch):
     monkeypatch.setenv(path_choice.INT4_PATH_ENV, "WIDE")
     paths = path_choice.quant_paths()
     assert paths["int8"] == {"path": "q8", "how": "forced"} and paths["int4"] == {"path": "wide", "how": "forced"}
+    assert paths["int8-group"] == {"path": "q8", "how": "forced"}
     monkeypatch.setenv(path_choice.INT8_PATH_ENV, "fastest")
     with pytest.raises(ValueError, match=path_choice.INT8_PATH_ENV):
         path_choice.quant_paths()
@@ -192,6 +193,8 @@ def test_measured_paths_are_kept_with_the_build(monkeypatch, tmp_path):
     def fake_measure():
         calls.append(1)
         return {"int8": {"path": "q8", "how": "measured", "q8_ms": 1.0, "wide_ms": 2.0, "wide": "int8_linear"},
+                "int8-group": {"path": "q8", "how": "measured", "q8_ms": 1.0, "wide_ms": 2.0,
+                               "wide": "int8_group_linear"},
                 "int4": {"path": "wide", "how": "measured", "q8_ms": 3.0, "wide_ms": 2.0, "wide": "int4_linear"}}
 
     monkeypatch.setattr(path_choice, "_measure_paths", fake_measure)

@@ -201,8 +201,13 @@ def test_engine_matches_hf_on_the_quantized_model_with_prefix_cache(int8_engine,
     from llminfer.kernels import build
 
     if build.skinny_linear_available():
-        assert "int8_group_linear on" in facts["cpu_kernel"], facts["cpu_kernel"]
-        assert "int8 in groups of 32 on integer dot products, 14-bit activations" in facts["cpu_kernel"]
+        from llminfer.kernels.path_choice import quant_paths
+
+        q8 = quant_paths()["int8-group"]["path"] == "q8"
+        assert f"int8_group_linear{'_q8' if q8 else ''} on" in facts["cpu_kernel"], facts["cpu_kernel"]
+        assert "int8 in groups of 32 on integer dot products, " + (
+            "activations as two 8-bit digits" if q8 else "14-bit activations") in facts["cpu_kernel"]
+        assert engine.model.lm_head.kernel_path == ("q8" if q8 else "wide")
 
 
 def test_int4_engine_runs_on_the_kernel_and_its_rows_do_not_depend_on_the_batch(qwen2_dir):
@@ -217,7 +222,8 @@ def test_int4_engine_runs_on_the_kernel_and_its_rows_do_not_depend_on_the_batch(
         line = engine.info()["cpu_kernel"]
         if build.skinny_linear_available():
             paths = path_choice.quant_paths()
-            head = "int8_group_linear (groups of 32)"  # the int8 head takes int8-wo's group format
+            # the int8 head takes int8-wo's group format, on the path chosen for it
+            head = f"int8_group_linear{'_q8' if paths['int8-group']['path'] == 'q8' else ''} (groups of 32)"
             if paths["int4"]["path"] == "q8":
                 assert line.startswith("int4_linear_q8 on ") and "int4 on the q8 path" in line, line
             elif build.int8_activation_bits():

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from llminfer.backends.attention import ATTN_IMPLEMENTATION, METADATA_KWARG
+from llminfer.kernels.layers import KernelRMSNorm
 
 __all__ = ["SUPPORTED_MODELS", "forward_logits", "use_decoder_loop", "uses_decoder_loop"]
 
@@ -82,7 +83,14 @@ class _Plan:
 def _norm(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``module(x)``; where ``module`` is the model file's own RMSNorm in float32 (and not hooked),
     ``torch.nn.functional.rms_norm`` with its weight and epsilon instead: the same bits in float32 (not in
-    bf16/fp16, where transformers rounds before the weight product), in one call instead of six."""
+    bf16/fp16, where transformers rounds before the weight product), in one call instead of six; where it is
+    llminfer's :class:`~llminfer.kernels.layers.KernelRMSNorm` on float32 input (and not hooked), its op
+    without the module call."""
+    if type(module) is KernelRMSNorm:
+        if (x.dtype == torch.float32 and x.device.type == "cpu" and module.weight.dtype == torch.float32
+                and not (module._forward_hooks or module._forward_pre_hooks)):
+            return torch.ops.llminfer_cpu.rms_norm(x, module.weight, module.variance_epsilon)
+        return module(x)
     if x.dtype == torch.float32 and type(module).__name__ in _HF_RMS_NORMS:
         weight, eps = module.weight, getattr(module, "variance_epsilon", None)
         if (weight.dtype == torch.float32 and weight.dim() == 1 and isinstance(eps, float)

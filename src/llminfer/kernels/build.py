@@ -222,7 +222,7 @@ _fakes_registered = False
 
 def _register_fake_impls() -> None:
     """Shape-only implementations of the ops (skinny_linear, int8_linear, int4_linear, their q8 forms,
-    bf16_linear, paged_decode_attention), so
+    bf16_linear, paged_decode_attention, rms_norm), so
     ``torch.compile`` (the compiled backend) traces through them and inductor calls them as extern kernels
     instead of breaking the graph. Once per process:
     the C++ library outlives :func:`_reset_for_tests`."""
@@ -263,6 +263,10 @@ def _register_fake_impls() -> None:
     def _paged_decode_attention_fake(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                      block_tables: torch.Tensor, ctx_lens: torch.Tensor, scale: float) -> torch.Tensor:
         return query.new_empty(query.shape, dtype=torch.float32)
+
+    @torch.library.register_fake("llminfer_cpu::rms_norm")
+    def _rms_norm_fake(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
 
     _fakes_registered = True
 

@@ -99,6 +99,11 @@ def _register_fake() -> None:
                                 group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
         return x.new_empty(x.shape[0], codes.shape[0], dtype=torch.float32)
 
+    @torch.library.register_fake("llminfer_cpu::int8_group_linear_q8")
+    def _int8_group_linear_q8_fake(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+                                   bias: torch.Tensor | None = None) -> torch.Tensor:
+        return x.new_empty(x.shape[0], codes.shape[0], dtype=torch.float32)
+
     _fake_registered = True
 
 
@@ -127,3 +132,57 @@ def int8_group_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
         raise RuntimeError("int8_group_linear: llminfer's CPU kernel is not loaded "
                            f"({build.unavailable_reason() or 'unknown reason'})")
     return torch.ops.llminfer_cpu.int8_group_linear(x, codes, scale, minimum, group_size, bias)
+
+
+
+def int8_group_linear_q8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+                         bias: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`int8_group_linear`'s product for groups of 32 on 8-bit activations (the "q8" path,
+    ``csrc/int8_group_linear_q8.cpp``, every x86 build), with the codes in :func:`pack_int8_group_q8`'s order.
+
+    Activations are rounded per block of 32 columns as llama.cpp's Q8_0 does (``d = max|x| / 127``); each
+    group's integer sum of codes times activations is exact (``vpdpbusd``, or ``vpmaddubsw`` on plain AVX2),
+    then ``sum_g (dot_g * d[g] * scale[n, g] + minimum[n, g] * xsum[g])`` in float32 (``xsum`` the group's sum
+    of the float32 activations), in one fixed order: a row's result does not depend on the other rows or the
+    threads. Against the float product the error is the activation rounding, at most
+    ``sum_k |W[n, k]| * d[g(k)] / 2`` plus float32 sums.
+
+    Args:
+        x: float32 ``[M, K]``, contiguous, ``K % 32 == 0``.
+        codes: uint8 ``[N, K]`` from :func:`pack_int8_group_q8`, contiguous.
+        scale, minimum: float32 ``[N, K // 32]``, contiguous.
+        bias: float32 ``[N]`` or None.
+
+    Returns:
+        float32 ``[M, N]``.
+
+    Raises:
+        RuntimeError: the kernel is not loaded, or the arguments break the rules above.
+    """
+    if not kernel_available():
+        raise RuntimeError("int8_group_linear_q8: llminfer's CPU kernel is not loaded "
+                           f"({build.unavailable_reason() or 'unknown reason'})")
+    return torch.ops.llminfer_cpu.int8_group_linear_q8(x, codes, scale, minimum, bias)
+
+
+def _q8_order(in_features: int) -> torch.Tensor:
+    if not kernel_available():
+        raise RuntimeError(f"llminfer's CPU kernel is not loaded ({build.unavailable_reason() or 'unknown reason'})")
+    return torch.ops.llminfer_cpu.int8_group_q8_order(in_features)
+
+
+def pack_int8_group_q8(codes: torch.Tensor) -> torch.Tensor:
+    """Row-major codes ``[N, K]`` (groups of 32) in the order :func:`int8_group_linear_q8` reads, which
+    depends on the loaded build's vector width (16 groups a run on AVX-512 VNNI, 8 elsewhere).
+
+    Raises:
+        RuntimeError: the kernel is not loaded.
+    """
+    return codes[:, _q8_order(codes.shape[1])].contiguous()
+
+
+def unpack_int8_group_q8(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`pack_int8_group_q8`: row-major uint8 ``[N, K]``."""
+    out = torch.empty_like(packed)
+    out[:, _q8_order(packed.shape[1])] = packed
+    return out

@@ -51,3 +51,30 @@ class SkinnyLinear(nn.Linear):
         else:
             out = bf16_linear(flat, w, self.bias)
         return out.reshape(*x.shape[:-1], self.out_features)
+
+
+class KernelRMSNorm(nn.Module):
+    """A drop-in for a Llama-family RMSNorm (``LlamaRMSNorm``, ``Qwen2RMSNorm``, ``MistralRMSNorm``) with a
+    float32 weight: ``weight * (x * rsqrt(mean(x ** 2, -1) + eps))`` as one op (``csrc/rms_norm.cpp``) instead
+    of torch's six, about 1 us instead of 40 at batch 1.
+
+    It holds the norm's own ``weight`` parameter (``state_dict`` keys unchanged). Input ``[..., d]`` float32 on
+    CPU, no autograd, gives ``[..., d]`` float32 that agrees with transformers' norm to float32 rounding (the
+    sum of squares runs in another order); anything else takes transformers' operations.
+    """
+
+    def __init__(self, norm: nn.Module) -> None:
+        super().__init__()
+        self.weight = norm.weight
+        self.variance_epsilon = float(norm.variance_epsilon)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if (x.dtype == torch.float32 and w.dtype == torch.float32 and x.device.type == "cpu"
+                and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
+            return torch.ops.llminfer_cpu.rms_norm(x, w, self.variance_epsilon)
+        variance = x.float().pow(2).mean(-1, keepdim=True)
+        return w * (x.float() * torch.rsqrt(variance + self.variance_epsilon)).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"

@@ -19,8 +19,10 @@ from llminfer.kernels.q8_linear import int4_linear_q8, int8_linear_q8
 log = structlog.get_logger("llminfer.cpu_kernels")
 
 # --------------------------------------------------------------------------- products on 8-bit activations
-#: ``q8`` or ``wide`` forces the int8-wo products onto :func:`int8_linear_q8` or :func:`int8_linear`; ``auto``
-#: (or unset) takes the faster here, measured once per build (:func:`quant_paths`).
+#: ``q8`` or ``wide`` forces the int8 products onto the q8 path (:func:`int8_linear_q8` for one scale per
+#: channel, :func:`~llminfer.kernels.int8_group_linear.int8_group_linear_q8` for int8-wo's groups of 32) or the
+#: wide one (:func:`int8_linear`, :func:`~llminfer.kernels.int8_group_linear.int8_group_linear`); ``auto`` (or
+#: unset) takes the faster here, measured once per build (:func:`quant_paths`).
 INT8_PATH_ENV = "LLMINFER_CPU_KERNEL_INT8_PATH"
 #: The same for int4-wo: :func:`int4_linear_q8`, or ``wide`` (:func:`int4_linear` on the AVX-512 VNNI
 #: build, torch's int4 kernel elsewhere).
@@ -84,7 +86,12 @@ def _measure_paths() -> dict[str, dict]:
         sz = torch.stack([s, z], dim=2).transpose(0, 1).contiguous().bfloat16()
         wide4 = lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), packed, g, sz)  # noqa: E731
         label4 = "torch's _weight_int4pack_mm_for_cpu"
+    u8 = torch.full((n, k), 165, dtype=torch.uint8)
+    packed = u8[:, torch.ops.llminfer_cpu.int8_group_q8_order(k)].contiguous()  # the caller holds build's lock
     pairs = {"int8": (lambda x: int8_linear_q8(x, w8, ones), lambda x: int8_linear(x, w8, ones), "int8_linear"),
+             # the ops themselves: their wrappers would take build's lock, which the caller holds
+             "int8-group": (lambda x: torch.ops.llminfer_cpu.int8_group_linear_q8(x, packed, s, z),
+                            lambda x: torch.ops.llminfer_cpu.int8_group_linear(x, u8, s, z, g), "int8_group_linear"),
              "int4": (lambda x: int4_linear_q8(x, codes, s, z, g), wide4, label4)}
     found: dict[str, dict] = {}
     for kind, (q8, wide, label) in pairs.items():
@@ -99,9 +106,11 @@ def _measure_paths() -> dict[str, dict]:
 
 
 def quant_paths() -> dict[str, dict]:
-    """Which path the int8-wo and int4-wo layers take here: ``{"int8": {...}, "int4": {...}}``, each with
-    ``path`` (``"q8"``: :func:`int8_linear_q8` / :func:`int4_linear_q8`; ``"wide"``: :func:`int8_linear` /
-    :func:`int4_linear`, or torch's int4 kernel on builds without AVX-512 VNNI) and ``how`` (``"forced"`` by
+    """Which path the int8-wo and int4-wo layers take here: ``{"int8": {...}, "int8-group": {...}, "int4":
+    {...}}`` (``int8-group``: int8-wo's groups of 32, also int4-wo's int8 LM head), each with ``path``
+    (``"q8"``: :func:`int8_linear_q8` / ``int8_group_linear_q8`` / :func:`int4_linear_q8`; ``"wide"``:
+    :func:`int8_linear` / ``int8_group_linear`` / :func:`int4_linear`, or torch's int4 kernel on builds without
+    AVX-512 VNNI) and ``how`` (``"forced"`` by
     :data:`INT8_PATH_ENV` / :data:`INT4_PATH_ENV`, or ``"measured"``, then with the ``q8_ms`` and ``wide_ms``
     of the measurement).
 
@@ -115,7 +124,8 @@ def quant_paths() -> dict[str, dict]:
     """
     import json
 
-    forced = {"int8": _forced_path(INT8_PATH_ENV), "int4": _forced_path(INT4_PATH_ENV)}
+    forced = {"int8": _forced_path(INT8_PATH_ENV), "int8-group": _forced_path(INT8_PATH_ENV),
+              "int4": _forced_path(INT4_PATH_ENV)}
     if not build._load():
         raise RuntimeError(f"llminfer's CPU kernel is not loaded: {build.unavailable_reason()}")
     with build._lock:
@@ -126,7 +136,7 @@ def quant_paths() -> dict[str, dict]:
             try:
                 kept = json.loads(path.read_text())
                 same = (kept.get("cpu") == cpu and kept.get("threads") == torch.get_num_threads()
-                        and kept.get("q8_max_time_ratio") == Q8_MAX_TIME_RATIO)
+                        and kept.get("q8_max_time_ratio") == Q8_MAX_TIME_RATIO and set(kept["paths"]) == set(forced))
                 measured = kept["paths"] if same else None
             except (OSError, ValueError, KeyError):
                 measured = None
@@ -149,7 +159,8 @@ def quant_paths() -> dict[str, dict]:
 
 
 def quant_path_note(kind: str) -> str:
-    """One line on the path ``kind`` (``"int8"`` or ``"int4"``) takes and why, for ``llminfer info``: e.g.
+    """One line on the path ``kind`` (``"int8"``, ``"int8-group"`` or ``"int4"``) takes and why, for
+    ``llminfer info``: e.g.
     ``"q8 path (vpdpbusd zmm (AVX-512 VNNI), 8-bit activations per 32 columns), measured here: q8 1.75 ms,
     wide 3.49 ms"``.
 
@@ -157,8 +168,9 @@ def quant_path_note(kind: str) -> str:
         ValueError, RuntimeError: as :func:`quant_paths`.
     """
     p = quant_paths()[kind]
-    what = (f"q8 path ({build.q8_instruction()}, 8-bit activations per 32 columns)" if p["path"] == "q8"
+    digits = "two 8-bit digits" if kind == "int8-group" else "8-bit activations"
+    what = (f"q8 path ({build.q8_instruction()}, {digits} per 32 columns)" if p["path"] == "q8"
             else "wide path")
     if p["how"] == "forced":
-        return f"{what}, forced by {INT8_PATH_ENV if kind == 'int8' else INT4_PATH_ENV}"
+        return f"{what}, forced by {INT4_PATH_ENV if kind == 'int4' else INT8_PATH_ENV}"
     return f"{what}, measured here: q8 {p['q8_ms']:.2f} ms, wide ({p['wide']}) {p['wide_ms']:.2f} ms"

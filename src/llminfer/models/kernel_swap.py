@@ -8,9 +8,23 @@ import torch
 from torch import nn
 
 from llminfer.kernels import build
-from llminfer.kernels.layers import SkinnyLinear
+from llminfer.kernels.layers import KernelRMSNorm, SkinnyLinear
 from llminfer.kernels.path_choice import quant_paths
 from llminfer.models.weight_only import Int4WeightOnlyLinear, Int8GroupWeightOnlyLinear, Int8WeightOnlyLinear
+
+#: transformers' RMSNorm classes that compute ``weight * (x * rsqrt(mean(x ** 2) + eps))`` in float32, the
+#: operations of :class:`~llminfer.kernels.layers.KernelRMSNorm` (Gemma's ``1 + weight`` form is not one).
+RMS_NORMS = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm"})
+
+
+def _swap_rms_norms(model: nn.Module) -> None:
+    norms = [(name, m) for name, m in model.named_modules()
+             if type(m).__name__ in RMS_NORMS and isinstance(getattr(m, "weight", None), torch.Tensor)
+             and m.weight.dtype == torch.float32 and m.weight.dim() == 1 and m.weight.device.type == "cpu"
+             and isinstance(getattr(m, "variance_epsilon", None), float)]
+    for name, norm in norms:
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, KernelRMSNorm(norm))
 
 
 def enable_cpu_kernels(model: nn.Module, include_head: bool = False) -> int:
@@ -26,7 +40,10 @@ def enable_cpu_kernels(model: nn.Module, include_head: bool = False) -> int:
     chose), and so does every :class:`~llminfer.models.weight_only.Int4WeightOnlyLinear` (``int4_linear_q8``,
     or ``int4_linear`` where the kernel has its VNNI path and that path was chosen; the codes are re-laid
     out in place). :class:`~llminfer.models.weight_only.Int8GroupWeightOnlyLinear` layers run on
-    ``int8_group_linear`` by themselves; they are counted here.
+    ``int8_group_linear`` by themselves, or, where the ``int8-group`` path chosen is ``q8``, are re-laid out
+    for ``int8_group_linear_q8`` (groups of 32; :meth:`~llminfer.models.weight_only.Int8GroupWeightOnlyLinear.use_q8_path`);
+    they are counted here. Every float32 Llama-family RMSNorm
+    (:data:`RMS_NORMS`) becomes a :class:`~llminfer.kernels.layers.KernelRMSNorm` (not counted).
 
     Args:
         model: the loaded model (modules swapped in place).
@@ -46,7 +63,9 @@ def enable_cpu_kernels(model: nn.Module, include_head: bool = False) -> int:
     grouped = [m for m in model.modules() if isinstance(m, Int8GroupWeightOnlyLinear) and m.weight.device.type == "cpu"]
     if not (fp32 or bf16 or int8 or int4 or grouped) or not build.skinny_linear_available():
         return 0
-    paths = quant_paths() if (int8 or int4) else {"int8": {"path": "wide"}, "int4": {"path": "wide"}}
+    _swap_rms_norms(model)
+    paths = (quant_paths() if (int8 or int4 or grouped)
+             else {kind: {"path": "wide"} for kind in ("int8", "int8-group", "int4")})
     swapped = fp32 + (bf16 if build.bf16_kernel_available() else [])
     for name, linear in swapped:
         parent_name, _, child = name.rpartition(".")
@@ -55,6 +74,9 @@ def enable_cpu_kernels(model: nn.Module, include_head: bool = False) -> int:
         layer.use_cpu_kernel = True
         layer.kernel_path = "q8" if paths["int8"]["path"] == "q8" and layer.in_features % 32 == 0 else "wide"
         layer._kernel_scales = layer.scales.float().contiguous()  # now, not inside a torch.compile trace
+    if paths["int8-group"]["path"] == "q8":
+        for layer in grouped:
+            layer.use_q8_path()
     int4_path = paths["int4"]["path"]
     if int4_path == "wide":  # int4_linear needs the VNNI integer path (and K <= 32768); else torch's kernel stays
         int4 = [m for m in int4 if m.in_features <= 32768] if build.int8_activation_bits() is not None else []

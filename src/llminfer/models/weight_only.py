@@ -4,18 +4,18 @@ Batch-1 decode on CPU is bound by the bytes of weights read per step, so storing
 in 8 or 4 bits and dequantizing them inside the matmul cuts the step time roughly with the bytes. The
 activations stay in floating point ("weight-only"), which keeps the accuracy close to the unquantized model.
 
-- ``int8-wo`` (:class:`Int8WeightOnlyLinear`): symmetric per-output-channel int8,
-  ``W[n, k] ≈ q[n, k] * scale[n]`` with ``scale[n] = max_k |W[n, k]| / 127``; the product runs in
-  ``torch.ops.aten._weight_int8pack_mm`` (the kernel gpt-fast's int8 mode uses on CPU).
+- ``int8-wo``: by default group-wise, 8-bit codes with a scale and a minimum per group of 32 input columns
+  (:class:`Int8GroupWeightOnlyLinear`, :mod:`llminfer.kernels.int8_group_linear`); with ``int8_group_size=0``
+  symmetric per output channel, ``W[n, k] ≈ q[n, k] * max_k |W[n, k]| / 127`` (:class:`Int8WeightOnlyLinear`,
+  torch's ``_weight_int8pack_mm``, the kernel gpt-fast's int8 mode uses on CPU, or llminfer's kernels).
 - ``int4-wo`` (:class:`Int4WeightOnlyLinear`): asymmetric group-wise uint4 along the input dimension,
-  ``W[n, k] ≈ (q[n, k] - 8) * scale[n, g] + zero[n, g]`` for ``g = k // group_size``, where
-  ``zero = min + 8 * scale`` and ``scale = (max - min) / 15`` over the group (torch's tinygemm layout, as in
-  torch's own ``test_linalg`` int4 tests); ``torch.ops.aten._convert_weight_to_int4pack_for_cpu`` packs the
-  codes and ``torch.ops.aten._weight_int4pack_mm_for_cpu`` multiplies. Where llminfer's CPU kernel has its
-  AVX-512 VNNI path, :func:`llminfer.models.kernel_swap.enable_cpu_kernels` re-lays the codes out for
-  :func:`llminfer.kernels.int4_linear.int4_linear` instead (:meth:`Int4WeightOnlyLinear.use_llminfer_kernel`),
-  or, on any build where :func:`llminfer.kernels.path_choice.quant_paths` chose the q8 path, for
-  :func:`llminfer.kernels.q8_linear.int4_linear_q8`.
+  ``W[n, k] ≈ (q[n, k] - 8) * scale[n, g] + zero[n, g]`` for ``g = k // group_size``, ``scale = (max - min) /
+  15`` and ``zero = min + 8 * scale`` over the group (torch's tinygemm layout), on torch's
+  ``_weight_int4pack_mm_for_cpu``, or re-laid out for llminfer's kernels
+  (:meth:`Int4WeightOnlyLinear.use_llminfer_kernel`).
+
+Which of llminfer's kernel paths a layer takes is :func:`llminfer.kernels.path_choice.quant_paths`'s measured
+choice, applied by :func:`llminfer.models.kernel_swap.enable_cpu_kernels`.
 
 Activation dtype: torch vectorizes both kernels on x86 (AVX2 and AVX-512) for **bfloat16** activations
 only; float32 and float16 activations take a scalar loop there that is several times slower than the fp32
@@ -48,64 +48,15 @@ from llminfer.kernels.q8_linear import (
     pack_int4_codes_q8,
     unpack_int4_codes_q8,
 )
+from llminfer.models.quantizers import (  # noqa: F401 - re-exported: the layers' quantizers
+    INT4_GROUP_SIZES,
+    dequantize_int4,
+    quantize_int4_groupwise,
+    quantize_int8_per_channel,
+)
 
-INT4_GROUP_SIZES = (32, 64, 128, 256)
 _INT4_N_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu: "expect N to be dividable by 16"
 _INT8_K_MULTIPLE = 8
-
-
-# ------------------------------------------------------------------------------------------ quantizers
-def quantize_int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-output-channel int8.
-
-    Args:
-        weight: ``[N, K]`` float.
-
-    Returns:
-        ``(q, scales)``: ``q`` int8 ``[N, K]`` in [-127, 127], ``scales`` float32 ``[N]`` with
-        ``weight ≈ q * scales[:, None]`` (an all-zero row gets scale 1, not 0).
-    """
-    w = weight.detach().float()
-    scales = w.abs().amax(dim=1) / 127.0
-    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
-    q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
-    return q, scales
-
-
-def quantize_int4_groupwise(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Asymmetric group-wise uint4 in torch's tinygemm layout.
-
-    Args:
-        weight: ``[N, K]`` float with ``K % group_size == 0``.
-        group_size: input columns sharing one scale and zero point.
-
-    Returns:
-        ``(q, scales_and_zeros)``: ``q`` int32 ``[N, K]`` codes in [0, 15]; ``scales_and_zeros`` float32
-        ``[K // group_size, N, 2]`` (``[..., 0]`` the scale, ``[..., 1]`` the zero point) with
-        ``weight[n, k] ≈ (q[n, k] - 8) * scale[g, n] + zero[g, n]``, ``g = k // group_size``.
-
-    Raises:
-        ValueError: ``K`` is not a multiple of ``group_size``.
-    """
-    n, k = weight.shape
-    if k % group_size:
-        raise ValueError(f"in_features {k} is not a multiple of the int4 group size {group_size}")
-    groups = weight.detach().float().reshape(n, k // group_size, group_size)
-    lo = groups.amin(dim=2, keepdim=True)
-    hi = groups.amax(dim=2, keepdim=True)
-    scales = (hi - lo).clamp(min=1e-6) / 15.0
-    zeros = lo + 8.0 * scales
-    q = torch.round((groups - lo) / scales).clamp_(0, 15).to(torch.int32).reshape(n, k)
-    scales_and_zeros = torch.stack([scales.squeeze(2), zeros.squeeze(2)], dim=2).transpose(0, 1).contiguous()
-    return q, scales_and_zeros
-
-
-def dequantize_int4(q: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int) -> torch.Tensor:
-    """The float32 ``[N, K]`` weight that codes from :func:`quantize_int4_groupwise` stand for."""
-    n, k = q.shape
-    s = scales_and_zeros[..., 0].float().t().unsqueeze(2)  # [N, K/G, 1]
-    z = scales_and_zeros[..., 1].float().t().unsqueeze(2)
-    return ((q.reshape(n, k // group_size, group_size).float() - 8.0) * s + z).reshape(n, k)
 
 
 # --------------------------------------------------------------------------------------------- modules
@@ -211,7 +162,8 @@ class Int8GroupWeightOnlyLinear(_WeightOnlyLinear):
     ``[out_features, in_features // group_size]``. Input ``[..., in_features]`` (any float dtype) gives
     ``[..., out_features]`` of the input's dtype, computed by
     :func:`llminfer.kernels.int8_group_linear.int8_group_linear` (14-bit activations per row, exact integer sums
-    per group, float32 out); ``compute_dtype`` is not applied. Where that kernel cannot load, the weight is
+    per group, float32 out), or after :meth:`use_q8_path` by ``int8_group_linear_q8`` (8-bit activations per
+    block of 32, llama.cpp's Q8_0 activations); ``compute_dtype`` is not applied. Where that kernel cannot load, the weight is
     dequantized for each call (correct, slow); :func:`quantize_model` does not pick this layer there.
 
     Raises:
@@ -234,6 +186,25 @@ class Int8GroupWeightOnlyLinear(_WeightOnlyLinear):
     #: The kernel op once it is known to load (None: not asked yet; False: it cannot), looked up once, not
     #: per call: a decode step makes one call per linear layer.
     _op: Any = None
+    #: ``"wide"`` (``int8_group_linear``, 14-bit activations per row, codes row-major) or ``"q8"``
+    #: (:meth:`use_q8_path`: ``int8_group_linear_q8``, 8-bit activations per block of 32, codes in
+    #: :func:`~llminfer.kernels.int8_group_linear.pack_int8_group_q8`'s order).
+    kernel_path = "wide"
+
+    def use_q8_path(self) -> bool:
+        """Re-lay ``weight`` out in place for :func:`~llminfer.kernels.int8_group_linear.int8_group_linear_q8`
+        and run every product there from now on, where the layer's groups are 32 columns and the kernel loads;
+        return whether the layer is on that path. Idempotent.
+        """
+        from llminfer.kernels import int8_group_linear as int8_group
+
+        if self.kernel_path == "q8":
+            return True
+        if self.group_size != 32 or self.weight.device.type != "cpu" or not int8_group.kernel_available():
+            return False
+        self.weight = int8_group.pack_int8_group_q8(self.weight)
+        self.kernel_path = "q8"
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._op is None:
@@ -245,7 +216,9 @@ class Int8GroupWeightOnlyLinear(_WeightOnlyLinear):
         if flat.dtype != torch.float32 or not flat.is_contiguous():
             flat = flat.float().contiguous()
         bias = self.bias if self.bias is None or self.bias.dtype == torch.float32 else self.bias.float()
-        if self._op and x.device.type == "cpu":
+        if self.kernel_path == "q8" and x.device.type == "cpu":
+            out = torch.ops.llminfer_cpu.int8_group_linear_q8(flat, self.weight, self.scale, self.minimum, bias)
+        elif self._op and x.device.type == "cpu":
             out = self._op(flat, self.weight, self.scale, self.minimum, self.group_size, bias)
         else:
             out = torch.nn.functional.linear(flat, self.dequantized_weight().to(flat.device), bias)
@@ -253,9 +226,10 @@ class Int8GroupWeightOnlyLinear(_WeightOnlyLinear):
 
     def dequantized_weight(self) -> torch.Tensor:
         """The float32 ``[out_features, in_features]`` weight the layer computes with."""
-        from llminfer.kernels.int8_group_linear import dequantize_int8_groupwise
+        from llminfer.kernels.int8_group_linear import dequantize_int8_groupwise, unpack_int8_group_q8
 
-        return dequantize_int8_groupwise(self.weight, self.scale, self.minimum)
+        codes = unpack_int8_group_q8(self.weight) if self.kernel_path == "q8" else self.weight
+        return dequantize_int8_groupwise(codes, self.scale, self.minimum)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", group_size={self.group_size}"

@@ -92,6 +92,7 @@ inline void vstore_half(float* p, vec v) { _mm512_mask_storeu_ps(p, 0x00FF, v); 
 inline vec vset1(float a) { return _mm512_set1_ps(a); }
 inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
+inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
 inline float lane_sum(vec v) {
   return lane_sum8(_mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)));
 }
@@ -111,6 +112,7 @@ inline void vstore_half(float* p, vec v) { _mm256_storeu_ps(p, v); }
 inline vec vset1(float a) { return _mm256_set1_ps(a); }
 inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
+inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
 inline float lane_sum(vec v) { return lane_sum8(v); }
 #endif
 

@@ -22,41 +22,6 @@ namespace {
 
 inline int64_t int4_q8_row_bytes(int64_t K) { return (K + 127) / 128 * 64; }
 
-#if LLMINFER_Q8_512
-// The per-lane group scale of the 64-column chunk from k: one value, or (G = 32) two halves.
-inline __m512 lane_scales(const float* s, int64_t k, int64_t G, int64_t groups) {
-  if (G > 32) return _mm512_set1_ps(s[k / G]);
-  const int64_t g = k / 32;
-  // s[g] to lanes 0-7 and s[g + 1] to lanes 8-15 (0 where a last chunk of 32 columns has no second group)
-  const __m512 two = _mm512_maskz_loadu_ps(g + 1 < groups ? 0x3 : 0x1, s + g);
-  return _mm512_permutexvar_ps(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0), two);
-}
-#endif
-
-// The zero points' term sum_g zero[g] * xsum[g] as a vector of partial sums (groups a vector at a time, in
-// order), added to the products' accumulator before its one lane sum. (A scalar loop here was the int4 loop's
-// bottleneck: one dependent add per group per channel.)
-inline facc zero_term(const float* z, const float* xs, int64_t groups) {
-#if LLMINFER_Q8_512
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t g = 0; g < groups; g += 16) {
-    const __mmask16 mask = groups - g >= 16 ? static_cast<__mmask16>(0xFFFF)
-                                            : static_cast<__mmask16>((1u << (groups - g)) - 1);
-    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, z + g), _mm512_maskz_loadu_ps(mask, xs + g), acc);
-  }
-  return acc;
-#else
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t g = 0; g < groups; g += 8) {
-    const int64_t left = std::min<int64_t>(8, groups - g);
-    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(left)),
-                                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    acc = _mm256_fmadd_ps(_mm256_maskload_ps(z + g, mask), _mm256_maskload_ps(xs + g, mask), acc);
-  }
-  return acc;
-#endif
-}
-
 // Rows [m0, m0 + MT) times one channel: out[m] = the sum above (before the bias).
 template <int MT>
 inline void int4_q8_channel(const Q8Rows& r, int64_t m0, const uint8_t* codes, int64_t K, int64_t G,
@@ -115,13 +80,7 @@ void int4_linear_q8_impl(const float* x, int64_t M, int64_t K, const uint8_t* co
                          const float* scale, const float* zero, const float* bias, float* out) {
   const Q8Rows r = quantize_rows_q8(x, M, K, 128);
   const int64_t groups = K / G;
-  std::vector<float> xsum(static_cast<size_t>(M * groups));
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t g = 0; g < groups; ++g) {
-      double t = 0.0;
-      for (int64_t k = g * G; k < (g + 1) * G; ++k) t += x[m * K + k];
-      xsum[m * groups + g] = static_cast<float>(t);
-    }
+  const std::vector<float> xsum = group_sums(x, M, K, G);
   const int64_t row_bytes = int4_q8_row_bytes(K);
   for_each_tile(M, N, kQ8Rows, 1, row_bytes, [&](int64_t m, int64_t rows, int64_t n, int64_t) {
     float sums[kQ8Rows];
@@ -159,15 +118,8 @@ at::Tensor int4_linear_q8(const at::Tensor& x, const at::Tensor& codes, const at
                   codes.size(1) == int4_q8_row_bytes(K),
               op, ": codes must be a contiguous uint8 [N, ceil(K / 128) * 64] tensor");
   const int64_t N = codes.size(0);
-  for (const at::Tensor* t : {&scale, &zero})
-    TORCH_CHECK(t->device().is_cpu() && t->dim() == 2 && t->scalar_type() == at::kFloat && t->is_contiguous() &&
-                    t->size(0) == N && t->size(1) == K / G,
-                op, ": scale and zero must be contiguous float32 [N, K / group_size] CPU tensors");
-  const float* bias_p = nullptr;
-  if (bias.has_value()) {
-    check_float_vec(op, "bias", *bias, N);
-    bias_p = bias->data_ptr<float>();
-  }
+  check_group_params(op, scale, zero, N, K / G);
+  const float* bias_p = optional_bias(op, bias, N);
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
   int4_linear_q8_impl(x.data_ptr<float>(), M, K, codes.data_ptr<uint8_t>(), N, G, scale.data_ptr<float>(),

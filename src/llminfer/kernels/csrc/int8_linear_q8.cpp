@@ -133,11 +133,7 @@ at::Tensor int8_linear_q8(const at::Tensor& x, const at::Tensor& weight, const a
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   TORCH_CHECK(K > 0 && K % kBlock == 0, op, ": K must be a positive multiple of 32, got ", K);
   check_float_vec(op, "scale", scale, N);
-  const float* bias_p = nullptr;
-  if (bias.has_value()) {
-    check_float_vec(op, "bias", *bias, N);
-    bias_p = bias->data_ptr<float>();
-  }
+  const float* bias_p = optional_bias(op, bias, N);
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
   int8_linear_q8_impl(x.data_ptr<float>(), M, K, weight.data_ptr<int8_t>(), N, scale.data_ptr<float>(), bias_p,

@@ -119,10 +119,76 @@ inline float facc_sum(facc v) { return lane_sum8(v); }
 inline facc facc_add(facc a, facc b) { return _mm256_add_ps(a, b); }
 #endif
 
+// The group-wise products' shared steps (int4_linear_q8.cpp, int8_group_linear_q8.cpp).
+#if LLMINFER_Q8_512
+// The per-lane group scale of the 64-column chunk from k: one value, or (G = 32) two halves.
+inline __m512 lane_scales(const float* s, int64_t k, int64_t G, int64_t groups) {
+  if (G > 32) return _mm512_set1_ps(s[k / G]);
+  const int64_t g = k / 32;
+  // s[g] to lanes 0-7 and s[g + 1] to lanes 8-15 (0 where a last chunk of 32 columns has no second group)
+  const __m512 two = _mm512_maskz_loadu_ps(g + 1 < groups ? 0x3 : 0x1, s + g);
+  return _mm512_permutexvar_ps(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0), two);
+}
+#endif
+
+// The zero points' term sum_g zero[g] * xsum[g] as a vector of partial sums (groups a vector at a time, in
+// order), added to the products' accumulator before its one lane sum. (A scalar loop here was the int4 loop's
+// bottleneck: one dependent add per group per channel.)
+inline facc zero_term(const float* z, const float* xs, int64_t groups) {
+#if LLMINFER_Q8_512
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; g += 16) {
+    const __mmask16 mask = groups - g >= 16 ? static_cast<__mmask16>(0xFFFF)
+                                            : static_cast<__mmask16>((1u << (groups - g)) - 1);
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, z + g), _mm512_maskz_loadu_ps(mask, xs + g), acc);
+  }
+  return acc;
+#else
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; g += 8) {
+    const int64_t left = std::min<int64_t>(8, groups - g);
+    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(left)),
+                                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    acc = _mm256_fmadd_ps(_mm256_maskload_ps(z + g, mask), _mm256_maskload_ps(xs + g, mask), acc);
+  }
+  return acc;
+#endif
+}
+
+// xsum[m, g]: each group's sum of the float32 activations (in double, rounded once), for the zero points' term.
+inline std::vector<float> group_sums(const float* x, int64_t M, int64_t K, int64_t G) {
+  const int64_t groups = K / G;
+  std::vector<float> xsum(static_cast<size_t>(M * groups));
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < groups; ++g) {
+      double t = 0.0;
+      for (int64_t k = g * G; k < (g + 1) * G; ++k) t += x[m * K + k];
+      xsum[m * groups + g] = static_cast<float>(t);
+    }
+  return xsum;
+}
+
 inline void check_float_vec(const char* op, const char* name, const at::Tensor& t, int64_t n) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 1 &&
                   t.numel() == n,
               op, ": ", name, " must be a contiguous float32 [N] CPU tensor");
+}
+
+// The optional float32 [N] bias's pointer (nullptr for none), checked.
+inline const float* optional_bias(const char* op, const c10::optional<at::Tensor>& bias, int64_t N) {
+  if (!bias.has_value()) return nullptr;
+  check_float_vec(op, "bias", *bias, N);
+  return bias->data_ptr<float>();
+}
+
+// The group-wise ops' per-group scale and zero point (or minimum): contiguous float32 [N, groups] CPU tensors.
+inline void check_group_params(const char* op, const at::Tensor& scale, const at::Tensor& zero, int64_t N,
+                               int64_t groups, const char* zero_name = "zero") {
+  for (const at::Tensor* t : {&scale, &zero})
+    TORCH_CHECK(t->device().is_cpu() && t->dim() == 2 && t->scalar_type() == at::kFloat && t->is_contiguous() &&
+                    t->size(0) == N && t->size(1) == groups,
+                op, ": scale and ", zero_name, " must be contiguous float32 [N, K / group_size] CPU tensors, got ",
+                t->sizes(), " for N = ", N, " and ", groups, " groups");
 }
 
 }  // namespace llminfer
