@@ -216,3 +216,21 @@ def test_layer_on_the_q8_path_keeps_its_weight_and_agrees_with_the_wide_path() -
     assert ((q8 - wide).double().abs() <= _q8_bound(x.reshape(-1, 96), before).reshape(2, 5, 40) + 1e-3).all()
     wider = Int8GroupWeightOnlyLinear(nn.Linear(128, 8), 64)
     assert not wider.use_q8_path() and wider.kernel_path == "wide"  # the q8 kernel takes groups of 32 only
+
+
+@needs_kernel
+@pytest.mark.parametrize("how", ["measured", "forced"])
+def test_kernel_swap_keeps_large_layers_on_the_wide_path_unless_forced(monkeypatch, how) -> None:
+    from llminfer.models import kernel_swap
+
+    small, large = Int8GroupWeightOnlyLinear(nn.Linear(64, 8), 32), Int8GroupWeightOnlyLinear(nn.Linear(64, 40), 32)
+    model = nn.Sequential(small, large)
+    monkeypatch.setattr(kernel_swap, "Q8_GROUP_MAX_MEASURED_BYTES", 64 * 8)
+    paths = {"int8": {"path": "wide", "how": how}, "int8-group": {"path": "q8", "how": how},
+             "int4": {"path": "wide", "how": how}}
+    monkeypatch.setattr(kernel_swap, "quant_paths", lambda: paths)
+    x = torch.randn(3, 64)
+    before = model(x)
+    kernel_swap.enable_cpu_kernels(model)
+    assert small.kernel_path == "q8" and large.kernel_path == ("q8" if how == "forced" else "wide")
+    assert torch.allclose(model(x), before, atol=1e-2)

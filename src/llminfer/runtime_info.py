@@ -99,13 +99,19 @@ def _cpu_kernel_line(rt: Runtime, cfg: EngineConfig) -> str:
         bits = int8_activation_bits()
         grouped = cfg.quant.int8_group_size and int8_group_kernel_available()
         int8_head_op = f"int8_group_linear (groups of {cfg.quant.int8_group_size})" if grouped else None
-        group_q8 = grouped and cfg.quant.int8_group_size == 32 and quant_paths()["int8-group"]["path"] == "q8"
-        if group_q8:
+        # which int8-wo layers took the q8 path (the LM head may stay on the wide one: kernel_swap)
+        group_paths = {getattr(m, "kernel_path", None) for m in rt.model.modules()
+                       if type(m).__name__ == "Int8GroupWeightOnlyLinear"} if rt.model is not None else set()
+        head = rt.model.get_output_embeddings() if rt.model is not None else None
+        if getattr(head, "kernel_path", None) == "q8":
             int8_head_op = "int8_group_linear_q8 (groups of 32)"
         if cfg.quant.mode is QuantMode.INT8_WO and grouped:
-            op = "int8_group_linear_q8" if group_q8 else "int8_group_linear"
+            op = "int8_group_linear_q8" if "q8" in group_paths else "int8_group_linear"
             detail += f"; int8 in groups of {cfg.quant.int8_group_size} on integer dot products, " + (
-                f"activations as two 8-bit digits per 32 columns: the {quant_path_note('int8-group')}" if group_q8
+                f"activations as two 8-bit digits per 32 columns: the {quant_path_note('int8-group')}"
+                + ("" if getattr(head, "kernel_path", "q8") == "q8" else
+                   ", the LM head on the wide path (int8_group_linear, 14-bit activations)")
+                if "q8" in group_paths
                 else "14-bit activations" + (f" (the {quant_path_note('int8-group')})"
                                              if cfg.quant.int8_group_size == 32 else ""))
         elif cfg.quant.mode is QuantMode.INT8_WO:
