@@ -216,9 +216,13 @@ def copy_bandwidth(device: str, dry: bool, nbytes: int | None = None, reps: int 
 
 def decode_bytes_per_step(model: torch.nn.Module, context: float) -> dict[str, float]:
     """Bytes one batch-1 decode step reads: every weight once (the input embedding only if it is not also
-    the LM head: a lookup reads one row) plus K and V of ``context`` tokens in every layer."""
+    the LM head: a lookup reads one row; a weight-only quantized layer's codes, scales and zero points) plus K
+    and V of ``context`` tokens in every layer."""
+    from llminfer.models.weight_only import WEIGHT_ONLY_TYPES
+
     seen, weight = set(), 0
-    for p in model.parameters():
+    quantized = [t for m in model.modules() if isinstance(m, WEIGHT_ONLY_TYPES) for t in m.buffers(recurse=False)]
+    for p in [*model.parameters(), *quantized]:
         if id(p) not in seen:
             seen.add(id(p))
             weight += p.numel() * p.element_size()
