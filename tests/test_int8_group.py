@@ -234,3 +234,70 @@ def test_kernel_swap_keeps_large_layers_on_the_wide_path_unless_forced(monkeypat
     kernel_swap.enable_cpu_kernels(model)
     assert small.kernel_path == "q8" and large.kernel_path == ("q8" if how == "forced" else "wide")
     assert all(torch.allclose(m(x), b, atol=1e-2) for m, b in zip(model, before))
+
+
+# ------------------------------------------- int4-wo's groups of 32 on the same path (int4_group_linear_q8)
+def _int4_weight(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    q = torch.randint(0, 16, (n, k), generator=gen)
+    scale = torch.rand(n, k // 32, generator=gen) * 0.1 + 1e-3
+    zero = -torch.rand(n, k // 32, generator=gen)
+    weight = q.double() * scale.double().repeat_interleave(32, 1) + zero.double().repeat_interleave(32, 1)
+    return q, scale, zero, weight
+
+
+@needs_kernel
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 40), groups=st.integers(1, 40), rows=st.integers(1, 9), seed=st.integers(0, 2**16),
+       bias=st.booleans())
+def test_int4_group_kernel_is_within_its_rounding_bound_and_batch_invariant(n, groups, rows, seed, bias) -> None:
+    k = 32 * groups  # full and partial super-blocks of 16 (AVX-512) and 8 (AVX2) groups
+    gen = torch.Generator().manual_seed(seed)
+    q, scale, zero, weight = _int4_weight(n, k, gen)
+    x = torch.randn(rows, k, generator=gen) * torch.rand(rows, 1, generator=gen) * 4
+    b = torch.randn(n, generator=gen) if bias else None
+    packed = int8_group.pack_int4_group_q8(q)
+    assert packed.shape == (n, k // 2) and torch.equal(int8_group.unpack_int4_group_q8(packed, k), q.int())
+    out = int8_group.int4_group_linear_q8(x, packed, scale, zero, b)
+    ref = x.double() @ weight.T + (0 if b is None else b.double())
+    assert ((out.double() - ref).abs() <= _q8_bound(x, weight.float())).all()
+    for r in range(rows):
+        assert torch.equal(int8_group.int4_group_linear_q8(x[r:r + 1].clone(), packed, scale, zero, b), out[r:r + 1])
+
+
+@needs_kernel
+def test_int4_group_kernel_uses_the_exact_integer_sums_and_checks_its_arguments() -> None:
+    gen = torch.Generator().manual_seed(5)
+    k, n = 32 * 20, 24
+    x = torch.randint(-127, 128, (3, k), generator=gen).float()
+    x.view(3, -1, 32)[..., 0] = 127.0  # d = 1: the activations are their own first digit
+    q = torch.randint(0, 16, (n, k), generator=gen)
+    q[0], q[1] = 0, 15
+    packed = int8_group.pack_int4_group_q8(q)
+    out = int8_group.int4_group_linear_q8(x, packed, torch.ones(n, k // 32), torch.zeros(n, k // 32))
+    assert torch.equal(out.double(), x.double() @ q.double().T)
+    x[1, 7] = float("nan")
+    out = int8_group.int4_group_linear_q8(x, packed, torch.ones(n, k // 32), torch.zeros(n, k // 32))
+    assert out[1].isnan().all() and not out[[0, 2]].isnan().any()
+    with pytest.raises(RuntimeError, match=r"uint8 \[N, K / 2\]"):
+        int8_group.int4_group_linear_q8(x, q.to(torch.uint8), torch.ones(n, k // 32), torch.zeros(n, k // 32))
+
+
+@needs_kernel
+def test_int4_layer_on_the_q8_path_with_groups_of_32_runs_the_group_kernel() -> None:
+    from llminfer.models.weight_only import Int4WeightOnlyLinear
+
+    gen = torch.Generator().manual_seed(9)
+    lin = nn.Linear(96, 40)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(40, 96, generator=gen) / 8)
+    layer = Int4WeightOnlyLinear(lin, group_size=32)
+    codes = layer.codes()
+    layer.use_llminfer_kernel("q8")
+    assert layer.weight.shape == (40, 48) and torch.equal(layer.codes(), codes)
+    x = torch.randn(5, 96, generator=gen)
+    want = int8_group.int4_group_linear_q8(x, layer.weight, layer.kernel_scales, layer.kernel_zeros,
+                                           lin.bias.detach().float())
+    assert torch.equal(layer(x), want)
+    dense = layer.dequantized_weight()
+    ref = x.double() @ dense.double().T + lin.bias.detach().double()
+    assert ((layer(x).double() - ref).abs() <= _q8_bound(x, dense)).all()

@@ -104,6 +104,11 @@ def _register_fake() -> None:
                                    bias: torch.Tensor | None = None) -> torch.Tensor:
         return x.new_empty(x.shape[0], codes.shape[0], dtype=torch.float32)
 
+    @torch.library.register_fake("llminfer_cpu::int4_group_linear_q8")
+    def _int4_group_linear_q8_fake(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                                   bias: torch.Tensor | None = None) -> torch.Tensor:
+        return x.new_empty(x.shape[0], codes.shape[0], dtype=torch.float32)
+
     _fake_registered = True
 
 
@@ -132,7 +137,6 @@ def int8_group_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
         raise RuntimeError("int8_group_linear: llminfer's CPU kernel is not loaded "
                            f"({build.unavailable_reason() or 'unknown reason'})")
     return torch.ops.llminfer_cpu.int8_group_linear(x, codes, scale, minimum, group_size, bias)
-
 
 
 def int8_group_linear_q8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
@@ -186,3 +190,65 @@ def unpack_int8_group_q8(packed: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(packed)
     out[:, _q8_order(packed.shape[1])] = packed
     return out
+
+
+# ------------------------------------------------------------------------------------ int4 codes, groups of 32
+def int4_group_linear_q8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                         bias: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`int8_group_linear_q8`'s product for group-wise 4-bit codes (int4-wo's groups of 32):
+    ``W[n, k] = c[n, k] * scale[n, g] + zero[n, g]``, ``c`` in [0, 15], the codes two to a byte in
+    :func:`pack_int4_group_q8`'s order. The same two-digit activations, exact integer group sums and one fixed
+    float order, so the same error bound and batch invariance.
+
+    Args:
+        x: float32 ``[M, K]``, contiguous, ``K % 32 == 0``.
+        codes: uint8 ``[N, K // 2]`` from :func:`pack_int4_group_q8`, contiguous.
+        scale, zero: float32 ``[N, K // 32]``, contiguous.
+        bias: float32 ``[N]`` or None.
+
+    Returns:
+        float32 ``[M, N]``.
+
+    Raises:
+        RuntimeError: the kernel is not loaded, or the arguments break the rules above.
+    """
+    if not kernel_available():
+        raise RuntimeError("int4_group_linear_q8: llminfer's CPU kernel is not loaded "
+                           f"({build.unavailable_reason() or 'unknown reason'})")
+    return torch.ops.llminfer_cpu.int4_group_linear_q8(x, codes, scale, zero, bias)
+
+
+def _super_blocks(in_features: int) -> list[tuple[int, int]]:
+    """``(start, width)`` of each super-block of a packed row (the build's groups per super-block, 32 columns
+    each; the last may be shorter)."""
+    if not kernel_available():
+        raise RuntimeError(f"llminfer's CPU kernel is not loaded ({build.unavailable_reason() or 'unknown reason'})")
+    width = 32 * torch.ops.llminfer_cpu.group_q8_lanes()
+    return [(s, min(width, in_features - s)) for s in range(0, in_features, width)]
+
+
+def pack_int4_group_q8(q: torch.Tensor) -> torch.Tensor:
+    """Codes in [0, 15], integer ``[N, K]`` (groups of 32), in :func:`int4_group_linear_q8`'s layout: uint8
+    ``[N, K // 2]``, :func:`pack_int8_group_q8`'s order with each super-block's 8 chunks paired, chunk ``j`` in
+    the low nibbles and chunk ``j + 4`` in the high ones.
+
+    Raises:
+        RuntimeError: the kernel is not loaded.
+    """
+    n, k = q.shape
+    ordered = pack_int8_group_q8(q.to(torch.uint8))
+    parts = []
+    for start, width in _super_blocks(k):
+        chunks = ordered[:, start:start + width].reshape(n, 8, width // 8)
+        parts.append((chunks[:, :4] | (chunks[:, 4:] << 4)).reshape(n, width // 2))
+    return torch.cat(parts, dim=1).contiguous()
+
+
+def unpack_int4_group_q8(packed: torch.Tensor, in_features: int) -> torch.Tensor:
+    """The inverse of :func:`pack_int4_group_q8`: int32 ``[N, in_features]``."""
+    n = packed.shape[0]
+    parts = []
+    for start, width in _super_blocks(in_features):
+        pairs = packed[:, start // 2:(start + width) // 2].reshape(n, 4, width // 8)
+        parts.append(torch.cat([pairs & 0x0F, pairs >> 4], dim=1).reshape(n, width))
+    return unpack_int8_group_q8(torch.cat(parts, dim=1)).to(torch.int32)

@@ -24,16 +24,19 @@ log = structlog.get_logger("llminfer.cpu_kernels")
 #: wide one (:func:`int8_linear`, :func:`~llminfer.kernels.int8_group_linear.int8_group_linear`); ``auto`` (or
 #: unset) takes the faster here, measured once per build (:func:`quant_paths`).
 INT8_PATH_ENV = "LLMINFER_CPU_KERNEL_INT8_PATH"
-#: The same for int4-wo: :func:`int4_linear_q8`, or ``wide`` (:func:`int4_linear` on the AVX-512 VNNI
+#: The same for int4-wo: :func:`int4_linear_q8` (for groups of 32
+#: :func:`~llminfer.kernels.int8_group_linear.int4_group_linear_q8`), or ``wide`` (:func:`int4_linear` on the AVX-512 VNNI
 #: build, torch's int4 kernel elsewhere).
 INT4_PATH_ENV = "LLMINFER_CPU_KERNEL_INT4_PATH"
 QUANT_PATHS = ("q8", "wide")
 #: Where the measured choice is kept, in the build's folder (so it follows the source, flags and torch).
 PATHS_FILE = "quant_paths.json"
-#: The q8 path is taken only where it is at least this much faster than the wide one (q8 time <= this times
-#: the wide time): its 8-bit activations flip more top-1 tokens than the wide path's 14-bit ones (on the
-#: trained SmolLM2, int4-wo agrees with fp32 on 91 % of positions on q8 and 99 % on wide), so a tie or a
-#: few percent is not worth it. Stored with the measurement, so a changed rule measures again.
+#: For int8-wo's per-channel scales (one 8-bit digit per activation), the q8 path is taken only where it is at
+#: least this much faster than the wide one (q8 time <= this times the wide time): 8-bit activations flip more
+#: top-1 tokens than the wide path's 14-bit ones (on the trained SmolLM2, int4-wo agreed with fp32 on 91 % of
+#: positions on one digit and 99 % on wide), so a tie or a few percent is not worth it. The group-wise kinds
+#: (``int8-group``, ``int4``) use two digits, as exact as the wide path, and take the faster. Stored with the
+#: measurement, so a changed rule measures again.
 Q8_MAX_TIME_RATIO = 0.9
 
 
@@ -70,7 +73,8 @@ def _measure_paths() -> dict[str, dict]:
     """Time both paths on the products of a decode step at batch 1 and at batch 8 (1 and 8 rows over 8 MB
     of int8 weights, past the L2 caches), alternately, and compare per kind the sums of the two (the q8
     path's per-block float steps cost more per row as the rows grow, so a path that wins at one row can lose
-    at eight): q8 where its sum is at most :data:`Q8_MAX_TIME_RATIO` times the wide one's, else wide."""
+    at eight): q8 where its sum is at most the wide one's (times :data:`Q8_MAX_TIME_RATIO` for ``int8``), else
+    wide."""
     n, k, g = 8192, 1024, 32
     gen = torch.Generator().manual_seed(0)
     xs = [torch.randn(rows, k, generator=gen) for rows in (1, 8)]
@@ -87,19 +91,22 @@ def _measure_paths() -> dict[str, dict]:
         wide4 = lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), packed, g, sz)  # noqa: E731
         label4 = "torch's _weight_int4pack_mm_for_cpu"
     u8 = torch.full((n, k), 165, dtype=torch.uint8)
+    codes4 = torch.full((n, k // 2), 0x5A, dtype=torch.uint8)
     packed = u8[:, torch.ops.llminfer_cpu.int8_group_q8_order(k)].contiguous()  # the caller holds build's lock
     pairs = {"int8": (lambda x: int8_linear_q8(x, w8, ones), lambda x: int8_linear(x, w8, ones), "int8_linear"),
              # the ops themselves: their wrappers would take build's lock, which the caller holds
              "int8-group": (lambda x: torch.ops.llminfer_cpu.int8_group_linear_q8(x, packed, s, z),
                             lambda x: torch.ops.llminfer_cpu.int8_group_linear(x, u8, s, z, g), "int8_group_linear"),
-             "int4": (lambda x: int4_linear_q8(x, codes, s, z, g), wide4, label4)}
+             # int4-wo's groups of 32 (the default) take int4_group_linear_q8 on the q8 path
+             "int4": (lambda x: torch.ops.llminfer_cpu.int4_group_linear_q8(x, codes4, s, z), wide4, label4)}
     found: dict[str, dict] = {}
     for kind, (q8, wide, label) in pairs.items():
         q8_ms = wide_ms = 0.0
         for x in xs:
             a, b = _race(lambda: q8(x), lambda: wide(x))  # noqa: B023 - called before x moves on
             q8_ms, wide_ms = q8_ms + a, wide_ms + b
-        found[kind] = {"path": "q8" if q8_ms <= Q8_MAX_TIME_RATIO * wide_ms else "wide", "how": "measured",
+        ratio = Q8_MAX_TIME_RATIO if kind == "int8" else 1.0
+        found[kind] = {"path": "q8" if q8_ms <= ratio * wide_ms else "wide", "how": "measured",
                        "q8_ms": round(q8_ms, 4),
                        "wide_ms": round(wide_ms, 4), "wide": label}
     return found
@@ -108,7 +115,8 @@ def _measure_paths() -> dict[str, dict]:
 def quant_paths() -> dict[str, dict]:
     """Which path the int8-wo and int4-wo layers take here: ``{"int8": {...}, "int8-group": {...}, "int4":
     {...}}`` (``int8-group``: int8-wo's groups of 32, also int4-wo's int8 LM head), each with ``path``
-    (``"q8"``: :func:`int8_linear_q8` / ``int8_group_linear_q8`` / :func:`int4_linear_q8`; ``"wide"``:
+    (``"q8"``: :func:`int8_linear_q8` / ``int8_group_linear_q8`` / ``int4_group_linear_q8`` (groups of 32, else
+    :func:`int4_linear_q8`); ``"wide"``:
     :func:`int8_linear` / ``int8_group_linear`` / :func:`int4_linear`, or torch's int4 kernel on builds without
     AVX-512 VNNI) and ``how`` (``"forced"`` by
     :data:`INT8_PATH_ENV` / :data:`INT4_PATH_ENV`, or ``"measured"``, then with the ``q8_ms`` and ``wide_ms``
@@ -168,7 +176,7 @@ def quant_path_note(kind: str) -> str:
         ValueError, RuntimeError: as :func:`quant_paths`.
     """
     p = quant_paths()[kind]
-    digits = "two 8-bit digits" if kind == "int8-group" else "8-bit activations"
+    digits = "8-bit activations" if kind == "int8" else "two 8-bit digits"
     what = (f"q8 path ({build.q8_instruction()}, {digits} per 32 columns)" if p["path"] == "q8"
             else "wide path")
     if p["how"] == "forced":

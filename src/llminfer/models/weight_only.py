@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from llminfer.kernels.int4_linear import int4_linear, pack_int4_codes, unpack_int4_codes
+from llminfer.kernels.int8_group_linear import pack_int4_group_q8, unpack_int4_group_q8
 from llminfer.kernels.linear import int8_linear
 from llminfer.kernels.q8_linear import (
     int4_linear_q8,
@@ -270,7 +271,8 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
 
     #: Set by :meth:`use_llminfer_kernel`: ``weight`` then holds the codes in the layout of
     #: :func:`llminfer.kernels.int4_linear.int4_linear` (``kernel_path`` ``"wide"``) or of
-    #: :func:`llminfer.kernels.q8_linear.int4_linear_q8` (``"q8"``) and every product runs there.
+    #: :func:`llminfer.kernels.q8_linear.int4_linear_q8` (``"q8"``; for groups of 32 of
+    #: :func:`llminfer.kernels.int8_group_linear.int4_group_linear_q8`) and every product runs there.
     use_cpu_kernel = False
     kernel_path = "wide"
 
@@ -284,14 +286,20 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
         rows = x.numel() // self.in_features
         flat = x.reshape(rows, self.in_features).float().contiguous()
         bias = None if self.bias is None else self.bias.float()
-        product = int4_linear_q8 if self.kernel_path == "q8" else int4_linear
-        out = product(flat, self.weight, self.kernel_scales, self.kernel_zeros, self.group_size, bias)
+        if self.kernel_path == "q8" and self.group_size == 32:
+            out = torch.ops.llminfer_cpu.int4_group_linear_q8(flat, self.weight, self.kernel_scales,
+                                                             self.kernel_zeros, bias)
+        else:
+            product = int4_linear_q8 if self.kernel_path == "q8" else int4_linear
+            out = product(flat, self.weight, self.kernel_scales, self.kernel_zeros, self.group_size, bias)
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def codes(self) -> torch.Tensor:
         """The int32 ``[out_features, in_features]`` codes in [0, 15] (of either layout)."""
         if self.use_cpu_kernel:
             unpack = unpack_int4_codes_q8 if self.kernel_path == "q8" else unpack_int4_codes
+            if self.kernel_path == "q8" and self.group_size == 32:
+                unpack = unpack_int4_group_q8
             return unpack(self.weight, self.in_features)[: self.out_features]
         # torch's packed layout is opaque: its own kernel with scale 1 and zero point 8 computes
         # (q - 8) * 1 + 8 = q, and rows of the identity pick each column (exact: one term per output)
@@ -306,7 +314,8 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
     def use_llminfer_kernel(self, path: str = "wide") -> None:
         """Re-lay ``weight`` out for :func:`llminfer.kernels.int4_linear.int4_linear` (``path="wide"``,
         :func:`pack_int4_codes`, the caller checks that the kernel has its VNNI path) or
-        :func:`~llminfer.kernels.q8_linear.int4_linear_q8` (``"q8"``, :func:`pack_int4_codes_q8`), without
+        :func:`~llminfer.kernels.q8_linear.int4_linear_q8` (``"q8"``, :func:`pack_int4_codes_q8`; for groups of
+        32 :func:`~llminfer.kernels.int8_group_linear.int4_group_linear_q8`, two-digit activations), without
         torch's row padding; replace ``scales_and_zeros`` by the kernel's float32 ``kernel_scales`` /
         ``kernel_zeros`` buffers, and run every product there from now on. Idempotent (the first path stays).
 
@@ -324,7 +333,10 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
         # see what the products read), under other names than torch's layout, so a state_dict of one layout
         # does not load into the other.
         del self.scales_and_zeros
-        self.weight = pack_int4_codes_q8(q) if path == "q8" else pack_int4_codes(q)
+        if path == "q8":
+            self.weight = pack_int4_group_q8(q) if self.group_size == 32 else pack_int4_codes_q8(q)
+        else:
+            self.weight = pack_int4_codes(q)
         self.kernel_path = path
         self.register_buffer("kernel_scales", scales)                           # float32 [N, K / G]
         self.register_buffer("kernel_zeros", (zeros - 8.0 * scales).contiguous())  # zero - 8 * scale

@@ -27,6 +27,7 @@
 #include "q8_activations.h"
 
 #include <cstring>
+#include <limits>
 
 namespace llminfer {
 namespace {
@@ -76,23 +77,45 @@ inline ivec load_codes(const uint8_t* p, int64_t ng) {
 }
 
 // The int32 lanes' update for one chunk: acc + (per lane) the sum of c * q over its 4 columns (on plain AVX2
-// the sum of (c - 128) * q, the rest added by the caller).
+// with 8-bit codes the sum of (c - 128) * q, the rest added by the caller; 4-bit codes, at most 15, go into
+// vpmaddubsw as they are: pairs stay within 2 * 15 * 127).
+template <int Bits>
 inline ivec dot_chunk(ivec acc, ivec c, ivec q) {
 #if LLMINFER_Q8_512
   return _mm512_dpbusd_epi32(acc, c, q);
 #elif LLMINFER_Q8_DP256
   return LLMINFER_DPBUSD256(acc, c, q);
 #else
+  if constexpr (Bits == 4)
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(c, q), _mm256_set1_epi16(1)));
   const __m256i centred = _mm256_xor_si256(c, _mm256_set1_epi8(static_cast<char>(0x80)));
   const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(centred), _mm256_sign_epi8(q, centred));
   return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 #endif
 }
 
+// The low and high nibbles of a vector of 4-bit code pairs, as bytes.
+inline ivec low_nibbles(ivec v) {
+#if LLMINFER_Q8_512
+  return _mm512_and_si512(v, _mm512_set1_epi8(0x0F));
+#else
+  return _mm256_and_si256(v, _mm256_set1_epi8(0x0F));
+#endif
+}
+inline ivec high_nibbles(ivec v) {
+#if LLMINFER_Q8_512
+  return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
+#else
+  return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F));
+#endif
+}
+
 // How far ahead of the codes being read to prefetch: eight 512-column channels.
 constexpr int64_t kPrefetchBytes = 4096;
 
-constexpr bool kOffset = !LLMINFER_Q8_512 && !LLMINFER_Q8_DP256;  // plain AVX2 adds 128 * sum(q) back
+// plain AVX2 adds 128 * sum(q) back for 8-bit codes
+template <int Bits>
+constexpr bool kOffset = Bits == 8 && !LLMINFER_Q8_512 && !LLMINFER_Q8_DP256;
 
 // Activation rows in the packed order, each value as two 8-bit digits: x ~ d * (q + r / kLowSteps) with
 // d = max|x| / 127 per block of 32 columns (llama.cpp's Q8_0: q = round(x / d) in [-127, 127]) and
@@ -114,8 +137,65 @@ struct GroupRows {
   std::vector<int32_t> off_r;  // [M, supers, kL]  128 * sum of r
 };
 
+// 8 int32 lanes' sum.
+inline int32_t lane_sum_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+// Four vectors of 8 int32 in [-127, 127] as 32 int8 in their order (the packs interleave 128-bit lanes; the
+// permutation puts the 4-byte pieces back).
+inline __m256i narrow_to_int8(const __m256i v[4]) {
+  const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+  return _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+inline __m256i clamp127(__m256i v) {
+  return _mm256_min_epi32(_mm256_max_epi32(v, _mm256_set1_epi32(-127)), _mm256_set1_epi32(127));
+}
+
+// One block of 32 activations as its two digits (int8, column order), its d and the digits' sums. A block
+// holding a NaN or an infinity gets d = NaN and both digits 0, which makes the row's outputs NaN. (cvtps
+// rounds to nearest even in the default MXCSR mode, as torch.round does.)
+inline void block_digits(const float* xb, __m256i& q8, __m256i& r8, float& d, int32_t& sum_q, int32_t& sum_r) {
+  __m256 v[4];
+  __m256 amax = _mm256_setzero_ps();
+  int unordered = 0;
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(xb + 8 * i);
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(_mm256_set1_ps(-0.f), v[i]));
+    unordered |= _mm256_movemask_ps(_mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));  // max_ps drops NaNs
+  }
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  const float m = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+  q8 = r8 = _mm256_setzero_si256();
+  sum_q = sum_r = 0;
+  if (unordered || !std::isfinite(m)) {
+    d = std::numeric_limits<float>::quiet_NaN();
+    return;
+  }
+  d = m > 0.f ? m / 127.f : 0.f;
+  if (!(m > 0.f)) return;
+  const __m256 vd = _mm256_set1_ps(d);
+  const float step = d / kLowSteps;
+  const bool finite_step = std::isfinite(step) && step > 0.f;
+  const __m256 vstep = _mm256_set1_ps(step);
+  __m256i qi[4], ri[4];
+  for (int i = 0; i < 4; ++i) {
+    qi[i] = clamp127(_mm256_cvtps_epi32(_mm256_div_ps(v[i], vd)));
+    const __m256 rest = _mm256_sub_ps(v[i], _mm256_mul_ps(_mm256_cvtepi32_ps(qi[i]), vd));
+    ri[i] = finite_step ? clamp127(_mm256_cvtps_epi32(_mm256_div_ps(rest, vstep))) : _mm256_setzero_si256();
+  }
+  q8 = narrow_to_int8(qi);
+  r8 = narrow_to_int8(ri);
+  sum_q = lane_sum_epi32(_mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3])));
+  sum_r = lane_sum_epi32(_mm256_add_epi32(_mm256_add_epi32(ri[0], ri[1]), _mm256_add_epi32(ri[2], ri[3])));
+}
+
 GroupRows pack_rows(const float* x, int64_t M, int64_t K) {
-  const Q8Rows rows = quantize_rows_q8(x, M, K);
   const std::vector<float> sums = group_sums(x, M, K, kG);
   const int64_t groups = K / kG;
   GroupRows g;
@@ -127,45 +207,39 @@ GroupRows pack_rows(const float* x, int64_t M, int64_t K) {
   g.xsum.assign(static_cast<size_t>(M * g.supers * kL), 0.f);
   g.off.assign(static_cast<size_t>(M * g.supers * kL), 0);
   g.off_r.assign(static_cast<size_t>(M * g.supers * kL), 0);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t grp = 0; grp < groups; ++grp) {
-      const int64_t sb = grp / kL, l = grp % kL;
-      const float d = rows.dblock[m * rows.Kp / kBlock + grp];
-      const float step = d / kLowSteps;
-      const bool finite_step = std::isfinite(step) && step > 0.f;
-      const int8_t* src = rows.q.data() + m * rows.Kp + grp * kG;
-      const float* xs = x + m * K + grp * kG;
-      const int64_t at = m * per_row + sb * kSuper + l * 4;
-      int32_t total = 0, total_r = 0;
-      for (int64_t j = 0; j < kChunks; ++j)
-        for (int64_t b = 0; b < 4; ++b) {
-          const int64_t k = 4 * j + b;
-          int32_t low = 0;
-          if (finite_step) {
-            const float rest = xs[k] - static_cast<float>(src[k]) * d;
-            low = static_cast<int32_t>(std::nearbyint(rest / step));  // to nearest even, as the first digit
-            low = std::min<int32_t>(127, std::max<int32_t>(-127, low));
-          }
-          g.q[at + j * kL * 4 + b] = src[k];
-          g.r[at + j * kL * 4 + b] = static_cast<int8_t>(low);
-          total += src[k];
-          total_r += low;
+  parallel_for(0, M, std::max<int64_t>(1, 8192 / K), [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m)
+      for (int64_t grp = 0; grp < groups; ++grp) {
+        const int64_t sb = grp / kL, l = grp % kL;
+        __m256i q8, r8;
+        float d;
+        int32_t total, total_r;
+        block_digits(x + m * K + grp * kG, q8, r8, d, total, total_r);
+        alignas(32) uint32_t qw[kChunks], rw[kChunks];  // 4 columns (one lane's bytes) per chunk
+        _mm256_store_si256(reinterpret_cast<__m256i*>(qw), q8);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(rw), r8);
+        const int64_t at = m * per_row + sb * kSuper + l * 4;
+        for (int64_t j = 0; j < kChunks; ++j) {
+          std::memcpy(g.q.data() + at + j * kL * 4, &qw[j], 4);
+          std::memcpy(g.r.data() + at + j * kL * 4, &rw[j], 4);
         }
-      const int64_t i = (m * g.supers + sb) * kL + l;
-      g.d[i] = d;
-      g.xsum[i] = sums[m * groups + grp];
-      g.off[i] = 128 * total;
-      g.off_r[i] = 128 * total_r;
-    }
+        const int64_t i = (m * g.supers + sb) * kL + l;
+        g.d[i] = d;
+        g.xsum[i] = sums[m * groups + grp];
+        g.off[i] = 128 * total;
+        g.off_r[i] = 128 * total_r;
+      }
+  });
   return g;
 }
 
-// Rows [m0, m0 + MT) times channels [n0, n0 + NT) (packed codes, K bytes each): sums[m * NT + j] before the
+// Rows [m0, m0 + MT) times channels [n0, n0 + NT) (packed codes, row_bytes each): sums[m * NT + j] before the
 // bias. Several channels at once keep independent dot-product chains in flight (one row alone would otherwise
-// wait on each channel's chain of 8 dependent vpdpbusd).
-template <int MT, int NT>
-inline void group_q8_tile(const GroupRows& r, int64_t m0, const uint8_t* codes, int64_t K, const float* s,
-                          const float* z, float* sums) {
+// wait on each channel's chain of 8 dependent vpdpbusd). Bits = 4: a super-block's codes are 4 vectors, the
+// low nibbles chunks 0-3 and the high ones chunks 4-7.
+template <int Bits, int MT, int NT>
+inline void group_q8_tile(const GroupRows& r, int64_t m0, const uint8_t* codes, int64_t row_bytes, int64_t K,
+                          const float* s, const float* z, float* sums) {
   const int64_t groups = K / kG;
   facc acc[MT][NT];
   for (int m = 0; m < MT; ++m)
@@ -175,21 +249,34 @@ inline void group_q8_tile(const GroupRows& r, int64_t m0, const uint8_t* codes, 
     ivec isum[MT][NT], isum_r[MT][NT];
     for (int m = 0; m < MT; ++m)
       for (int j = 0; j < NT; ++j) isum[m][j] = isum_r[m][j] = izero();
-    for (int64_t ch = 0; ch < kChunks; ++ch) {
-      ivec q[MT], qr[MT];
+    auto chunk = [&](int64_t ch, const ivec (&c)[NT]) __attribute__((always_inline)) {
       for (int m = 0; m < MT; ++m) {
         const int64_t at = ((m0 + m) * r.supers + sb) * kSuper + ch * kL * 4;
-        q[m] = iload(r.q.data() + at);
-        qr[m] = iload(r.r.data() + at);
-      }
-      for (int j = 0; j < NT; ++j) {
-        const uint8_t* cp = codes + j * K + g0 * kG + ch * ng * 4;
-        _mm_prefetch(reinterpret_cast<const char*>(cp + kPrefetchBytes), _MM_HINT_T0);
-        const ivec cj = load_codes(cp, ng);
-        for (int m = 0; m < MT; ++m) {
-          isum[m][j] = dot_chunk(isum[m][j], cj, q[m]);
-          isum_r[m][j] = dot_chunk(isum_r[m][j], cj, qr[m]);
+        const ivec q = iload(r.q.data() + at), qr = iload(r.r.data() + at);
+        for (int j = 0; j < NT; ++j) {
+          isum[m][j] = dot_chunk<Bits>(isum[m][j], c[j], q);
+          isum_r[m][j] = dot_chunk<Bits>(isum_r[m][j], c[j], qr);
         }
+      }
+    };
+    const uint8_t* base = codes + g0 * kG * Bits / 8;
+    for (int64_t v = 0; v < kChunks * Bits / 8; ++v) {
+      ivec c[NT];
+      for (int j = 0; j < NT; ++j) {
+        const uint8_t* cp = base + j * row_bytes + v * ng * 4;
+        _mm_prefetch(reinterpret_cast<const char*>(cp + kPrefetchBytes), _MM_HINT_T0);
+        c[j] = load_codes(cp, ng);
+      }
+      if constexpr (Bits == 8) {
+        chunk(v, c);
+      } else {
+        ivec high[NT];
+        for (int j = 0; j < NT; ++j) {
+          high[j] = high_nibbles(c[j]);
+          c[j] = low_nibbles(c[j]);
+        }
+        chunk(v, c);
+        chunk(v + kChunks / 2, high);
       }
     }
     const facc inv_steps = fset1(1.f / kLowSteps);
@@ -198,7 +285,7 @@ inline void group_q8_tile(const GroupRows& r, int64_t m0, const uint8_t* codes, 
       const facc d = fload_n(r.d.data() + i, kL), xs = fload_n(r.xsum.data() + i, kL);
       for (int j = 0; j < NT; ++j) {
         ivec total = isum[m][j], total_r = isum_r[m][j];
-        if constexpr (kOffset) {
+        if constexpr (kOffset<Bits>) {
           total = iadd(total, iload(r.off.data() + i));
           total_r = iadd(total_r, iload(r.off_r.data() + i));
         }
@@ -217,11 +304,46 @@ inline void group_q8_tile(const GroupRows& r, int64_t m0, const uint8_t* codes, 
 constexpr int kTileRows = 2;
 constexpr int kTileCols = 2;
 
-template <int MT>
-inline void group_q8_cols(const GroupRows& r, int64_t m0, int64_t cols, const uint8_t* codes, int64_t K,
-                          const float* s, const float* z, float* sums) {
-  if (cols == 2) group_q8_tile<MT, 2>(r, m0, codes, K, s, z, sums);
-  else group_q8_tile<MT, 1>(r, m0, codes, K, s, z, sums);
+template <int Bits, int MT>
+inline void group_q8_cols(const GroupRows& r, int64_t m0, int64_t cols, const uint8_t* codes, int64_t row_bytes,
+                          int64_t K, const float* s, const float* z, float* sums) {
+  if (cols == 2) group_q8_tile<Bits, MT, 2>(r, m0, codes, row_bytes, K, s, z, sums);
+  else group_q8_tile<Bits, MT, 1>(r, m0, codes, row_bytes, K, s, z, sums);
+}
+
+// out = x @ W.T + bias for codes of Bits bits (row_bytes = K * Bits / 8 per channel).
+template <int Bits>
+void group_linear_q8(const float* x, int64_t M, int64_t K, const uint8_t* codes, int64_t N, const float* scale,
+                     const float* zero, const float* bias, float* out) {
+  const GroupRows r = pack_rows(x, M, K);
+  const int64_t groups = K / kG, row_bytes = K * Bits / 8;
+  for_each_tile(M, N, kTileRows, kTileCols, row_bytes, [&](int64_t m, int64_t rows, int64_t n, int64_t cols) {
+    float sums[kTileRows * kTileCols];
+    const uint8_t* cn = codes + n * row_bytes;
+    const float* sn = scale + n * groups;
+    const float* zn = zero + n * groups;
+    if (rows == 2) group_q8_cols<Bits, 2>(r, m, cols, cn, row_bytes, K, sn, zn, sums);
+    else group_q8_cols<Bits, 1>(r, m, cols, cn, row_bytes, K, sn, zn, sums);
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t j = 0; j < cols; ++j)
+        out[(m + i) * N + n + j] = bias ? sums[i * cols + j] + bias[n + j] : sums[i * cols + j];
+  });
+}
+
+// The checked arguments of either op; returns N.
+int64_t check_group_q8_args(const char* op, const at::Tensor& x, const at::Tensor& codes, int64_t bits,
+                            const at::Tensor& scale, const at::Tensor& zero, const char* zero_name) {
+  TORCH_CHECK(x.device().is_cpu() && codes.device().is_cpu(), op, ": CPU tensors only");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), op,
+              ": x must be a contiguous float32 [M, K] tensor");
+  const int64_t K = x.size(1);
+  TORCH_CHECK(K > 0 && K % kG == 0, op, ": K must be a positive multiple of 32, got ", K);
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
+                  codes.size(1) == K * bits / 8,
+              op, ": codes must be a contiguous uint8 [N, ", bits == 8 ? "K" : "K / 2", "] tensor");
+  const int64_t N = codes.size(0);
+  check_group_params(op, scale, zero, N, K / kG, zero_name);
+  return N;
 }
 
 }  // namespace
@@ -231,37 +353,35 @@ inline void group_q8_cols(const GroupRows& r, int64_t m0, int64_t cols, const ui
 at::Tensor int8_group_linear_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                                 const at::Tensor& minimum, const c10::optional<at::Tensor>& bias) {
   const char* op = "int8_group_linear_q8";
-  TORCH_CHECK(x.device().is_cpu() && codes.device().is_cpu(), op, ": CPU tensors only");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), op,
-              ": x must be a contiguous float32 [M, K] tensor");
-  const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(K > 0 && K % kG == 0, op, ": K must be a positive multiple of 32, got ", K);
-  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.size(1) == K,
-              op, ": codes must be a contiguous uint8 [N, K] tensor");
-  const int64_t N = codes.size(0);
-  check_group_params(op, scale, minimum, N, K / kG, "minimum");
+  const int64_t N = check_group_q8_args(op, x, codes, 8, scale, minimum, "minimum");
   const float* bias_p = optional_bias(op, bias, N);
+  const int64_t M = x.size(0);
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
-  const GroupRows r = pack_rows(x.data_ptr<float>(), M, K);
-  const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const float* sp = scale.data_ptr<float>();
-  const float* zp = minimum.data_ptr<float>();
-  float* op_ = out.data_ptr<float>();
-  const int64_t groups = K / kG;
-  for_each_tile(M, N, kTileRows, kTileCols, K, [&](int64_t m, int64_t rows, int64_t n, int64_t cols) {
-    float sums[kTileRows * kTileCols];
-    const uint8_t* cn = cp + n * K;
-    const float* sn = sp + n * groups;
-    const float* zn = zp + n * groups;
-    if (rows == 2) group_q8_cols<2>(r, m, cols, cn, K, sn, zn, sums);
-    else group_q8_cols<1>(r, m, cols, cn, K, sn, zn, sums);
-    for (int64_t i = 0; i < rows; ++i)
-      for (int64_t j = 0; j < cols; ++j)
-        op_[(m + i) * N + n + j] = bias_p ? sums[i * cols + j] + bias_p[n + j] : sums[i * cols + j];
-  });
+  group_linear_q8<8>(x.data_ptr<float>(), M, x.size(1), codes.data_ptr<uint8_t>(), N, scale.data_ptr<float>(),
+                     minimum.data_ptr<float>(), bias_p, out.data_ptr<float>());
   return out;
 }
+
+// int4_group_linear_q8(x [M, K] float32, codes [N, K / 2] uint8 from pack_int4_group_q8, scale [N, K / 32]
+// float32, zero [N, K / 32] float32, bias [N] float32 or None) -> [M, N] float32: W[n, k] = c * scale + zero
+// with codes c in [0, 15], two to a byte: in each super-block, the codes of chunk j (j < 4) in the low nibbles
+// and those of chunk j + 4 in the high ones of the same bytes (so one load and two masks give two chunks).
+at::Tensor int4_group_linear_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                                const at::Tensor& zero, const c10::optional<at::Tensor>& bias) {
+  const char* op = "int4_group_linear_q8";
+  const int64_t N = check_group_q8_args(op, x, codes, 4, scale, zero, "zero");
+  const float* bias_p = optional_bias(op, bias, N);
+  const int64_t M = x.size(0);
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  group_linear_q8<4>(x.data_ptr<float>(), M, x.size(1), codes.data_ptr<uint8_t>(), N, scale.data_ptr<float>(),
+                     zero.data_ptr<float>(), bias_p, out.data_ptr<float>());
+  return out;
+}
+
+// Groups per super-block in this build (16 on AVX-512 VNNI, else 8).
+int64_t group_q8_lanes() { return kL; }
 
 // The permutation of one row's columns into the packed order: position p of a packed row holds column
 // source_column(p). Exposed so the Python side packs and unpacks with one index (pack: packed = codes[:, index]).
@@ -283,7 +403,12 @@ at::Tensor int8_group_q8_order(int64_t K) {
 
 TORCH_LIBRARY_FRAGMENT(llminfer_cpu, m) {
   m.def("int8_group_linear_q8(Tensor x, Tensor codes, Tensor scale, Tensor minimum, Tensor? bias=None) -> Tensor");
+  m.def("int4_group_linear_q8(Tensor x, Tensor codes, Tensor scale, Tensor zero, Tensor? bias=None) -> Tensor");
   m.def("int8_group_q8_order(int K) -> Tensor", &llminfer::int8_group_q8_order);
+  m.def("group_q8_lanes() -> int", &llminfer::group_q8_lanes);
 }
 
-TORCH_LIBRARY_IMPL(llminfer_cpu, CPU, m) { m.impl("int8_group_linear_q8", &llminfer::int8_group_linear_q8); }
+TORCH_LIBRARY_IMPL(llminfer_cpu, CPU, m) {
+  m.impl("int8_group_linear_q8", &llminfer::int8_group_linear_q8);
+  m.impl("int4_group_linear_q8", &llminfer::int4_group_linear_q8);
+}
