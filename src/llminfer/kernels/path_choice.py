@@ -92,10 +92,10 @@ def _measure_paths() -> dict[str, dict]:
         label4 = "torch's _weight_int4pack_mm_for_cpu"
     u8 = torch.full((n, k), 165, dtype=torch.uint8)
     codes4 = torch.full((n, k // 2), 0x5A, dtype=torch.uint8)
-    packed = u8[:, torch.ops.llminfer_cpu.int8_group_q8_order(k)].contiguous()  # the caller holds build's lock
+    packed8 = u8[:, torch.ops.llminfer_cpu.int8_group_q8_order(k)].contiguous()  # the caller holds build's lock
     pairs = {"int8": (lambda x: int8_linear_q8(x, w8, ones), lambda x: int8_linear(x, w8, ones), "int8_linear"),
              # the ops themselves: their wrappers would take build's lock, which the caller holds
-             "int8-group": (lambda x: torch.ops.llminfer_cpu.int8_group_linear_q8(x, packed, s, z),
+             "int8-group": (lambda x: torch.ops.llminfer_cpu.int8_group_linear_q8(x, packed8, s, z),
                             lambda x: torch.ops.llminfer_cpu.int8_group_linear(x, u8, s, z, g), "int8_group_linear"),
              # int4-wo's groups of 32 (the default) take int4_group_linear_q8 on the q8 path
              "int4": (lambda x: torch.ops.llminfer_cpu.int4_group_linear_q8(x, codes4, s, z), wide4, label4)}
