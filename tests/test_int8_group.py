@@ -141,6 +141,10 @@ def test_layer_fallback_without_the_kernel_equals_the_kernel(monkeypatch: pytest
 
 
 # ------------------------------------------------------------------ the q8 path (csrc/int8_group_linear_q8.cpp)
+def _blocked(*params: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return tuple(int8_group.pack_group_q8_params(p) for p in params)
+
+
 def _q8_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Per output element: sum_k |W[n, k]| * d[m, block(k)] / 2 (the 8-bit activation rounding) plus float32
     sums, with d = max|x| / 127 per block of 32 columns (llama.cpp's Q8_0)."""
@@ -163,12 +167,15 @@ def test_q8_kernel_is_within_its_rounding_bound_and_batch_invariant(n, groups, r
     x = torch.randn(rows, k, generator=gen) * torch.rand(rows, 1, generator=gen) * 4
     b = torch.randn(n, generator=gen) if bias else None
     packed = int8_group.pack_int8_group_q8(codes)
-    assert torch.equal(int8_group.unpack_int8_group_q8(packed), codes)
-    out = int8_group.int8_group_linear_q8(x, packed, scale, minimum, b)
+    assert torch.equal(int8_group.unpack_int8_group_q8(packed, n), codes)
+    row_major, (scale, minimum) = scale, _blocked(scale, minimum)
+    assert torch.equal(int8_group.unpack_group_q8_params(scale, n), row_major)
+    out = int8_group.int8_group_linear_q8(x, packed, scale, minimum, n, b)
     ref = x.double() @ weight.double().T + (0 if b is None else b.double())
     assert ((out.double() - ref).abs() <= _q8_bound(x, weight)).all()
     for r in range(rows):  # a row's bits do not depend on the other rows
-        assert torch.equal(int8_group.int8_group_linear_q8(x[r:r + 1].clone(), packed, scale, minimum, b), out[r:r + 1])
+        assert torch.equal(int8_group.int8_group_linear_q8(x[r:r + 1].clone(), packed, scale, minimum, n, b),
+                           out[r:r + 1])
 
 
 @needs_kernel
@@ -182,7 +189,7 @@ def test_q8_kernel_uses_the_exact_integer_sums() -> None:
     codes = torch.randint(0, 256, (n, k), generator=gen).to(torch.uint8)
     codes[0] = 0  # c - 128 = -128 everywhere: the plain-AVX2 sign trick's edge
     scale, minimum = torch.ones(n, k // 32), torch.zeros(n, k // 32)
-    out = int8_group.int8_group_linear_q8(x, int8_group.pack_int8_group_q8(codes), scale, minimum)
+    out = int8_group.int8_group_linear_q8(x, int8_group.pack_int8_group_q8(codes), *_blocked(scale, minimum), n)
     assert torch.equal(out.double(), x.double() @ codes.double().T)
 
 
@@ -190,15 +197,18 @@ def test_q8_kernel_uses_the_exact_integer_sums() -> None:
 def test_q8_kernel_nan_row_and_argument_errors() -> None:
     codes, scale, minimum = quantize_int8_groupwise(torch.randn(8, 64), 32)
     packed = int8_group.pack_int8_group_q8(codes)
+    scale, minimum = _blocked(scale, minimum)
     x = torch.randn(3, 64)
     x[1, 5] = float("nan")
-    out = int8_group.int8_group_linear_q8(x, packed, scale, minimum)
+    out = int8_group.int8_group_linear_q8(x, packed, scale, minimum, 8)
     assert out[1].isnan().all() and not out[[0, 2]].isnan().any()
     with pytest.raises(RuntimeError, match="multiple of 32"):
         int8_group.int8_group_linear_q8(torch.randn(1, 48), torch.zeros(8, 48, dtype=torch.uint8),
-                                        torch.ones(8, 1), torch.zeros(8, 1))
+                                        torch.ones(8, 1), torch.zeros(8, 1), 8)
+    with pytest.raises(RuntimeError, match="codes must be"):
+        int8_group.int8_group_linear_q8(x[:1], packed, scale, minimum, 40)
     with pytest.raises(RuntimeError, match="scale and minimum"):
-        int8_group.int8_group_linear_q8(x[:1], packed, scale[:, :1].contiguous(), minimum)
+        int8_group.int8_group_linear_q8(x[:1], packed, scale[:, :1].contiguous(), minimum, 8)
 
 
 @needs_kernel
@@ -219,21 +229,21 @@ def test_layer_on_the_q8_path_keeps_its_weight_and_agrees_with_the_wide_path() -
 
 
 @needs_kernel
-@pytest.mark.parametrize("how", ["measured", "forced"])
-def test_kernel_swap_keeps_large_layers_on_the_wide_path_unless_forced(monkeypatch, how) -> None:
+@pytest.mark.parametrize("path", ["q8", "wide"])
+def test_kernel_swap_puts_every_group_of_32_layer_on_the_chosen_path(monkeypatch, path) -> None:
     from llminfer.models import kernel_swap
 
-    small, large = Int8GroupWeightOnlyLinear(nn.Linear(64, 8), 32), Int8GroupWeightOnlyLinear(nn.Linear(64, 40), 32)
-    model = nn.ModuleList([small, large])
-    monkeypatch.setattr(kernel_swap, "Q8_GROUP_MAX_MEASURED_BYTES", 64 * 8)
-    paths = {"int8": {"path": "wide", "how": how}, "int8-group": {"path": "q8", "how": how},
-             "int4": {"path": "wide", "how": how}}
+    small, large = Int8GroupWeightOnlyLinear(nn.Linear(64, 8), 32), Int8GroupWeightOnlyLinear(nn.Linear(64, 400), 32)
+    wider = Int8GroupWeightOnlyLinear(nn.Linear(128, 8), 64)
+    model = nn.ModuleList([small, large, wider])
+    paths = {"int8": {"path": "wide", "how": "measured"}, "int8-group": {"path": path, "how": "measured"},
+             "int4": {"path": "wide", "how": "measured"}}
     monkeypatch.setattr(kernel_swap, "quant_paths", lambda: paths)
-    x = torch.randn(3, 64)
-    before = [m(x) for m in model]
+    before = [m(torch.randn(3, m.in_features, generator=torch.Generator().manual_seed(1))) for m in model]
     kernel_swap.enable_cpu_kernels(model)
-    assert small.kernel_path == "q8" and large.kernel_path == ("q8" if how == "forced" else "wide")
-    assert all(torch.allclose(m(x), b, atol=1e-2) for m, b in zip(model, before))
+    assert small.kernel_path == large.kernel_path == path and wider.kernel_path == "wide"
+    after = [m(torch.randn(3, m.in_features, generator=torch.Generator().manual_seed(1))) for m in model]
+    assert all(torch.allclose(a, b, atol=1e-2) for a, b in zip(after, before))
 
 
 # ------------------------------------------- int4-wo's groups of 32 on the same path (int4_group_linear_q8)
@@ -256,12 +266,16 @@ def test_int4_group_kernel_is_within_its_rounding_bound_and_batch_invariant(n, g
     x = torch.randn(rows, k, generator=gen) * torch.rand(rows, 1, generator=gen) * 4
     b = torch.randn(n, generator=gen) if bias else None
     packed = int8_group.pack_int4_group_q8(q)
-    assert packed.shape == (n, k // 2) and torch.equal(int8_group.unpack_int4_group_q8(packed, k), q.int())
-    out = int8_group.int4_group_linear_q8(x, packed, scale, zero, b)
+    lanes = int8_group.group_q8_lanes()
+    assert packed.shape == (-(-n // lanes), lanes * k // 2)
+    assert torch.equal(int8_group.unpack_int4_group_q8(packed, n), q.int())
+    scale, zero = _blocked(scale, zero)
+    out = int8_group.int4_group_linear_q8(x, packed, scale, zero, n, b)
     ref = x.double() @ weight.T + (0 if b is None else b.double())
     assert ((out.double() - ref).abs() <= _q8_bound(x, weight.float())).all()
     for r in range(rows):
-        assert torch.equal(int8_group.int4_group_linear_q8(x[r:r + 1].clone(), packed, scale, zero, b), out[r:r + 1])
+        assert torch.equal(int8_group.int4_group_linear_q8(x[r:r + 1].clone(), packed, scale, zero, n, b),
+                           out[r:r + 1])
 
 
 @needs_kernel
@@ -273,13 +287,14 @@ def test_int4_group_kernel_uses_the_exact_integer_sums_and_checks_its_arguments(
     q = torch.randint(0, 16, (n, k), generator=gen)
     q[0], q[1] = 0, 15
     packed = int8_group.pack_int4_group_q8(q)
-    out = int8_group.int4_group_linear_q8(x, packed, torch.ones(n, k // 32), torch.zeros(n, k // 32))
+    scale, zero = _blocked(torch.ones(n, k // 32), torch.zeros(n, k // 32))
+    out = int8_group.int4_group_linear_q8(x, packed, scale, zero, n)
     assert torch.equal(out.double(), x.double() @ q.double().T)
     x[1, 7] = float("nan")
-    out = int8_group.int4_group_linear_q8(x, packed, torch.ones(n, k // 32), torch.zeros(n, k // 32))
+    out = int8_group.int4_group_linear_q8(x, packed, scale, zero, n)
     assert out[1].isnan().all() and not out[[0, 2]].isnan().any()
-    with pytest.raises(RuntimeError, match=r"uint8 \[N, K / 2\]"):
-        int8_group.int4_group_linear_q8(x, q.to(torch.uint8), torch.ones(n, k // 32), torch.zeros(n, k // 32))
+    with pytest.raises(RuntimeError, match="codes must be a contiguous uint8"):
+        int8_group.int4_group_linear_q8(x, q.to(torch.uint8), scale, zero, n)
 
 
 @needs_kernel
@@ -293,9 +308,10 @@ def test_int4_layer_on_the_q8_path_with_groups_of_32_runs_the_group_kernel() -> 
     layer = Int4WeightOnlyLinear(lin, group_size=32)
     codes = layer.codes()
     layer.use_llminfer_kernel("q8")
-    assert layer.weight.shape == (40, 48) and torch.equal(layer.codes(), codes)
+    lanes = int8_group.group_q8_lanes()
+    assert layer.weight.shape == (-(-40 // lanes), lanes * 48) and torch.equal(layer.codes(), codes)
     x = torch.randn(5, 96, generator=gen)
-    want = int8_group.int4_group_linear_q8(x, layer.weight, layer.kernel_scales, layer.kernel_zeros,
+    want = int8_group.int4_group_linear_q8(x, layer.weight, layer.kernel_scales, layer.kernel_zeros, 40,
                                            lin.bias.detach().float())
     assert torch.equal(layer(x), want)
     dense = layer.dequantized_weight()

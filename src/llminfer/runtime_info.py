@@ -99,7 +99,7 @@ def _cpu_kernel_line(rt: Runtime, cfg: EngineConfig) -> str:
         bits = int8_activation_bits()
         grouped = cfg.quant.int8_group_size and int8_group_kernel_available()
         int8_head_op = f"int8_group_linear (groups of {cfg.quant.int8_group_size})" if grouped else None
-        # which int8-wo layers took the q8 path (the LM head may stay on the wide one: kernel_swap)
+        # which int8-wo layers took the q8 path (groups other than 32 stay on the wide one)
         group_paths = {getattr(m, "kernel_path", None) for m in rt.model.modules()
                        if type(m).__name__ == "Int8GroupWeightOnlyLinear"} if rt.model is not None else set()
         head = rt.model.get_output_embeddings() if rt.model is not None else None

@@ -101,13 +101,13 @@ def _register_fake() -> None:
 
     @torch.library.register_fake("llminfer_cpu::int8_group_linear_q8")
     def _int8_group_linear_q8_fake(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
-                                   bias: torch.Tensor | None = None) -> torch.Tensor:
-        return x.new_empty(x.shape[0], codes.shape[0], dtype=torch.float32)
+                                   out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return x.new_empty(x.shape[0], out_features, dtype=torch.float32)
 
     @torch.library.register_fake("llminfer_cpu::int4_group_linear_q8")
     def _int4_group_linear_q8_fake(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                                   bias: torch.Tensor | None = None) -> torch.Tensor:
-        return x.new_empty(x.shape[0], codes.shape[0], dtype=torch.float32)
+                                   out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return x.new_empty(x.shape[0], out_features, dtype=torch.float32)
 
     _fake_registered = True
 
@@ -140,21 +140,24 @@ def int8_group_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
 
 
 def int8_group_linear_q8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
-                         bias: torch.Tensor | None = None) -> torch.Tensor:
+                         out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`int8_group_linear`'s product for groups of 32 on 8-bit activations (the "q8" path,
-    ``csrc/int8_group_linear_q8.cpp``, every x86 build), with the codes in :func:`pack_int8_group_q8`'s order.
+    ``csrc/int8_group_linear_q8.cpp``, every x86 build), with the weight in the blocked layout of
+    :func:`pack_int8_group_q8` and :func:`pack_group_q8_params`.
 
-    Activations are rounded per block of 32 columns as llama.cpp's Q8_0 does (``d = max|x| / 127``); each
-    group's integer sum of codes times activations is exact (``vpdpbusd``, or ``vpmaddubsw`` on plain AVX2),
-    then ``sum_g (dot_g * d[g] * scale[n, g] + minimum[n, g] * xsum[g])`` in float32 (``xsum`` the group's sum
-    of the float32 activations), in one fixed order: a row's result does not depend on the other rows or the
-    threads. Against the float product the error is the activation rounding, at most
-    ``sum_k |W[n, k]| * d[g(k)] / 2`` plus float32 sums.
+    Activations are two 8-bit digits per value, per block of 32 columns: ``q = round(x / d)`` with
+    ``d = max|x| / 127`` (llama.cpp's Q8_0) and the remainder on a 254 times finer grid. Each group's integer sum
+    of codes times digits is exact (``vpdpbusd``, or ``vpmaddubsw`` on plain AVX2), then
+    ``sum_g (dot_g * d[g] * scale[n, g] + minimum[n, g] * xsum[g])`` in float32 (``xsum`` the group's sum of the
+    float32 activations), in one fixed order: a row's result does not depend on the other rows or the threads.
+    Against the float product the error is the activation rounding, at most ``sum_k |W[n, k]| * d[g(k)] / 508``,
+    plus float32 sums.
 
     Args:
         x: float32 ``[M, K]``, contiguous, ``K % 32 == 0``.
-        codes: uint8 ``[N, K]`` from :func:`pack_int8_group_q8`, contiguous.
-        scale, minimum: float32 ``[N, K // 32]``, contiguous.
+        codes: uint8 from :func:`pack_int8_group_q8`.
+        scale, minimum: float32 from :func:`pack_group_q8_params`.
+        out_features: ``N``.
         bias: float32 ``[N]`` or None.
 
     Returns:
@@ -166,44 +169,81 @@ def int8_group_linear_q8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tens
     if not kernel_available():
         raise RuntimeError("int8_group_linear_q8: llminfer's CPU kernel is not loaded "
                            f"({build.unavailable_reason() or 'unknown reason'})")
-    return torch.ops.llminfer_cpu.int8_group_linear_q8(x, codes, scale, minimum, bias)
+    return torch.ops.llminfer_cpu.int8_group_linear_q8(x, codes, scale, minimum, out_features, bias)
 
 
-def _q8_order(in_features: int) -> torch.Tensor:
-    if not kernel_available():
-        raise RuntimeError(f"llminfer's CPU kernel is not loaded ({build.unavailable_reason() or 'unknown reason'})")
-    return torch.ops.llminfer_cpu.int8_group_q8_order(in_features)
-
-
-def pack_int8_group_q8(codes: torch.Tensor) -> torch.Tensor:
-    """Row-major codes ``[N, K]`` (groups of 32) in the order :func:`int8_group_linear_q8` reads, which
-    depends on the loaded build's vector width (16 groups a run on AVX-512 VNNI, 8 elsewhere).
+def group_q8_lanes() -> int:
+    """Output channels per block of the q8 group layout in the loaded build: 16 (AVX-512 VNNI) or 8.
 
     Raises:
         RuntimeError: the kernel is not loaded.
     """
-    return codes[:, _q8_order(codes.shape[1])].contiguous()
+    if not kernel_available():
+        raise RuntimeError(f"llminfer's CPU kernel is not loaded ({build.unavailable_reason() or 'unknown reason'})")
+    return int(torch.ops.llminfer_cpu.group_q8_lanes())
 
 
-def unpack_int8_group_q8(packed: torch.Tensor) -> torch.Tensor:
-    """The inverse of :func:`pack_int8_group_q8`: row-major uint8 ``[N, K]``."""
-    out = torch.empty_like(packed)
-    out[:, _q8_order(packed.shape[1])] = packed
-    return out
+def _blocked(t: torch.Tensor, lanes: int) -> torch.Tensor:
+    """``t`` ``[N, ...]`` padded with zero rows to a multiple of ``lanes``."""
+    pad = -t.shape[0] % lanes
+    return torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t
+
+
+def pack_int8_group_q8(codes: torch.Tensor) -> torch.Tensor:
+    """Row-major codes ``[N, K]`` (groups of 32) in :func:`int8_group_linear_q8`'s layout: uint8
+    ``[ceil(N / L), L * K]`` with ``L = group_q8_lanes()``: per block of ``L`` channels, group by group, 8 chunks
+    of 4 columns, each chunk the ``L`` channels' 4 bytes side by side (the last block padded with zero codes).
+
+    Raises:
+        RuntimeError: the kernel is not loaded.
+    """
+    lanes = group_q8_lanes()
+    n, k = codes.shape
+    blocks = _blocked(codes, lanes).reshape(-1, lanes, k // 32, 8, 4)  # [block, lane, group, chunk, byte]
+    return blocks.permute(0, 2, 3, 1, 4).reshape(-1, lanes * k).contiguous()
+
+
+def unpack_int8_group_q8(packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The inverse of :func:`pack_int8_group_q8`: row-major ``[out_features, K]``."""
+    lanes = group_q8_lanes()
+    k = packed.shape[1] // lanes
+    blocks = packed.reshape(-1, k // 32, 8, lanes, 4).permute(0, 3, 1, 2, 4)
+    return blocks.reshape(-1, k)[:out_features].contiguous()
+
+
+def pack_group_q8_params(t: torch.Tensor) -> torch.Tensor:
+    """Per-group scales or minima (zero points) ``[N, K // 32]`` in the q8 group layout: float32
+    ``[ceil(N / L), K // 32 * L]``, per block of ``L`` channels the groups in order, each the ``L`` channels'
+    values side by side.
+
+    Raises:
+        RuntimeError: the kernel is not loaded.
+    """
+    lanes = group_q8_lanes()
+    groups = t.shape[1]
+    return _blocked(t.float(), lanes).reshape(-1, lanes, groups).transpose(1, 2).reshape(-1, groups * lanes).contiguous()
+
+
+def unpack_group_q8_params(packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The inverse of :func:`pack_group_q8_params`: ``[out_features, K // 32]``."""
+    lanes = group_q8_lanes()
+    groups = packed.shape[1] // lanes
+    return packed.reshape(-1, groups, lanes).transpose(1, 2).reshape(-1, groups)[:out_features].contiguous()
 
 
 # ------------------------------------------------------------------------------------ int4 codes, groups of 32
 def int4_group_linear_q8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                         bias: torch.Tensor | None = None) -> torch.Tensor:
+                         out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`int8_group_linear_q8`'s product for group-wise 4-bit codes (int4-wo's groups of 32):
     ``W[n, k] = c[n, k] * scale[n, g] + zero[n, g]``, ``c`` in [0, 15], the codes two to a byte in
-    :func:`pack_int4_group_q8`'s order. The same two-digit activations, exact integer group sums and one fixed
+    :func:`pack_int4_group_q8`'s layout. The same two-digit activations, exact integer group sums and one fixed
     float order, so the same error bound and batch invariance.
 
     Args:
         x: float32 ``[M, K]``, contiguous, ``K % 32 == 0``.
-        codes: uint8 ``[N, K // 2]`` from :func:`pack_int4_group_q8`, contiguous.
-        scale, zero: float32 ``[N, K // 32]``, contiguous.
+        codes: uint8 from :func:`pack_int4_group_q8`.
+        scale, zero: float32 from :func:`pack_group_q8_params`.
+        out_features: ``N``.
         bias: float32 ``[N]`` or None.
 
     Returns:
@@ -215,40 +255,27 @@ def int4_group_linear_q8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tens
     if not kernel_available():
         raise RuntimeError("int4_group_linear_q8: llminfer's CPU kernel is not loaded "
                            f"({build.unavailable_reason() or 'unknown reason'})")
-    return torch.ops.llminfer_cpu.int4_group_linear_q8(x, codes, scale, zero, bias)
-
-
-def _super_blocks(in_features: int) -> list[tuple[int, int]]:
-    """``(start, width)`` of each super-block of a packed row (the build's groups per super-block, 32 columns
-    each; the last may be shorter)."""
-    if not kernel_available():
-        raise RuntimeError(f"llminfer's CPU kernel is not loaded ({build.unavailable_reason() or 'unknown reason'})")
-    width = 32 * torch.ops.llminfer_cpu.group_q8_lanes()
-    return [(s, min(width, in_features - s)) for s in range(0, in_features, width)]
+    return torch.ops.llminfer_cpu.int4_group_linear_q8(x, codes, scale, zero, out_features, bias)
 
 
 def pack_int4_group_q8(q: torch.Tensor) -> torch.Tensor:
     """Codes in [0, 15], integer ``[N, K]`` (groups of 32), in :func:`int4_group_linear_q8`'s layout: uint8
-    ``[N, K // 2]``, :func:`pack_int8_group_q8`'s order with each super-block's 8 chunks paired, chunk ``j`` in
-    the low nibbles and chunk ``j + 4`` in the high ones.
+    ``[ceil(N / L), L * K // 2]``, :func:`pack_int8_group_q8`'s layout with each group's 8 chunks paired, chunk
+    ``j`` in the low nibbles and chunk ``j + 4`` in the high ones.
 
     Raises:
         RuntimeError: the kernel is not loaded.
     """
-    n, k = q.shape
-    ordered = pack_int8_group_q8(q.to(torch.uint8))
-    parts = []
-    for start, width in _super_blocks(k):
-        chunks = ordered[:, start:start + width].reshape(n, 8, width // 8)
-        parts.append((chunks[:, :4] | (chunks[:, 4:] << 4)).reshape(n, width // 2))
-    return torch.cat(parts, dim=1).contiguous()
+    lanes = group_q8_lanes()
+    k = q.shape[1]
+    chunks = pack_int8_group_q8(q.to(torch.uint8)).reshape(-1, k // 32, 8, lanes * 4)
+    return (chunks[:, :, :4] | (chunks[:, :, 4:] << 4)).reshape(-1, lanes * k // 2).contiguous()
 
 
-def unpack_int4_group_q8(packed: torch.Tensor, in_features: int) -> torch.Tensor:
-    """The inverse of :func:`pack_int4_group_q8`: int32 ``[N, in_features]``."""
-    n = packed.shape[0]
-    parts = []
-    for start, width in _super_blocks(in_features):
-        pairs = packed[:, start // 2:(start + width) // 2].reshape(n, 4, width // 8)
-        parts.append(torch.cat([pairs & 0x0F, pairs >> 4], dim=1).reshape(n, width))
-    return unpack_int8_group_q8(torch.cat(parts, dim=1)).to(torch.int32)
+def unpack_int4_group_q8(packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The inverse of :func:`pack_int4_group_q8`: int32 ``[out_features, K]``."""
+    lanes = group_q8_lanes()
+    k = packed.shape[1] * 2 // lanes
+    pairs = packed.reshape(-1, k // 32, 4, lanes * 4)
+    chunks = torch.cat([pairs & 0x0F, pairs >> 4], dim=2).reshape(-1, lanes * k)
+    return unpack_int8_group_q8(chunks, out_features).to(torch.int32)

@@ -91,14 +91,19 @@ def _measure_paths() -> dict[str, dict]:
         wide4 = lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), packed, g, sz)  # noqa: E731
         label4 = "torch's _weight_int4pack_mm_for_cpu"
     u8 = torch.full((n, k), 165, dtype=torch.uint8)
-    codes4 = torch.full((n, k // 2), 0x5A, dtype=torch.uint8)
-    packed8 = u8[:, torch.ops.llminfer_cpu.int8_group_q8_order(k)].contiguous()  # the caller holds build's lock
+    # the q8 group layout's shapes (the values are all alike, so no reordering), for the ops themselves: the
+    # caller holds build's lock, which their wrappers would take
+    lanes = torch.ops.llminfer_cpu.group_q8_lanes()
+    packed8 = u8.reshape(n // lanes, lanes * k)
+    codes4 = torch.full((n // lanes, lanes * k // 2), 0x5A, dtype=torch.uint8)
+    s_blocked, z_blocked = s.reshape(n // lanes, -1), z.reshape(n // lanes, -1)
     pairs = {"int8": (lambda x: int8_linear_q8(x, w8, ones), lambda x: int8_linear(x, w8, ones), "int8_linear"),
              # the ops themselves: their wrappers would take build's lock, which the caller holds
-             "int8-group": (lambda x: torch.ops.llminfer_cpu.int8_group_linear_q8(x, packed8, s, z),
+             "int8-group": (lambda x: torch.ops.llminfer_cpu.int8_group_linear_q8(x, packed8, s_blocked, z_blocked, n),
                             lambda x: torch.ops.llminfer_cpu.int8_group_linear(x, u8, s, z, g), "int8_group_linear"),
              # int4-wo's groups of 32 (the default) take int4_group_linear_q8 on the q8 path
-             "int4": (lambda x: torch.ops.llminfer_cpu.int4_group_linear_q8(x, codes4, s, z), wide4, label4)}
+             "int4": (lambda x: torch.ops.llminfer_cpu.int4_group_linear_q8(x, codes4, s_blocked, z_blocked, n),
+                      wide4, label4)}
     found: dict[str, dict] = {}
     for kind, (q8, wide, label) in pairs.items():
         q8_ms = wide_ms = 0.0

@@ -17,14 +17,6 @@ from llminfer.models.weight_only import Int4WeightOnlyLinear, Int8GroupWeightOnl
 RMS_NORMS = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm"})
 
 
-#: int8-wo layers larger than this (in code bytes) stay on the wide path unless the q8 path is forced: the q8
-#: choice is measured on an 8 MB product, and the q8 kernel loses at one row on a product read from memory. On a
-#: Zen 4 (AVX-512 VNNI), the bench model's 77.6 MB LM head at 1 / 8 / 32 rows took 4.5 / 9.4 / 30.8 ms on the
-#: q8 path and 2.4 / 11.3 / 44.7 ms on the wide one (``LLMINFER_CPU_KERNEL_INT8_PATH=q8`` takes the q8 path
-#: for the head too: a server's batched steps gain, batch-1 decode loses).
-Q8_GROUP_MAX_MEASURED_BYTES = 32 << 20
-
-
 def _swap_rms_norms(model: nn.Module) -> None:
     norms = [(name, m) for name, m in model.named_modules()
              if type(m).__name__ in RMS_NORMS and isinstance(getattr(m, "weight", None), torch.Tensor)
@@ -83,10 +75,9 @@ def enable_cpu_kernels(model: nn.Module, include_head: bool = False) -> int:
         layer.kernel_path = "q8" if paths["int8"]["path"] == "q8" and layer.in_features % 32 == 0 else "wide"
         layer._kernel_scales = layer.scales.float().contiguous()  # now, not inside a torch.compile trace
     group_path = paths["int8-group"]
-    if group_path["path"] == "q8":
-        for layer in grouped:
-            if group_path["how"] == "forced" or layer.weight.numel() <= Q8_GROUP_MAX_MEASURED_BYTES:
-                layer.use_q8_path()
+    if group_path["path"] == "q8":  # the LM head too: at one row it reads its codes a little slower than on the
+        for layer in grouped:       # wide path, at 8 and 32 rows 1.7 and 2.2 times faster (README, CPU kernels)
+            layer.use_q8_path()
     int4_path = paths["int4"]["path"]
     if int4_path == "wide":  # int4_linear needs the VNNI integer path (and K <= 32768); else torch's kernel stays
         int4 = [m for m in int4 if m.in_features <= 32768] if build.int8_activation_bits() is not None else []

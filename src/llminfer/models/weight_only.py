@@ -41,7 +41,12 @@ import torch
 from torch import nn
 
 from llminfer.kernels.int4_linear import int4_linear, pack_int4_codes, unpack_int4_codes
-from llminfer.kernels.int8_group_linear import pack_int4_group_q8, unpack_int4_group_q8
+from llminfer.kernels.int8_group_linear import (
+    pack_group_q8_params,
+    pack_int4_group_q8,
+    unpack_group_q8_params,
+    unpack_int4_group_q8,
+)
 from llminfer.kernels.linear import int8_linear
 from llminfer.kernels.q8_linear import (
     int4_linear_q8,
@@ -160,7 +165,9 @@ class Int8GroupWeightOnlyLinear(_WeightOnlyLinear):
     """``nn.Linear`` replacement with int8-wo's group-wise weight (:mod:`llminfer.kernels.int8_group_linear`).
 
     Buffers: ``weight``, the codes, uint8 ``[out_features, in_features]``; ``scale`` and ``minimum`` float32
-    ``[out_features, in_features // group_size]``. Input ``[..., in_features]`` (any float dtype) gives
+    ``[out_features, in_features // group_size]`` (after :meth:`use_q8_path` all three in the blocked layout of
+    :func:`~llminfer.kernels.int8_group_linear.pack_int8_group_q8` and ``pack_group_q8_params``). Input
+    ``[..., in_features]`` (any float dtype) gives
     ``[..., out_features]`` of the input's dtype, computed by
     :func:`llminfer.kernels.int8_group_linear.int8_group_linear` (14-bit activations per row, exact integer sums
     per group, float32 out), or after :meth:`use_q8_path` by ``int8_group_linear_q8`` (8-bit activations per
@@ -204,6 +211,8 @@ class Int8GroupWeightOnlyLinear(_WeightOnlyLinear):
         if self.group_size != 32 or self.weight.device.type != "cpu" or not int8_group.kernel_available():
             return False
         self.weight = int8_group.pack_int8_group_q8(self.weight)
+        self.scale = int8_group.pack_group_q8_params(self.scale)
+        self.minimum = int8_group.pack_group_q8_params(self.minimum)
         self.kernel_path = "q8"
         return True
 
@@ -218,7 +227,8 @@ class Int8GroupWeightOnlyLinear(_WeightOnlyLinear):
             flat = flat.float().contiguous()
         bias = self.bias if self.bias is None or self.bias.dtype == torch.float32 else self.bias.float()
         if self.kernel_path == "q8" and x.device.type == "cpu":
-            out = torch.ops.llminfer_cpu.int8_group_linear_q8(flat, self.weight, self.scale, self.minimum, bias)
+            out = torch.ops.llminfer_cpu.int8_group_linear_q8(flat, self.weight, self.scale, self.minimum,
+                                                             self.out_features, bias)
         elif self._op and x.device.type == "cpu":
             out = self._op(flat, self.weight, self.scale, self.minimum, self.group_size, bias)
         else:
@@ -227,10 +237,14 @@ class Int8GroupWeightOnlyLinear(_WeightOnlyLinear):
 
     def dequantized_weight(self) -> torch.Tensor:
         """The float32 ``[out_features, in_features]`` weight the layer computes with."""
-        from llminfer.kernels.int8_group_linear import dequantize_int8_groupwise, unpack_int8_group_q8
+        from llminfer.kernels import int8_group_linear as int8_group
 
-        codes = unpack_int8_group_q8(self.weight) if self.kernel_path == "q8" else self.weight
-        return dequantize_int8_groupwise(codes, self.scale, self.minimum)
+        if self.kernel_path != "q8":
+            return int8_group.dequantize_int8_groupwise(self.weight, self.scale, self.minimum)
+        n = self.out_features
+        return int8_group.dequantize_int8_groupwise(int8_group.unpack_int8_group_q8(self.weight, n),
+                                                    int8_group.unpack_group_q8_params(self.scale, n),
+                                                    int8_group.unpack_group_q8_params(self.minimum, n))
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", group_size={self.group_size}"
@@ -288,7 +302,7 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
         bias = None if self.bias is None else self.bias.float()
         if self.kernel_path == "q8" and self.group_size == 32:
             out = torch.ops.llminfer_cpu.int4_group_linear_q8(flat, self.weight, self.kernel_scales,
-                                                             self.kernel_zeros, bias)
+                                                             self.kernel_zeros, self.out_features, bias)
         else:
             product = int4_linear_q8 if self.kernel_path == "q8" else int4_linear
             out = product(flat, self.weight, self.kernel_scales, self.kernel_zeros, self.group_size, bias)
@@ -299,7 +313,7 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
         if self.use_cpu_kernel:
             unpack = unpack_int4_codes_q8 if self.kernel_path == "q8" else unpack_int4_codes
             if self.kernel_path == "q8" and self.group_size == 32:
-                unpack = unpack_int4_group_q8
+                return unpack_int4_group_q8(self.weight, self.out_features)
             return unpack(self.weight, self.in_features)[: self.out_features]
         # torch's packed layout is opaque: its own kernel with scale 1 and zero point 8 computes
         # (q - 8) * 1 + 8 = q, and rows of the identity pick each column (exact: one term per output)
@@ -338,16 +352,22 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
         else:
             self.weight = pack_int4_codes(q)
         self.kernel_path = path
-        self.register_buffer("kernel_scales", scales)                           # float32 [N, K / G]
-        self.register_buffer("kernel_zeros", (zeros - 8.0 * scales).contiguous())  # zero - 8 * scale
+        kernel_zeros = (zeros - 8.0 * scales).contiguous()  # zero - 8 * scale
+        if path == "q8" and self.group_size == 32:  # int4_group_linear_q8's blocked layout
+            scales, kernel_zeros = pack_group_q8_params(scales), pack_group_q8_params(kernel_zeros)
+        self.register_buffer("kernel_scales", scales)  # float32 [N, K / G] (blocked for int4_group_linear_q8)
+        self.register_buffer("kernel_zeros", kernel_zeros)
         self.use_cpu_kernel = True
 
     def dequantized_weight(self) -> torch.Tensor:
         """The float32 ``[out_features, in_features]`` weight the layer computes with."""
         if self.use_cpu_kernel:
-            g = self.group_size
-            return (self.codes().double() * self.kernel_scales.double().repeat_interleave(g, 1)
-                    + self.kernel_zeros.double().repeat_interleave(g, 1)).float()
+            g, scales, zeros = self.group_size, self.kernel_scales, self.kernel_zeros
+            if self.kernel_path == "q8" and g == 32:
+                scales = unpack_group_q8_params(scales, self.out_features)
+                zeros = unpack_group_q8_params(zeros, self.out_features)
+            return (self.codes().double() * scales.double().repeat_interleave(g, 1)
+                    + zeros.double().repeat_interleave(g, 1)).float()
         sz = self.scales_and_zeros[:, : self.out_features].float()
         return dequantize_int4(self.codes(), sz, self.group_size)
 

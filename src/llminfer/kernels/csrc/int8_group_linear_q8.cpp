@@ -12,18 +12,24 @@
 // products an instruction plus a widening shuffle) and int4_linear_q8.cpp's scheme turns every 64-column chunk's
 // int32 lanes into float (convert, multiply, FMA per row per chunk); either way the product is compute-bound past
 // one row on a CPU that runs AVX-512 on 256-bit units (Zen 4): the bench model's 32-row LM head took ~41 ms.
-// Here the codes are stored so that every int32 lane of a dot-product instruction belongs to one group for a
-// whole run of L groups (L = 16 lanes on the AVX-512 VNNI build, 8 on the others): a "super-block" of 32 * L
-// columns is 8 chunks, chunk j holding columns 32l + 4j .. 32l + 4j + 3 in lane l. So the lanes add up exact
-// int32 group sums over the 8 chunks, and the float work is one convert and two FMAs per row per super-block
-// instead of per chunk. (pack_int8_group_q8 below; a last super-block of ng < L groups is 8 chunks of 4 * ng
-// bytes, so the packed codes are exactly as large as the row-major ones.)
+//
+// The layout: channels in blocks of L (16 on the AVX-512 VNNI build, 8 on the others), and within a block,
+// group by group, 8 chunks of 4 columns, each chunk one vector: L channels' 4 code bytes side by side (the
+// "VNNI" weight layout of GEMM libraries, and of llama.cpp's repacked CPU weights). Int32 lane l of a
+// dot-product instruction then belongs to channel l: the row's 4 activation bytes are broadcast, and the
+// lanes add up exact int32 group sums over the 8 chunks for L channels at once. The float work per group is
+// one convert per digit and three FMAs for L outputs, and the lanes are the outputs, so no output needs a
+// horizontal sum (in a layout where lanes were groups, that sum and the per-output float steps cost as much as
+// the products on a 32-row LM head: 52 against 37 ms at 32 rows, 17 against 11 at 8, same run). The scale
+// and the minimum are laid out the same way, [blocks, groups, L]. The last block is padded with zero codes.
+// 4-bit codes (int4-wo's groups of 32): each group's chunk j (j < 4) in the low nibbles and chunk j + 4 in the
+// high ones of the same vector, so one load and two masks give two chunks.
 //
 // The u8 x s8 step: vpdpbusd with the codes as the unsigned operand as stored (AVX-512 VNNI, AVX-VNNI); on plain
 // AVX2 vpmaddubsw with the sign trick turned round, |c - 128| (at most 128) unsigned and q with the sign of
 // c - 128 (|q| <= 127, so its negation cannot overflow; pairs stay within 2 * 128 * 127 < 2^15), and
-// 128 * sum(q) of the group added back once per super-block. Every output element is one fixed sequence
-// whatever M, the threads or the tile, so a row's result does not depend on the batch.
+// 128 * sum(q) of the group added back per group. Every output element is one fixed sequence whatever M, the
+// threads or the tile, so a row's result does not depend on the batch.
 #include "q8_activations.h"
 
 #include <cstring>
@@ -33,9 +39,8 @@ namespace llminfer {
 namespace {
 
 constexpr int64_t kG = 32;                             // group = activation block
-constexpr int64_t kL = LLMINFER_Q8_512 ? 16 : 8;       // lanes: groups per super-block
-constexpr int64_t kSuper = kG * kL;                    // columns per super-block
-constexpr int64_t kChunks = kG / 4;                    // chunks per super-block (4 columns a lane each)
+constexpr int64_t kL = LLMINFER_Q8_512 ? 16 : 8;       // lanes: channels per block
+constexpr int64_t kChunks = kG / 4;                    // chunks per group (4 columns a lane each)
 
 #if LLMINFER_Q8_512
 using ivec = __m512i;
@@ -64,17 +69,26 @@ inline facc fset1(float a) { return _mm256_set1_ps(a); }
 inline facc to_float(ivec v) { return _mm256_cvtepi32_ps(v); }
 #endif
 
-// The chunk of 4 * ng code bytes at p as a full vector (zero bytes in the lanes past ng).
-inline ivec load_codes(const uint8_t* p, int64_t ng) {
+inline ivec iset1(int32_t v) {
 #if LLMINFER_Q8_512
-  return ng == kL ? iload(p) : _mm512_maskz_loadu_epi8((ng * 4 >= 64) ? ~0ull : ((1ull << (ng * 4)) - 1), p);
+  return _mm512_set1_epi32(v);
 #else
-  if (ng == kL) return iload(p);
-  alignas(32) uint8_t buf[32] = {};
-  std::memcpy(buf, p, static_cast<size_t>(ng * 4));
-  return iload(buf);
+  return _mm256_set1_epi32(v);
 #endif
 }
+inline ivec ibroadcast(const int8_t* p) {  // 4 bytes to every int32 lane
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return iset1(v);
+}
+inline facc fload(const float* p) {
+#if LLMINFER_Q8_512
+  return _mm512_loadu_ps(p);
+#else
+  return _mm256_loadu_ps(p);
+#endif
+}
+inline facc fadd(facc a, facc b) { return facc_add(a, b); }
 
 // The int32 lanes' update for one chunk: acc + (per lane) the sum of c * q over its 4 columns (on plain AVX2
 // with 8-bit codes the sum of (c - 128) * q, the rest added by the caller; 4-bit codes, at most 15, go into
@@ -110,31 +124,25 @@ inline ivec high_nibbles(ivec v) {
 #endif
 }
 
-// How far ahead of the codes being read to prefetch: eight 512-column channels.
-constexpr int64_t kPrefetchBytes = 4096;
-
 // plain AVX2 adds 128 * sum(q) back for 8-bit codes
 template <int Bits>
 constexpr bool kOffset = Bits == 8 && !LLMINFER_Q8_512 && !LLMINFER_Q8_DP256;
 
-// Activation rows in the packed order, each value as two 8-bit digits: x ~ d * (q + r / kLowSteps) with
-// d = max|x| / 127 per block of 32 columns (llama.cpp's Q8_0: q = round(x / d) in [-127, 127]) and
+// Activation rows, each value as two 8-bit digits: x ~ d * (q + r / kLowSteps) with d = max|x| / 127 per
+// block of 32 columns (llama.cpp's Q8_0: q = round(x / d) in [-127, 127]) and
 // r = round((x - q * d) / (d / kLowSteps)) in [-127, 127], the rounding error of q on a 254 times finer grid.
 // One digit alone (8-bit activations, what llama.cpp multiplies with) moved the trained SmolLM2's top-1 token
 // at 7 % of positions against fp32; with both the activations are within d / 508 of x, finer than the wide
-// kernel's 14 bits per row wherever a block's max|x| is below its row's. Per row and super-block: 8 chunks of
-// kL lanes of 4 bytes (zero past the row's last group) for each digit, and per lane its block's d, xsum and
-// (plain AVX2) 128 * the digits' sums.
+// kernel's 14 bits per row wherever a block's max|x| is below its row's.
 constexpr float kLowSteps = 254.f;
 
 struct GroupRows {
-  int64_t supers = 0;
-  std::vector<int8_t> q;       // [M, supers, kChunks, kL * 4]  first digit
-  std::vector<int8_t> r;       // [M, supers, kChunks, kL * 4]  second digit
-  std::vector<float> d;        // [M, supers, kL]
-  std::vector<float> xsum;     // [M, supers, kL]
-  std::vector<int32_t> off;    // [M, supers, kL]  128 * sum of q
-  std::vector<int32_t> off_r;  // [M, supers, kL]  128 * sum of r
+  std::vector<int8_t> q;       // [M, K]  first digit
+  std::vector<int8_t> r;       // [M, K]  second digit
+  std::vector<float> d;        // [M, groups]
+  std::vector<float> xsum;     // [M, groups]  the group's sum of the float32 activations
+  std::vector<int32_t> off;    // [M, groups]  128 * sum of q (plain AVX2, 8-bit codes)
+  std::vector<int32_t> off_r;  // [M, groups]  128 * sum of r
 };
 
 // 8 int32 lanes' sum.
@@ -196,36 +204,23 @@ inline void block_digits(const float* xb, __m256i& q8, __m256i& r8, float& d, in
 }
 
 GroupRows pack_rows(const float* x, int64_t M, int64_t K) {
-  const std::vector<float> sums = group_sums(x, M, K, kG);
   const int64_t groups = K / kG;
   GroupRows g;
-  g.supers = (groups + kL - 1) / kL;
-  const int64_t per_row = g.supers * kSuper;
-  g.q.assign(static_cast<size_t>(M * per_row), 0);
-  g.r.assign(static_cast<size_t>(M * per_row), 0);
-  g.d.assign(static_cast<size_t>(M * g.supers * kL), 0.f);
-  g.xsum.assign(static_cast<size_t>(M * g.supers * kL), 0.f);
-  g.off.assign(static_cast<size_t>(M * g.supers * kL), 0);
-  g.off_r.assign(static_cast<size_t>(M * g.supers * kL), 0);
+  g.xsum = group_sums(x, M, K, kG);
+  g.q.assign(static_cast<size_t>(M * K), 0);
+  g.r.assign(static_cast<size_t>(M * K), 0);
+  g.d.assign(static_cast<size_t>(M * groups), 0.f);
+  g.off.assign(static_cast<size_t>(M * groups), 0);
+  g.off_r.assign(static_cast<size_t>(M * groups), 0);
   parallel_for(0, M, std::max<int64_t>(1, 8192 / K), [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m)
       for (int64_t grp = 0; grp < groups; ++grp) {
-        const int64_t sb = grp / kL, l = grp % kL;
         __m256i q8, r8;
-        float d;
         int32_t total, total_r;
-        block_digits(x + m * K + grp * kG, q8, r8, d, total, total_r);
-        alignas(32) uint32_t qw[kChunks], rw[kChunks];  // 4 columns (one lane's bytes) per chunk
-        _mm256_store_si256(reinterpret_cast<__m256i*>(qw), q8);
-        _mm256_store_si256(reinterpret_cast<__m256i*>(rw), r8);
-        const int64_t at = m * per_row + sb * kSuper + l * 4;
-        for (int64_t j = 0; j < kChunks; ++j) {
-          std::memcpy(g.q.data() + at + j * kL * 4, &qw[j], 4);
-          std::memcpy(g.r.data() + at + j * kL * 4, &rw[j], 4);
-        }
-        const int64_t i = (m * g.supers + sb) * kL + l;
-        g.d[i] = d;
-        g.xsum[i] = sums[m * groups + grp];
+        const int64_t i = m * groups + grp;
+        block_digits(x + m * K + grp * kG, q8, r8, g.d[i], total, total_r);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(g.q.data() + m * K + grp * kG), q8);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(g.r.data() + m * K + grp * kG), r8);
         g.off[i] = 128 * total;
         g.off_r[i] = 128 * total_r;
       }
@@ -233,39 +228,36 @@ GroupRows pack_rows(const float* x, int64_t M, int64_t K) {
   return g;
 }
 
-// Rows [m0, m0 + MT) times channels [n0, n0 + NT) (packed codes, row_bytes each): sums[m * NT + j] before the
-// bias. Several channels at once keep independent dot-product chains in flight (one row alone would otherwise
-// wait on each channel's chain of 8 dependent vpdpbusd). Bits = 4: a super-block's codes are 4 vectors, the
-// low nibbles chunks 0-3 and the high ones chunks 4-7.
+// Rows [m0, m0 + MT) times channel blocks [b0, b0 + NT) (block_bytes of codes each; s and z the blocks'
+// [groups, kL] parameters): acc[m][j] holds the kL outputs of row m0 + m, block b0 + j, before the bias.
 template <int Bits, int MT, int NT>
-inline void group_q8_tile(const GroupRows& r, int64_t m0, const uint8_t* codes, int64_t row_bytes, int64_t K,
-                          const float* s, const float* z, float* sums) {
+inline void group_q8_tile(const GroupRows& r, int64_t m0, const uint8_t* codes, int64_t block_bytes, int64_t K,
+                          const float* s, const float* z, facc (&acc)[MT][NT]) {
   const int64_t groups = K / kG;
-  facc acc[MT][NT];
+  constexpr int64_t kGroupBytes = kChunks * kL * 4 * Bits / 8;  // one group of a block's codes
+  const facc inv_steps = fset1(1.f / kLowSteps);
   for (int m = 0; m < MT; ++m)
     for (int j = 0; j < NT; ++j) acc[m][j] = fzero();
-  for (int64_t sb = 0; sb < r.supers; ++sb) {
-    const int64_t g0 = sb * kL, ng = std::min<int64_t>(kL, groups - g0);
+  for (int64_t g = 0; g < groups; ++g) {
     ivec isum[MT][NT], isum_r[MT][NT];
     for (int m = 0; m < MT; ++m)
       for (int j = 0; j < NT; ++j) isum[m][j] = isum_r[m][j] = izero();
     auto chunk = [&](int64_t ch, const ivec (&c)[NT]) __attribute__((always_inline)) {
       for (int m = 0; m < MT; ++m) {
-        const int64_t at = ((m0 + m) * r.supers + sb) * kSuper + ch * kL * 4;
-        const ivec q = iload(r.q.data() + at), qr = iload(r.r.data() + at);
+        const int64_t at = (m0 + m) * K + g * kG + ch * 4;
+        const ivec q = ibroadcast(r.q.data() + at), qr = ibroadcast(r.r.data() + at);
         for (int j = 0; j < NT; ++j) {
           isum[m][j] = dot_chunk<Bits>(isum[m][j], c[j], q);
           isum_r[m][j] = dot_chunk<Bits>(isum_r[m][j], c[j], qr);
         }
       }
     };
-    const uint8_t* base = codes + g0 * kG * Bits / 8;
     for (int64_t v = 0; v < kChunks * Bits / 8; ++v) {
       ivec c[NT];
       for (int j = 0; j < NT; ++j) {
-        const uint8_t* cp = base + j * row_bytes + v * ng * 4;
-        _mm_prefetch(reinterpret_cast<const char*>(cp + kPrefetchBytes), _MM_HINT_T0);
-        c[j] = load_codes(cp, ng);
+        const uint8_t* cp = codes + j * block_bytes + g * kGroupBytes + v * kL * 4;
+        _mm_prefetch(reinterpret_cast<const char*>(cp + NT * block_bytes), _MM_HINT_T0);  // the next tile's
+        c[j] = iload(cp);
       }
       if constexpr (Bits == 8) {
         chunk(v, c);
@@ -279,81 +271,126 @@ inline void group_q8_tile(const GroupRows& r, int64_t m0, const uint8_t* codes, 
         chunk(v + kChunks / 2, high);
       }
     }
-    const facc inv_steps = fset1(1.f / kLowSteps);
-    for (int m = 0; m < MT; ++m) {
-      const int64_t i = ((m0 + m) * r.supers + sb) * kL;
-      const facc d = fload_n(r.d.data() + i, kL), xs = fload_n(r.xsum.data() + i, kL);
-      for (int j = 0; j < NT; ++j) {
+    for (int j = 0; j < NT; ++j) {
+      const facc sj = fload(s + (j * groups + g) * kL), zj = fload(z + (j * groups + g) * kL);
+      for (int m = 0; m < MT; ++m) {
+        const int64_t i = (m0 + m) * groups + g;
         ivec total = isum[m][j], total_r = isum_r[m][j];
         if constexpr (kOffset<Bits>) {
-          total = iadd(total, iload(r.off.data() + i));
-          total_r = iadd(total_r, iload(r.off_r.data() + i));
+          total = iadd(total, iset1(r.off[i]));
+          total_r = iadd(total_r, iset1(r.off_r[i]));
         }
         const facc dot = ffma(to_float(total_r), inv_steps, to_float(total));  // q + r / 254, summed
-        acc[m][j] = ffma(dot, fmul(d, fload_n(s + j * groups + g0, ng)), acc[m][j]);
-        acc[m][j] = ffma(fload_n(z + j * groups + g0, ng), xs, acc[m][j]);
+        acc[m][j] = ffma(dot, fmul(sj, fset1(r.d[i])), acc[m][j]);
+        acc[m][j] = ffma(zj, fset1(r.xsum[i]), acc[m][j]);
       }
     }
   }
-  for (int m = 0; m < MT; ++m)
-    for (int j = 0; j < NT; ++j) sums[m * NT + j] = facc_sum(acc[m][j]);
 }
 
-// 2 x 2 tiles: measured on a Zen 4 (AVX-512 VNNI) against 4 x 1 and 2 x 4, the 32-row LM head product took
-// 28 / 23 / 22 ms, and 2 x 2 was also the fastest at one and two rows (2 x 4: twice as slow at two rows).
-constexpr int kTileRows = 2;
-constexpr int kTileCols = 2;
+// Tiles: on AVX-512 (32 registers) 4 rows x 2 blocks (16 int32 sums, 8 float accumulators) where the step has
+// 4 rows or more, else 1 x 4; on AVX2 (16 registers) 2 x 2, else 1 x 2.
+constexpr int kTileRows = LLMINFER_Q8_512 ? 4 : 2;
+constexpr int kTileBlocks = 2;
+constexpr int kRowBlocks = LLMINFER_Q8_512 ? 4 : 2;  // blocks per tile for one row at a time
 
-template <int Bits, int MT>
-inline void group_q8_cols(const GroupRows& r, int64_t m0, int64_t cols, const uint8_t* codes, int64_t row_bytes,
-                          int64_t K, const float* s, const float* z, float* sums) {
-  if (cols == 2) group_q8_tile<Bits, MT, 2>(r, m0, codes, row_bytes, K, s, z, sums);
-  else group_q8_tile<Bits, MT, 1>(r, m0, codes, row_bytes, K, s, z, sums);
+// The outputs of rows [m0, m0 + MT) and blocks [b0, b0 + NT), with the bias, into out [M, N].
+template <int Bits, int MT, int NT>
+inline void group_q8_store(const GroupRows& r, int64_t m0, int64_t b0, const uint8_t* codes, int64_t block_bytes,
+                           int64_t K, const float* s, const float* z, const float* bias, int64_t N, float* out) {
+  facc acc[MT][NT];
+  const int64_t groups = K / kG;
+  group_q8_tile<Bits, MT, NT>(r, m0, codes + b0 * block_bytes, block_bytes, K, s + b0 * groups * kL,
+                              z + b0 * groups * kL, acc);
+  for (int j = 0; j < NT; ++j) {
+    const int64_t n0 = (b0 + j) * kL, valid = std::min<int64_t>(kL, N - n0);
+    const facc bj = bias ? fload_n(bias + n0, valid) : fzero();
+    for (int m = 0; m < MT; ++m) {
+      float* o = out + (m0 + m) * N + n0;
+      const facc v = bias ? fadd(acc[m][j], bj) : acc[m][j];
+      if (valid == kL) {
+#if LLMINFER_Q8_512
+        _mm512_storeu_ps(o, v);
+#else
+        _mm256_storeu_ps(o, v);
+#endif
+      } else {
+        alignas(64) float t[kL];
+#if LLMINFER_Q8_512
+        _mm512_store_ps(t, v);
+#else
+        _mm256_store_ps(t, v);
+#endif
+        std::memcpy(o, t, static_cast<size_t>(valid) * sizeof(float));
+      }
+    }
+  }
 }
 
-// out = x @ W.T + bias for codes of Bits bits (row_bytes = K * Bits / 8 per channel).
+// out = x @ W.T + bias for codes of Bits bits in the blocked layout above.
 template <int Bits>
 void group_linear_q8(const float* x, int64_t M, int64_t K, const uint8_t* codes, int64_t N, const float* scale,
                      const float* zero, const float* bias, float* out) {
   const GroupRows r = pack_rows(x, M, K);
-  const int64_t groups = K / kG, row_bytes = K * Bits / 8;
-  for_each_tile(M, N, kTileRows, kTileCols, row_bytes, [&](int64_t m, int64_t rows, int64_t n, int64_t cols) {
-    float sums[kTileRows * kTileCols];
-    const uint8_t* cn = codes + n * row_bytes;
-    const float* sn = scale + n * groups;
-    const float* zn = zero + n * groups;
-    if (rows == 2) group_q8_cols<Bits, 2>(r, m, cols, cn, row_bytes, K, sn, zn, sums);
-    else group_q8_cols<Bits, 1>(r, m, cols, cn, row_bytes, K, sn, zn, sums);
-    for (int64_t i = 0; i < rows; ++i)
-      for (int64_t j = 0; j < cols; ++j)
-        out[(m + i) * N + n + j] = bias ? sums[i * cols + j] + bias[n + j] : sums[i * cols + j];
+  const int64_t blocks = (N + kL - 1) / kL, block_bytes = K * kL * Bits / 8;
+  const bool many = M >= kTileRows;
+  const int64_t per_tile = many ? kTileBlocks : kRowBlocks;
+  const int64_t tiles = (blocks + per_tile - 1) / per_tile;
+  const int64_t grain = std::max<int64_t>(1, 64 * 1024 / (per_tile * block_bytes));
+  parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b0 = t * per_tile, nb = std::min(per_tile, blocks - b0);
+      auto rows_of = [&](auto mt, int64_t m0) {
+        constexpr int MT = decltype(mt)::value;
+        if (many && nb == kTileBlocks) {
+          group_q8_store<Bits, MT, kTileBlocks>(r, m0, b0, codes, block_bytes, K, scale, zero, bias, N, out);
+        } else if (!many && nb == kRowBlocks) {
+          group_q8_store<Bits, MT, kRowBlocks>(r, m0, b0, codes, block_bytes, K, scale, zero, bias, N, out);
+        } else {
+          for (int64_t b = b0; b < b0 + nb; ++b)
+            group_q8_store<Bits, MT, 1>(r, m0, b, codes, block_bytes, K, scale, zero, bias, N, out);
+        }
+      };
+      int64_t m = 0;
+      if (many)
+        for (; m + kTileRows <= M; m += kTileRows) rows_of(std::integral_constant<int, kTileRows>{}, m);
+      for (; m < M; ++m) rows_of(std::integral_constant<int, 1>{}, m);
+    }
   });
 }
 
-// The checked arguments of either op; returns N.
-int64_t check_group_q8_args(const char* op, const at::Tensor& x, const at::Tensor& codes, int64_t bits,
-                            const at::Tensor& scale, const at::Tensor& zero, const char* zero_name) {
+// The checked arguments of either op.
+void check_group_q8_args(const char* op, const at::Tensor& x, const at::Tensor& codes, int64_t bits,
+                         const at::Tensor& scale, const at::Tensor& zero, int64_t N, const char* zero_name) {
   TORCH_CHECK(x.device().is_cpu() && codes.device().is_cpu(), op, ": CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), op,
               ": x must be a contiguous float32 [M, K] tensor");
   const int64_t K = x.size(1);
   TORCH_CHECK(K > 0 && K % kG == 0, op, ": K must be a positive multiple of 32, got ", K);
+  TORCH_CHECK(N >= 0, op, ": out_features must be >= 0, got ", N);
+  const int64_t blocks = (N + kL - 1) / kL;
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
-                  codes.size(1) == K * bits / 8,
-              op, ": codes must be a contiguous uint8 [N, ", bits == 8 ? "K" : "K / 2", "] tensor");
-  const int64_t N = codes.size(0);
-  check_group_params(op, scale, zero, N, K / kG, zero_name);
-  return N;
+                  codes.size(0) == blocks && codes.size(1) == K * kL * bits / 8,
+              op, ": codes must be a contiguous uint8 [ceil(N / ", kL, "), ", kL * bits / 8,
+              " * K] tensor from the op's pack function, got ", codes.sizes(), " for N = ", N, ", K = ", K);
+  for (const at::Tensor* t : {&scale, &zero})
+    TORCH_CHECK(t->device().is_cpu() && t->dim() == 2 && t->scalar_type() == at::kFloat && t->is_contiguous() &&
+                    t->size(0) == blocks && t->size(1) == K / kG * kL,
+                op, ": scale and ", zero_name, " must be contiguous float32 [ceil(N / ", kL, "), K / 32 * ", kL,
+                "] tensors from pack_group_q8_params, got ", t->sizes());
 }
 
 }  // namespace
 
-// int8_group_linear_q8(x [M, K] float32, codes [N, K] uint8 from pack_int8_group_q8, scale [N, K / 32] float32,
-// minimum [N, K / 32] float32, bias [N] float32 or None) -> [M, N] float32.
+// int8_group_linear_q8(x [M, K] float32, codes uint8 [ceil(N / L), L * K] from pack_int8_group_q8, scale and
+// minimum float32 [ceil(N / L), K / 32 * L] from pack_group_q8_params, N, bias [N] float32 or None)
+// -> [M, N] float32.
 at::Tensor int8_group_linear_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
-                                const at::Tensor& minimum, const c10::optional<at::Tensor>& bias) {
+                                const at::Tensor& minimum, int64_t out_features,
+                                const c10::optional<at::Tensor>& bias) {
   const char* op = "int8_group_linear_q8";
-  const int64_t N = check_group_q8_args(op, x, codes, 8, scale, minimum, "minimum");
+  const int64_t N = out_features;
+  check_group_q8_args(op, x, codes, 8, scale, minimum, N, "minimum");
   const float* bias_p = optional_bias(op, bias, N);
   const int64_t M = x.size(0);
   at::Tensor out = at::empty({M, N}, x.options());
@@ -363,14 +400,12 @@ at::Tensor int8_group_linear_q8(const at::Tensor& x, const at::Tensor& codes, co
   return out;
 }
 
-// int4_group_linear_q8(x [M, K] float32, codes [N, K / 2] uint8 from pack_int4_group_q8, scale [N, K / 32]
-// float32, zero [N, K / 32] float32, bias [N] float32 or None) -> [M, N] float32: W[n, k] = c * scale + zero
-// with codes c in [0, 15], two to a byte: in each super-block, the codes of chunk j (j < 4) in the low nibbles
-// and those of chunk j + 4 in the high ones of the same bytes (so one load and two masks give two chunks).
+// int4_group_linear_q8: the same for 4-bit codes c in [0, 15], W[n, k] = c * scale + zero (see the layout above).
 at::Tensor int4_group_linear_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
-                                const at::Tensor& zero, const c10::optional<at::Tensor>& bias) {
+                                const at::Tensor& zero, int64_t out_features, const c10::optional<at::Tensor>& bias) {
   const char* op = "int4_group_linear_q8";
-  const int64_t N = check_group_q8_args(op, x, codes, 4, scale, zero, "zero");
+  const int64_t N = out_features;
+  check_group_q8_args(op, x, codes, 4, scale, zero, N, "zero");
   const float* bias_p = optional_bias(op, bias, N);
   const int64_t M = x.size(0);
   at::Tensor out = at::empty({M, N}, x.options());
@@ -380,31 +415,16 @@ at::Tensor int4_group_linear_q8(const at::Tensor& x, const at::Tensor& codes, co
   return out;
 }
 
-// Groups per super-block in this build (16 on AVX-512 VNNI, else 8).
+// Channels per block in this build (16 on AVX-512 VNNI, else 8): what the Python pack functions lay out.
 int64_t group_q8_lanes() { return kL; }
-
-// The permutation of one row's columns into the packed order: position p of a packed row holds column
-// source_column(p). Exposed so the Python side packs and unpacks with one index (pack: packed = codes[:, index]).
-at::Tensor int8_group_q8_order(int64_t K) {
-  TORCH_CHECK(K > 0 && K % kG == 0, "int8_group_q8_order: K must be a positive multiple of 32, got ", K);
-  at::Tensor index = at::empty({K}, at::kLong);
-  int64_t* p = index.data_ptr<int64_t>();
-  const int64_t groups = K / kG;
-  for (int64_t g0 = 0; g0 < groups; g0 += kL) {
-    const int64_t ng = std::min<int64_t>(kL, groups - g0);
-    for (int64_t j = 0; j < kChunks; ++j)
-      for (int64_t l = 0; l < ng; ++l)
-        for (int64_t b = 0; b < 4; ++b) p[g0 * kG + (j * ng + l) * 4 + b] = (g0 + l) * kG + 4 * j + b;
-  }
-  return index;
-}
 
 }  // namespace llminfer
 
 TORCH_LIBRARY_FRAGMENT(llminfer_cpu, m) {
-  m.def("int8_group_linear_q8(Tensor x, Tensor codes, Tensor scale, Tensor minimum, Tensor? bias=None) -> Tensor");
-  m.def("int4_group_linear_q8(Tensor x, Tensor codes, Tensor scale, Tensor zero, Tensor? bias=None) -> Tensor");
-  m.def("int8_group_q8_order(int K) -> Tensor", &llminfer::int8_group_q8_order);
+  m.def("int8_group_linear_q8(Tensor x, Tensor codes, Tensor scale, Tensor minimum, int out_features, "
+        "Tensor? bias=None) -> Tensor");
+  m.def("int4_group_linear_q8(Tensor x, Tensor codes, Tensor scale, Tensor zero, int out_features, "
+        "Tensor? bias=None) -> Tensor");
   m.def("group_q8_lanes() -> int", &llminfer::group_q8_lanes);
 }
 
