@@ -14,7 +14,7 @@ from llminfer.kernels import build
 from llminfer.kernels.cpu_info import cpu_model
 from llminfer.kernels.int4_linear import int4_linear
 from llminfer.kernels.linear import int8_linear
-from llminfer.kernels.q8_linear import int4_linear_q8, int8_linear_q8
+from llminfer.kernels.q8_linear import int8_linear_q8
 
 log = structlog.get_logger("llminfer.cpu_kernels")
 
@@ -24,7 +24,7 @@ log = structlog.get_logger("llminfer.cpu_kernels")
 #: wide one (:func:`int8_linear`, :func:`~llminfer.kernels.int8_group_linear.int8_group_linear`); ``auto`` (or
 #: unset) takes the faster here, measured once per build (:func:`quant_paths`).
 INT8_PATH_ENV = "LLMINFER_CPU_KERNEL_INT8_PATH"
-#: The same for int4-wo: :func:`int4_linear_q8` (for groups of 32
+#: The same for int4-wo: :func:`~llminfer.kernels.q8_linear.int4_linear_q8` (for groups of 32
 #: :func:`~llminfer.kernels.int8_group_linear.int4_group_linear_q8`), or ``wide`` (:func:`int4_linear` on the AVX-512 VNNI
 #: build, torch's int4 kernel elsewhere).
 INT4_PATH_ENV = "LLMINFER_CPU_KERNEL_INT4_PATH"
@@ -121,7 +121,7 @@ def quant_paths() -> dict[str, dict]:
     """Which path the int8-wo and int4-wo layers take here: ``{"int8": {...}, "int8-group": {...}, "int4":
     {...}}`` (``int8-group``: int8-wo's groups of 32, also int4-wo's int8 LM head), each with ``path``
     (``"q8"``: :func:`int8_linear_q8` / ``int8_group_linear_q8`` / ``int4_group_linear_q8`` (groups of 32, else
-    :func:`int4_linear_q8`); ``"wide"``:
+    :func:`~llminfer.kernels.q8_linear.int4_linear_q8`); ``"wide"``:
     :func:`int8_linear` / ``int8_group_linear`` / :func:`int4_linear`, or torch's int4 kernel on builds without
     AVX-512 VNNI) and ``how`` (``"forced"`` by
     :data:`INT8_PATH_ENV` / :data:`INT4_PATH_ENV`, or ``"measured"``, then with the ``q8_ms`` and ``wide_ms``
