@@ -237,20 +237,8 @@ def int4_group_linear_q8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tens
     """:func:`int8_group_linear_q8`'s product for group-wise 4-bit codes (int4-wo's groups of 32):
     ``W[n, k] = c[n, k] * scale[n, g] + zero[n, g]``, ``c`` in [0, 15], the codes two to a byte in
     :func:`pack_int4_group_q8`'s layout. The same two-digit activations, exact integer group sums and one fixed
-    float order, so the same error bound and batch invariance.
-
-    Args:
-        x: float32 ``[M, K]``, contiguous, ``K % 32 == 0``.
-        codes: uint8 from :func:`pack_int4_group_q8`.
-        scale, zero: float32 from :func:`pack_group_q8_params`.
-        out_features: ``N``.
-        bias: float32 ``[N]`` or None.
-
-    Returns:
-        float32 ``[M, N]``.
-
-    Raises:
-        RuntimeError: the kernel is not loaded, or the arguments break the rules above.
+    float order, so the same error bound and batch invariance. Arguments, result and errors as
+    :func:`int8_group_linear_q8`'s, with ``zero`` for ``minimum`` and ``codes`` from :func:`pack_int4_group_q8`.
     """
     if not kernel_available():
         raise RuntimeError("int4_group_linear_q8: llminfer's CPU kernel is not loaded "

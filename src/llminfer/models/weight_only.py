@@ -40,13 +40,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from llminfer.kernels import int8_group_linear as int8_group
 from llminfer.kernels.int4_linear import int4_linear, pack_int4_codes, unpack_int4_codes
-from llminfer.kernels.int8_group_linear import (
-    pack_group_q8_params,
-    pack_int4_group_q8,
-    unpack_group_q8_params,
-    unpack_int4_group_q8,
-)
 from llminfer.kernels.linear import int8_linear
 from llminfer.kernels.q8_linear import (
     int4_linear_q8,
@@ -182,9 +177,7 @@ class Int8GroupWeightOnlyLinear(_WeightOnlyLinear):
     mode = "int8-wo"
 
     def __init__(self, linear: nn.Linear, group_size: int = 32, compute_dtype: torch.dtype = torch.bfloat16) -> None:
-        from llminfer.kernels.int8_group_linear import quantize_int8_groupwise
-
-        codes, scale, minimum = quantize_int8_groupwise(linear.weight, group_size)
+        codes, scale, minimum = int8_group.quantize_int8_groupwise(linear.weight, group_size)
         super().__init__(linear, compute_dtype)
         self.group_size = group_size
         self.register_buffer("weight", codes)
@@ -204,8 +197,6 @@ class Int8GroupWeightOnlyLinear(_WeightOnlyLinear):
         and run every product there from now on, where the layer's groups are 32 columns and the kernel loads;
         return whether the layer is on that path. Idempotent.
         """
-        from llminfer.kernels import int8_group_linear as int8_group
-
         if self.kernel_path == "q8":
             return True
         if self.group_size != 32 or self.weight.device.type != "cpu" or not int8_group.kernel_available():
@@ -218,8 +209,6 @@ class Int8GroupWeightOnlyLinear(_WeightOnlyLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._op is None:
-            from llminfer.kernels import int8_group_linear as int8_group
-
             type(self)._op = torch.ops.llminfer_cpu.int8_group_linear if int8_group.kernel_available() else False
         rows = x.numel() // self.in_features
         flat = x.reshape(rows, self.in_features)
@@ -237,8 +226,6 @@ class Int8GroupWeightOnlyLinear(_WeightOnlyLinear):
 
     def dequantized_weight(self) -> torch.Tensor:
         """The float32 ``[out_features, in_features]`` weight the layer computes with."""
-        from llminfer.kernels import int8_group_linear as int8_group
-
         if self.kernel_path != "q8":
             return int8_group.dequantize_int8_groupwise(self.weight, self.scale, self.minimum)
         n = self.out_features
@@ -313,7 +300,7 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
         if self.use_cpu_kernel:
             unpack = unpack_int4_codes_q8 if self.kernel_path == "q8" else unpack_int4_codes
             if self.kernel_path == "q8" and self.group_size == 32:
-                return unpack_int4_group_q8(self.weight, self.out_features)
+                return int8_group.unpack_int4_group_q8(self.weight, self.out_features)
             return unpack(self.weight, self.in_features)[: self.out_features]
         # torch's packed layout is opaque: its own kernel with scale 1 and zero point 8 computes
         # (q - 8) * 1 + 8 = q, and rows of the identity pick each column (exact: one term per output)
@@ -348,13 +335,13 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
         # does not load into the other.
         del self.scales_and_zeros
         if path == "q8":
-            self.weight = pack_int4_group_q8(q) if self.group_size == 32 else pack_int4_codes_q8(q)
+            self.weight = int8_group.pack_int4_group_q8(q) if self.group_size == 32 else pack_int4_codes_q8(q)
         else:
             self.weight = pack_int4_codes(q)
         self.kernel_path = path
         kernel_zeros = (zeros - 8.0 * scales).contiguous()  # zero - 8 * scale
         if path == "q8" and self.group_size == 32:  # int4_group_linear_q8's blocked layout
-            scales, kernel_zeros = pack_group_q8_params(scales), pack_group_q8_params(kernel_zeros)
+            scales, kernel_zeros = int8_group.pack_group_q8_params(scales), int8_group.pack_group_q8_params(kernel_zeros)
         self.register_buffer("kernel_scales", scales)  # float32 [N, K / G] (blocked for int4_group_linear_q8)
         self.register_buffer("kernel_zeros", kernel_zeros)
         self.use_cpu_kernel = True
@@ -364,8 +351,8 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
         if self.use_cpu_kernel:
             g, scales, zeros = self.group_size, self.kernel_scales, self.kernel_zeros
             if self.kernel_path == "q8" and g == 32:
-                scales = unpack_group_q8_params(scales, self.out_features)
-                zeros = unpack_group_q8_params(zeros, self.out_features)
+                scales = int8_group.unpack_group_q8_params(scales, self.out_features)
+                zeros = int8_group.unpack_group_q8_params(zeros, self.out_features)
             return (self.codes().double() * scales.double().repeat_interleave(g, 1)
                     + zeros.double().repeat_interleave(g, 1)).float()
         sz = self.scales_and_zeros[:, : self.out_features].float()
@@ -411,7 +398,6 @@ def quantize_model(model: nn.Module, mode: str, *, group_size: int = 32, compute
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     report: dict[str, Any] = {"quantized": [], "skipped": {}}
     if int8_group_size:
-        from llminfer.kernels import int8_group_linear as int8_group
 
         if not int8_group.kernel_available():
             report["int8_format"] = "per channel (llminfer's CPU kernel for groups is not available)"

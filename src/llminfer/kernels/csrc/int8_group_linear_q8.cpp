@@ -384,6 +384,21 @@ void check_group_q8_args(const char* op, const at::Tensor& x, const at::Tensor& 
                 "] tensors from pack_group_q8_params, got ", t->sizes());
 }
 
+// Either op: checked arguments, the output allocated, the product.
+template <int Bits>
+at::Tensor run_group_q8(const char* op, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                        const at::Tensor& zero, int64_t N, const c10::optional<at::Tensor>& bias,
+                        const char* zero_name) {
+  check_group_q8_args(op, x, codes, Bits, scale, zero, N, zero_name);
+  const float* bias_p = optional_bias(op, bias, N);
+  const int64_t M = x.size(0);
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  group_linear_q8<Bits>(x.data_ptr<float>(), M, x.size(1), codes.data_ptr<uint8_t>(), N, scale.data_ptr<float>(),
+                        zero.data_ptr<float>(), bias_p, out.data_ptr<float>());
+  return out;
+}
+
 }  // namespace
 
 // int8_group_linear_q8(x [M, K] float32, codes uint8 [ceil(N / L), L * K] from pack_int8_group_q8, scale and
@@ -392,31 +407,13 @@ void check_group_q8_args(const char* op, const at::Tensor& x, const at::Tensor& 
 at::Tensor int8_group_linear_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                                 const at::Tensor& minimum, int64_t out_features,
                                 const c10::optional<at::Tensor>& bias) {
-  const char* op = "int8_group_linear_q8";
-  const int64_t N = out_features;
-  check_group_q8_args(op, x, codes, 8, scale, minimum, N, "minimum");
-  const float* bias_p = optional_bias(op, bias, N);
-  const int64_t M = x.size(0);
-  at::Tensor out = at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return out;
-  group_linear_q8<8>(x.data_ptr<float>(), M, x.size(1), codes.data_ptr<uint8_t>(), N, scale.data_ptr<float>(),
-                     minimum.data_ptr<float>(), bias_p, out.data_ptr<float>());
-  return out;
+  return run_group_q8<8>("int8_group_linear_q8", x, codes, scale, minimum, out_features, bias, "minimum");
 }
 
 // int4_group_linear_q8: the same for 4-bit codes c in [0, 15], W[n, k] = c * scale + zero (see the layout above).
 at::Tensor int4_group_linear_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                                 const at::Tensor& zero, int64_t out_features, const c10::optional<at::Tensor>& bias) {
-  const char* op = "int4_group_linear_q8";
-  const int64_t N = out_features;
-  check_group_q8_args(op, x, codes, 4, scale, zero, N, "zero");
-  const float* bias_p = optional_bias(op, bias, N);
-  const int64_t M = x.size(0);
-  at::Tensor out = at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return out;
-  group_linear_q8<4>(x.data_ptr<float>(), M, x.size(1), codes.data_ptr<uint8_t>(), N, scale.data_ptr<float>(),
-                     zero.data_ptr<float>(), bias_p, out.data_ptr<float>());
-  return out;
+  return run_group_q8<4>("int4_group_linear_q8", x, codes, scale, zero, out_features, bias, "zero");
 }
 
 // Channels per block in this build (16 on AVX-512 VNNI, else 8): what the Python pack functions lay out.
