@@ -1,12 +1,13 @@
-// int8_group_linear_q8: int8-wo's group-wise weights (groups of 32 columns) times 8-bit activation blocks of 32
-// columns, for any number of rows. Wrapper: llminfer/kernels/int8_group_linear.py.
+// int8_group_linear_q8 / int4_group_linear_q8: int8-wo's and int4-wo's group-wise weights (groups of 32
+// columns) times activations as two 8-bit digits per block of 32 columns, for any number of rows. Wrappers:
+// llminfer/kernels/int8_group_linear.py.
 //
-// W[n, k] = c[n, k] * s[n, g] + z[n, g], codes c in [0, 255], g = k / 32, and activations rounded per block of
-// 32 columns as llama.cpp's Q8_0 does (q8_activations.h: d[m, b] = max|x| / 127, q = round(x / d)). Since a
-// group and a block are the same 32 columns,
+// W[n, k] = c[n, k] * s[n, g] + z[n, g], codes c in [0, 255] (or [0, 15]), g = k / 32, and activations rounded
+// per block of 32 columns as llama.cpp's Q8_0 does (d[m, b] = max|x| / 127, q = round(x / d)), plus a second
+// digit for the remainder (kLowSteps below). Since a group and a block are the same 32 columns,
 //   out[m, n] = sum_g (dot_g * d[m, g] * s[n, g] + z[n, g] * xsum[m, g]) + bias[n],
-// with dot_g the exact integer sum of c * q over the group and xsum[m, g] the group's sum of the float32
-// activations (group_sums, in double, rounded once).
+// with dot_g the sum of c * (q + r / 254) over the group (two exact int32 sums) and xsum[m, g] the group's sum
+// of the float32 activations (group_sums, in double, rounded once).
 //
 // Why a second kernel for these weights: int8_group_linear.cpp widens the codes to int16 for vpdpwssd (32
 // products an instruction plus a widening shuffle) and int4_linear_q8.cpp's scheme turns every 64-column chunk's
