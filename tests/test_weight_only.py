@@ -225,7 +225,7 @@ def test_int4_engine_runs_on_the_kernel_and_its_rows_do_not_depend_on_the_batch(
             # the int8 head takes int8-wo's group format, on the path chosen for it
             head = f"int8_group_linear{'_q8' if paths['int8-group']['path'] == 'q8' else ''} (groups of 32)"
             if paths["int4"]["path"] == "q8":
-                assert line.startswith("int4_linear_q8 on ") and "int4 on the q8 path" in line, line
+                assert line.startswith("int4_group_linear_q8 on ") and "int4 on the q8 path" in line, line
             elif build.int8_activation_bits():
                 assert line.startswith("int4_linear on ") and "int4 on the wide path" in line, line
             if paths["int4"]["path"] == "q8" or build.int8_activation_bits():

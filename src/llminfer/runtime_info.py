@@ -123,7 +123,8 @@ def _cpu_kernel_line(rt: Runtime, cfg: EngineConfig) -> str:
             detail += f"; int8 on the {quant_path_note('int8')}"
         elif cfg.quant.mode is QuantMode.INT4_WO:
             q8 = quant_paths()["int4"]["path"] == "q8"
-            op = "int4_linear_q8" if q8 else ("int4_linear" if bits else "int8_linear")
+            q8_op = "int4_group_linear_q8" if cfg.quant.int4_group_size == 32 else "int4_linear_q8"
+            op = q8_op if q8 else ("int4_linear" if bits else "int8_linear")
             if not q8:
                 detail += (f"; int4 on VNNI integer dot products, {bits}-bit activations" if bits
                            else "; int4 on torch's kernel (no AVX-512 VNNI here)")
