@@ -180,14 +180,15 @@ def test_q8_kernel_is_within_its_rounding_bound_and_batch_invariant(n, groups, r
 
 @needs_kernel
 def test_q8_kernel_uses_the_exact_integer_sums() -> None:
-    # activations already on their 8-bit grid (d = 1: values in [-127, 127], each block holding 127) and codes
-    # with scale 1, minimum 0: the product is an exact integer, which float32 holds
+    # activations already on their 8-bit grid (d = 1: each block holding 127, the rest in [-3, 3]) and codes
+    # with scale 1, minimum 0: the product is an exact integer, which float32 holds. (Plain AVX2 rounds
+    # 254 * a group's sum to float32, exact below 2^24: |sum| <= 255 * (127 + 31 * 3) keeps it there.)
     gen = torch.Generator().manual_seed(3)
     k, n = 32 * 20, 24
-    x = torch.randint(-127, 128, (3, k), generator=gen).float()
+    x = torch.randint(-3, 4, (3, k), generator=gen).float()
     x.view(3, -1, 32)[..., 0] = 127.0
     codes = torch.randint(0, 256, (n, k), generator=gen).to(torch.uint8)
-    codes[0] = 0  # c - 128 = -128 everywhere: the plain-AVX2 sign trick's edge
+    codes[0], codes[1] = 0, 255  # the codes' ends
     scale, minimum = torch.ones(n, k // 32), torch.zeros(n, k // 32)
     out = int8_group.int8_group_linear_q8(x, int8_group.pack_int8_group_q8(codes), *_blocked(scale, minimum), n)
     assert torch.equal(out.double(), x.double() @ codes.double().T)

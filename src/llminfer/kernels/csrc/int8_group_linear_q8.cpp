@@ -26,11 +26,10 @@
 // 4-bit codes (int4-wo's groups of 32): each group's chunk j (j < 4) in the low nibbles and chunk j + 4 in the
 // high ones of the same vector, so one load and two masks give two chunks.
 //
-// The u8 x s8 step: vpdpbusd with the codes as the unsigned operand as stored (AVX-512 VNNI, AVX-VNNI); on plain
-// AVX2 vpmaddubsw with the sign trick turned round, |c - 128| (at most 128) unsigned and q with the sign of
-// c - 128 (|q| <= 127, so its negation cannot overflow; pairs stay within 2 * 128 * 127 < 2^15), and
-// 128 * sum(q) of the group added back per group. Every output element is one fixed sequence whatever M, the
-// threads or the tile, so a row's result does not depend on the batch.
+// The integer step: vpdpbusd with the codes as the unsigned operand as stored, once per digit (AVX-512 VNNI,
+// AVX-VNNI); on plain AVX2, which has no u8 x s8 dot product, vpmaddwd on codes widened to int16 and both digits
+// folded into one int16 (kPlain below). Every output element is one fixed sequence whatever M, the threads or
+// the tile, so a row's result does not depend on the batch.
 #include "q8_activations.h"
 
 #include <cstring>
@@ -91,9 +90,8 @@ inline facc fload(const float* p) {
 }
 inline facc fadd(facc a, facc b) { return facc_add(a, b); }
 
-// The int32 lanes' update for one chunk: acc + (per lane) the sum of c * q over its 4 columns (on plain AVX2
-// with 8-bit codes the sum of (c - 128) * q, the rest added by the caller; 4-bit codes, at most 15, go into
-// vpmaddubsw as they are: pairs stay within 2 * 15 * 127).
+// The int32 lanes' update for one chunk: acc + (per lane) the sum of c * q over its 4 columns (VNNI builds; plain
+// AVX2 takes group_q8_tile_plain below).
 template <int Bits>
 inline ivec dot_chunk(ivec acc, ivec c, ivec q) {
 #if LLMINFER_Q8_512
@@ -101,11 +99,8 @@ inline ivec dot_chunk(ivec acc, ivec c, ivec q) {
 #elif LLMINFER_Q8_DP256
   return LLMINFER_DPBUSD256(acc, c, q);
 #else
-  if constexpr (Bits == 4)
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(c, q), _mm256_set1_epi16(1)));
-  const __m256i centred = _mm256_xor_si256(c, _mm256_set1_epi8(static_cast<char>(0x80)));
-  const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(centred), _mm256_sign_epi8(q, centred));
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+  static_assert(Bits < 0, "plain AVX2 has no u8 x s8 dot product: group_q8_tile_plain");
+  return acc;
 #endif
 }
 
@@ -125,9 +120,12 @@ inline ivec high_nibbles(ivec v) {
 #endif
 }
 
-// plain AVX2 adds 128 * sum(q) back for 8-bit codes
-template <int Bits>
-constexpr bool kOffset = Bits == 8 && !LLMINFER_Q8_512 && !LLMINFER_Q8_DP256;
+// Plain AVX2 (no u8 x s8 dot-product instruction): the two digits folded into one int16, 254 q + r (at most
+// 254 * 127 + 127 = 32385), times the codes widened to int16 on vpmaddwd: 2 instructions per 16 columns for both
+// digits, where vpmaddubsw needed the sign trick (xor, abs, sign, maddubs, madd, add) for each digit. A lane's
+// group sum stays within 16 * 255 * 32385 < 2^31; it is exact in int32 and rounded once to float32 (exactly
+// while below 2^24), then divided by 254 (exact for a sum of first digits alone).
+constexpr bool kPlain = !LLMINFER_Q8_512 && !LLMINFER_Q8_DP256;
 
 // Activation rows, each value as two 8-bit digits: x ~ d * (q + r / kLowSteps) with d = max|x| / 127 per
 // block of 32 columns (llama.cpp's Q8_0: q = round(x / d) in [-127, 127]) and
@@ -142,8 +140,7 @@ struct GroupRows {
   std::vector<int8_t> r;       // [M, K]  second digit
   std::vector<float> d;        // [M, groups]
   std::vector<float> xsum;     // [M, groups]  the group's sum of the float32 activations
-  std::vector<int32_t> off;    // [M, groups]  128 * sum of q (plain AVX2, 8-bit codes)
-  std::vector<int32_t> off_r;  // [M, groups]  128 * sum of r
+  std::vector<int16_t> w;      // [M, K]  254 q + r (plain AVX2)
 };
 
 // 8 int32 lanes' sum.
@@ -211,19 +208,26 @@ GroupRows pack_rows(const float* x, int64_t M, int64_t K) {
   g.q.assign(static_cast<size_t>(M * K), 0);
   g.r.assign(static_cast<size_t>(M * K), 0);
   g.d.assign(static_cast<size_t>(M * groups), 0.f);
-  g.off.assign(static_cast<size_t>(M * groups), 0);
-  g.off_r.assign(static_cast<size_t>(M * groups), 0);
+  if (kPlain) g.w.assign(static_cast<size_t>(M * K), 0);
   parallel_for(0, M, std::max<int64_t>(1, 8192 / K), [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m)
       for (int64_t grp = 0; grp < groups; ++grp) {
         __m256i q8, r8;
-        int32_t total, total_r;
+        int32_t total, total_r;  // unused here
         const int64_t i = m * groups + grp;
         block_digits(x + m * K + grp * kG, q8, r8, g.d[i], total, total_r);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(g.q.data() + m * K + grp * kG), q8);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(g.r.data() + m * K + grp * kG), r8);
-        g.off[i] = 128 * total;
-        g.off_r[i] = 128 * total_r;
+        if (kPlain) {
+          const __m128i q_lo = _mm256_castsi256_si128(q8), q_hi = _mm256_extracti128_si256(q8, 1);
+          const __m128i r_lo = _mm256_castsi256_si128(r8), r_hi = _mm256_extracti128_si256(r8, 1);
+          const __m256i steps = _mm256_set1_epi16(static_cast<int16_t>(kLowSteps));
+          int16_t* w = g.w.data() + m * K + grp * kG;
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(w), _mm256_add_epi16(
+              _mm256_mullo_epi16(_mm256_cvtepi8_epi16(q_lo), steps), _mm256_cvtepi8_epi16(r_lo)));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + 16), _mm256_add_epi16(
+              _mm256_mullo_epi16(_mm256_cvtepi8_epi16(q_hi), steps), _mm256_cvtepi8_epi16(r_hi)));
+        }
       }
   });
   return g;
@@ -276,12 +280,7 @@ inline void group_q8_tile(const GroupRows& r, int64_t m0, const uint8_t* codes, 
       const facc sj = fload(s + (j * groups + g) * kL), zj = fload(z + (j * groups + g) * kL);
       for (int m = 0; m < MT; ++m) {
         const int64_t i = (m0 + m) * groups + g;
-        ivec total = isum[m][j], total_r = isum_r[m][j];
-        if constexpr (kOffset<Bits>) {
-          total = iadd(total, iset1(r.off[i]));
-          total_r = iadd(total_r, iset1(r.off_r[i]));
-        }
-        const facc dot = ffma(to_float(total_r), inv_steps, to_float(total));  // q + r / 254, summed
+        const facc dot = ffma(to_float(isum_r[m][j]), inv_steps, to_float(isum[m][j]));  // q + r / 254, summed
         acc[m][j] = ffma(dot, fmul(sj, fset1(r.d[i])), acc[m][j]);
         acc[m][j] = ffma(zj, fset1(r.xsum[i]), acc[m][j]);
       }
@@ -289,12 +288,62 @@ inline void group_q8_tile(const GroupRows& r, int64_t m0, const uint8_t* codes, 
   }
 }
 
+#if !LLMINFER_Q8_512 && !LLMINFER_Q8_DP256
+// group_q8_tile on plain AVX2 (kPlain above), one block of 8 channels: each 32-byte chunk widens to two vectors
+// of 16 int16 (channels 0-3 and 4-7, 4 columns each); vpmaddwd with the row's 4 int16 values broadcast gives
+// each channel two int32 lanes, added pairwise (vphaddd) and put in channel order once per group.
+template <int Bits, int MT, int NT>
+inline void group_q8_tile_plain(const GroupRows& r, int64_t m0, const uint8_t* codes, int64_t block_bytes,
+                                int64_t K, const float* s, const float* z, facc (&acc)[MT][NT]) {
+  static_assert(NT == 1, "plain AVX2 tiles are one block wide (16 registers)");
+  const int64_t groups = K / kG;
+  constexpr int64_t kGroupBytes = kChunks * kL * 4 * Bits / 8;
+  const __m256 steps = _mm256_set1_ps(kLowSteps);
+  const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
+  for (int m = 0; m < MT; ++m) acc[m][0] = fzero();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i lo[MT], hi[MT];
+    for (int m = 0; m < MT; ++m) lo[m] = hi[m] = _mm256_setzero_si256();
+    auto chunk = [&](int64_t ch, __m256i c) __attribute__((always_inline)) {
+      const __m256i c_lo = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(c));
+      const __m256i c_hi = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(c, 1));
+      for (int m = 0; m < MT; ++m) {
+        int64_t four;  // the row's 4 int16 values of this chunk
+        std::memcpy(&four, r.w.data() + (m0 + m) * K + g * kG + ch * 4, 8);
+        const __m256i a = _mm256_set1_epi64x(four);
+        lo[m] = _mm256_add_epi32(lo[m], _mm256_madd_epi16(c_lo, a));
+        hi[m] = _mm256_add_epi32(hi[m], _mm256_madd_epi16(c_hi, a));
+      }
+    };
+    for (int64_t v = 0; v < kChunks * Bits / 8; ++v) {
+      const uint8_t* cp = codes + g * kGroupBytes + v * kL * 4;
+      _mm_prefetch(reinterpret_cast<const char*>(cp + block_bytes), _MM_HINT_T0);  // the next tile's
+      const __m256i c = iload(cp);
+      if constexpr (Bits == 8) {
+        chunk(v, c);
+      } else {
+        chunk(v, low_nibbles(c));
+        chunk(v + kChunks / 2, high_nibbles(c));
+      }
+    }
+    const facc sj = fload(s + g * kL), zj = fload(z + g * kL);
+    for (int m = 0; m < MT; ++m) {
+      const int64_t i = (m0 + m) * groups + g;
+      const __m256i total = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(lo[m], hi[m]), order);
+      const facc dot = _mm256_div_ps(to_float(total), steps);  // q + r / 254, summed
+      acc[m][0] = ffma(dot, fmul(sj, fset1(r.d[i])), acc[m][0]);
+      acc[m][0] = ffma(zj, fset1(r.xsum[i]), acc[m][0]);
+    }
+  }
+}
+#endif
+
 // Tiles: on AVX-512 (32 registers) 4 rows x 2 blocks (16 int32 sums, 8 float accumulators) where the step has
 // 4 rows or more, on AVX2 (16 registers) 2 x 2 from 2 rows; below that 2 or 1 rows x 1 block. One block at a
 // time reads the codes as one sequential stream: the bench model's int8 LM head at one row took 2.4-2.7 ms so,
 // against 3.1-3.2 with 4 blocks a tile (4 streams 8 KB apart), as fast as the wide kernel (Zen 4).
-constexpr int kTileRows = LLMINFER_Q8_512 ? 4 : 2;
-constexpr int kTileBlocks = 2;
+constexpr int kTileRows = LLMINFER_Q8_512 || kPlain ? 4 : 2;
+constexpr int kTileBlocks = kPlain ? 1 : 2;
 constexpr int kRowBlocks = 1;
 
 // The outputs of rows [m0, m0 + MT) and blocks [b0, b0 + NT), with the bias, into out [M, N].
@@ -303,8 +352,13 @@ inline void group_q8_store(const GroupRows& r, int64_t m0, int64_t b0, const uin
                            int64_t K, const float* s, const float* z, const float* bias, int64_t N, float* out) {
   facc acc[MT][NT];
   const int64_t groups = K / kG;
+#if LLMINFER_Q8_512 || LLMINFER_Q8_DP256
   group_q8_tile<Bits, MT, NT>(r, m0, codes + b0 * block_bytes, block_bytes, K, s + b0 * groups * kL,
                               z + b0 * groups * kL, acc);
+#else
+  group_q8_tile_plain<Bits, MT, NT>(r, m0, codes + b0 * block_bytes, block_bytes, K, s + b0 * groups * kL,
+                                    z + b0 * groups * kL, acc);
+#endif
   for (int j = 0; j < NT; ++j) {
     const int64_t n0 = (b0 + j) * kL, valid = std::min<int64_t>(kL, N - n0);
     const facc bj = bias ? fload_n(bias + n0, valid) : fzero();
