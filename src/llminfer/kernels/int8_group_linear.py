@@ -147,7 +147,7 @@ def int8_group_linear_q8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tens
 
     Activations are two 8-bit digits per value, per block of 32 columns: ``q = round(x / d)`` with
     ``d = max|x| / 127`` (llama.cpp's Q8_0) and the remainder on a 254 times finer grid. Each group's integer sum
-    of codes times digits is exact (``vpdpbusd``, or ``vpmaddubsw`` on plain AVX2), then
+    of codes times digits is exact (``vpdpbusd``; on plain AVX2 ``vpmaddwd`` on ``254 q + r``), then
     ``sum_g (dot_g * d[g] * scale[n, g] + minimum[n, g] * xsum[g])`` in float32 (``xsum`` the group's sum of the
     float32 activations), in one fixed order: a row's result does not depend on the other rows or the threads.
     Against the float product the error is the activation rounding, at most ``sum_k |W[n, k]| * d[g(k)] / 508``,
@@ -204,7 +204,11 @@ def pack_int8_group_q8(codes: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_int8_group_q8(packed: torch.Tensor, out_features: int) -> torch.Tensor:
-    """The inverse of :func:`pack_int8_group_q8`: row-major ``[out_features, K]``."""
+    """The inverse of :func:`pack_int8_group_q8`: row-major ``[out_features, K]``.
+
+    Raises:
+        RuntimeError: the kernel is not loaded.
+    """
     lanes = group_q8_lanes()
     k = packed.shape[1] // lanes
     blocks = packed.reshape(-1, k // 32, 8, lanes, 4).permute(0, 3, 1, 2, 4)
@@ -225,7 +229,11 @@ def pack_group_q8_params(t: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_group_q8_params(packed: torch.Tensor, out_features: int) -> torch.Tensor:
-    """The inverse of :func:`pack_group_q8_params`: ``[out_features, K // 32]``."""
+    """The inverse of :func:`pack_group_q8_params`: ``[out_features, K // 32]``.
+
+    Raises:
+        RuntimeError: the kernel is not loaded.
+    """
     lanes = group_q8_lanes()
     groups = packed.shape[1] // lanes
     return packed.reshape(-1, groups, lanes).transpose(1, 2).reshape(-1, groups)[:out_features].contiguous()
@@ -261,7 +269,11 @@ def pack_int4_group_q8(q: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_int4_group_q8(packed: torch.Tensor, out_features: int) -> torch.Tensor:
-    """The inverse of :func:`pack_int4_group_q8`: int32 ``[out_features, K]``."""
+    """The inverse of :func:`pack_int4_group_q8`: int32 ``[out_features, K]``.
+
+    Raises:
+        RuntimeError: the kernel is not loaded.
+    """
     lanes = group_q8_lanes()
     k = packed.shape[1] * 2 // lanes
     pairs = packed.reshape(-1, k // 32, 4, lanes * 4)

@@ -165,8 +165,8 @@ class Int8GroupWeightOnlyLinear(_WeightOnlyLinear):
     ``[..., in_features]`` (any float dtype) gives
     ``[..., out_features]`` of the input's dtype, computed by
     :func:`llminfer.kernels.int8_group_linear.int8_group_linear` (14-bit activations per row, exact integer sums
-    per group, float32 out), or after :meth:`use_q8_path` by ``int8_group_linear_q8`` (8-bit activations per
-    block of 32, llama.cpp's Q8_0 activations); ``compute_dtype`` is not applied. Where that kernel cannot load, the weight is
+    per group, float32 out), or after :meth:`use_q8_path` by ``int8_group_linear_q8`` (activations as two 8-bit
+    digits per block of 32); ``compute_dtype`` is not applied. Where that kernel cannot load, the weight is
     dequantized for each call (correct, slow); :func:`quantize_model` does not pick this layer there.
 
     Raises:
@@ -188,7 +188,7 @@ class Int8GroupWeightOnlyLinear(_WeightOnlyLinear):
     #: per call: a decode step makes one call per linear layer.
     _op: Any = None
     #: ``"wide"`` (``int8_group_linear``, 14-bit activations per row, codes row-major) or ``"q8"``
-    #: (:meth:`use_q8_path`: ``int8_group_linear_q8``, 8-bit activations per block of 32, codes in
+    #: (:meth:`use_q8_path`: ``int8_group_linear_q8``, two 8-bit digits per block of 32, codes in
     #: :func:`~llminfer.kernels.int8_group_linear.pack_int8_group_q8`'s order).
     kernel_path = "wide"
 
@@ -246,7 +246,10 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
     ``weight`` is uint8 ``[out_features, ceil(in_features / 128) * 64]`` in :func:`pack_int4_codes`'s layout,
     ``scales_and_zeros`` gives way to float32 ``kernel_scales`` and ``kernel_zeros`` (zero point less 8 *
     scale) ``[out_features, in_features // group_size]``, and the products take llminfer's kernel (float32
-    activations rounded to 14 bits per row, not ``compute_dtype``). Input and output as
+    activations rounded to 14 bits per row, not ``compute_dtype``). On the q8 path with groups of 32 the codes,
+    ``kernel_scales`` and ``kernel_zeros`` are in the blocked layout of
+    :func:`~llminfer.kernels.int8_group_linear.pack_int4_group_q8` and ``pack_group_q8_params`` (two-digit
+    activations). Input and output as
     :class:`Int8WeightOnlyLinear`, with the weight of :func:`dequantize_int4`.
 
     Raises:
