@@ -30,6 +30,12 @@ def _q8_0_weight(n: int, k: int, seed: int) -> torch.Tensor:
     return (q * d[..., None]).reshape(n, k)
 
 
+def _with_weight(linear: nn.Linear, weight: torch.Tensor) -> nn.Linear:
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+    return linear
+
+
 def _q4_1_weight(n: int, k: int, seed: int) -> torch.Tensor:
     """A weight dequantized from GGUF Q4_1 blocks: m + d * q, q in [0, 15], both ends used."""
     g = torch.Generator().manual_seed(seed)
@@ -55,14 +61,33 @@ def test_each_group_takes_the_closer_grid(seed: int, group_size: int, shift: flo
     codes, scale, minimum = quantize_int8_groupwise(w, group_size)
     err = (dequantize_int8_groupwise(codes, scale, minimum) - w).reshape(4, -1, group_size).square().sum(-1)
     g = w.reshape(4, -1, group_size)
-    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
-    a_scale = (hi - lo) / 255
+    # both grids on bfloat16 values: the minimum rounded down, the scale up
+    lo, hi = int8_group.bfloat16_floor(g.amin(-1, keepdim=True)), g.amax(-1, keepdim=True)
+    a_scale = int8_group.bfloat16_ceil((hi - lo) / 255)
     asym = torch.round((g - lo) / a_scale).clamp(0, 255) * a_scale + lo
-    s_scale = torch.maximum(hi.abs(), lo.abs()) / 127
+    s_scale = int8_group.bfloat16_ceil(torch.maximum(hi.abs(), lo.abs()) / 127)
     sym = torch.round(g / s_scale).clamp(-127, 127) * s_scale
     best = torch.minimum((asym - g).square().sum(-1), (sym - g).square().sum(-1))
     assert bool((err <= best * (1 + 1e-4) + 1e-10).all())
     assert int(codes.min()) >= 0 and int(codes.max()) <= 255
+    # the grid covers every group: no code is clamped by more than float32 rounding
+    assert bool(((dequantize_int8_groupwise(codes, scale, minimum) - w).abs()
+                 <= scale.repeat_interleave(group_size, 1) * (0.5 + 1e-4)).all())
+    assert int8_group.is_exact_in(scale, torch.bfloat16) and int8_group.is_exact_in(minimum, torch.bfloat16)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(st.lists(st.floats(-(2.0**126), 2.0**126, allow_subnormal=True, width=32), min_size=1, max_size=40))
+def test_bfloat16_rounding_brackets_each_value(values: list[float]) -> None:
+    x = torch.tensor(values, dtype=torch.float32)
+    down, up = int8_group.bfloat16_floor(x), int8_group.bfloat16_ceil(x)
+    assert int8_group.is_exact_in(down, torch.bfloat16) and int8_group.is_exact_in(up, torch.bfloat16)
+    assert bool((down <= x).all() and (x <= up).all())
+    # neighbours: no bfloat16 value lies strictly between, so equal where x is one, else one step apart
+    exact = x.to(torch.bfloat16).float() == x
+    assert bool((down[exact] == x[exact]).all() and (up[exact] == x[exact]).all())
+    step = (up.view(torch.int32) - down.view(torch.int32)).abs()
+    assert bool((step[~exact & (down.sign() == up.sign())] == 1 << 16).all())
 
 
 def test_quantizer_refuses_bad_group_sizes() -> None:
@@ -141,8 +166,8 @@ def test_layer_fallback_without_the_kernel_equals_the_kernel(monkeypatch: pytest
 
 
 # ------------------------------------------------------------------ the q8 path (csrc/int8_group_linear_q8.cpp)
-def _blocked(*params: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    return tuple(int8_group.pack_group_q8_params(p) for p in params)
+def _blocked(*params: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
+    return tuple(int8_group.pack_group_q8_params(p, dtype) for p in params)
 
 
 def _q8_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -168,9 +193,13 @@ def test_q8_kernel_is_within_its_rounding_bound_and_batch_invariant(n, groups, r
     b = torch.randn(n, generator=gen) if bias else None
     packed = int8_group.pack_int8_group_q8(codes)
     assert torch.equal(int8_group.unpack_int8_group_q8(packed, n), codes)
+    assert int8_group.q8_params_dtype(scale, minimum) == torch.bfloat16  # the quantizer's bfloat16 grid
+    halves = _blocked(scale, minimum, dtype=torch.bfloat16)
     row_major, (scale, minimum) = scale, _blocked(scale, minimum)
     assert torch.equal(int8_group.unpack_group_q8_params(scale, n), row_major)
+    assert torch.equal(int8_group.unpack_group_q8_params(halves[0], n), row_major)
     out = int8_group.int8_group_linear_q8(x, packed, scale, minimum, n, b)
+    assert torch.equal(int8_group.int8_group_linear_q8(x, packed, *halves, n, b), out)  # 2 bytes, same values
     ref = x.double() @ weight.double().T + (0 if b is None else b.double())
     assert ((out.double() - ref).abs() <= _q8_bound(x, weight)).all()
     for r in range(rows):  # a row's bits do not depend on the other rows
@@ -210,6 +239,10 @@ def test_q8_kernel_nan_row_and_argument_errors() -> None:
         int8_group.int8_group_linear_q8(x[:1], packed, scale, minimum, 40)
     with pytest.raises(RuntimeError, match="scale and minimum"):
         int8_group.int8_group_linear_q8(x[:1], packed, scale[:, :1].contiguous(), minimum, 8)
+    with pytest.raises(RuntimeError, match="one dtype, float32, bfloat16 or float16"):
+        int8_group.int8_group_linear_q8(x[:1], packed, scale, minimum.to(torch.bfloat16), 8)
+    with pytest.raises(RuntimeError, match="one dtype, float32, bfloat16 or float16"):
+        int8_group.int8_group_linear_q8(x[:1], packed, scale.double(), minimum.double(), 8)
 
 
 @needs_kernel
@@ -225,6 +258,10 @@ def test_layer_on_the_q8_path_keeps_its_weight_and_agrees_with_the_wide_path() -
     q8 = layer(x)
     assert q8.shape == wide.shape and q8.dtype == torch.float32
     assert ((q8 - wide).double().abs() <= _q8_bound(x.reshape(-1, 96), before).reshape(2, 5, 40) + 1e-3).all()
+    assert layer.scale.dtype == layer.minimum.dtype == torch.bfloat16  # 2 bytes a group each
+    gguf = Int8GroupWeightOnlyLinear(_with_weight(nn.Linear(128, 24), _q4_1_weight(24, 128, 3)), 32)
+    assert gguf.use_q8_path() and gguf.scale.dtype == torch.float32  # a GGUF grid is kept exactly
+    torch.testing.assert_close(gguf.dequantized_weight(), _q4_1_weight(24, 128, 3), rtol=0, atol=2e-7)
     wider = Int8GroupWeightOnlyLinear(nn.Linear(128, 8), 64)
     assert not wider.use_q8_path() and wider.kernel_path == "wide"  # the q8 kernel takes groups of 32 only
 
@@ -250,8 +287,9 @@ def test_kernel_swap_puts_every_group_of_32_layer_on_the_chosen_path(monkeypatch
 # ------------------------------------------- int4-wo's groups of 32 on the same path (int4_group_linear_q8)
 def _int4_weight(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
     q = torch.randint(0, 16, (n, k), generator=gen)
-    scale = torch.rand(n, k // 32, generator=gen) * 0.1 + 1e-3
-    zero = -torch.rand(n, k // 32, generator=gen)
+    # bfloat16 values (as the quantizers give), so the parameters pack in either dtype
+    scale = (torch.rand(n, k // 32, generator=gen) * 0.1 + 1e-3).bfloat16().float()
+    zero = -torch.rand(n, k // 32, generator=gen).bfloat16().float()
     weight = q.double() * scale.double().repeat_interleave(32, 1) + zero.double().repeat_interleave(32, 1)
     return q, scale, zero, weight
 
@@ -270,8 +308,15 @@ def test_int4_group_kernel_is_within_its_rounding_bound_and_batch_invariant(n, g
     lanes = int8_group.group_q8_lanes()
     assert packed.shape == (-(-n // lanes), lanes * k // 2)
     assert torch.equal(int8_group.unpack_int4_group_q8(packed, n), q.int())
+    halves = _blocked(scale, zero, dtype=torch.bfloat16)
+    fp16 = _blocked(scale.half().float(), zero.half().float(), dtype=torch.float16)  # the GGUF grids' scales
     scale, zero = _blocked(scale, zero)
     out = int8_group.int4_group_linear_q8(x, packed, scale, zero, n, b)
+    assert torch.equal(int8_group.int4_group_linear_q8(x, packed, *halves, n, b), out)
+    # float16 parameters: the same as their values in float32
+    as_f32 = tuple(t.float() for t in fp16)
+    assert torch.equal(int8_group.int4_group_linear_q8(x, packed, *fp16, n, b),
+                       int8_group.int4_group_linear_q8(x, packed, *as_f32, n, b))
     ref = x.double() @ weight.T + (0 if b is None else b.double())
     assert ((out.double() - ref).abs() <= _q8_bound(x, weight.float())).all()
     for r in range(rows):
@@ -318,3 +363,56 @@ def test_int4_layer_on_the_q8_path_with_groups_of_32_runs_the_group_kernel() -> 
     dense = layer.dequantized_weight()
     ref = x.double() @ dense.double().T + lin.bias.detach().double()
     assert ((layer(x).double() - ref).abs() <= _q8_bound(x, dense)).all()
+
+
+def test_int4_quantizer_keeps_gguf_grids_and_otherwise_gives_bfloat16_parameters() -> None:
+    from llminfer.models.quantizers import dequantize_int4, quantize_int4_groupwise
+
+    w = _q4_1_weight(24, 128, 4)
+    q, sz = quantize_int4_groupwise(w, 32)
+    torch.testing.assert_close(dequantize_int4(q, sz, 32), w, rtol=0, atol=2e-7)
+    w = torch.randn(24, 128, generator=torch.Generator().manual_seed(4))
+    q, sz = quantize_int4_groupwise(w, 32)
+    scale, minimum = sz[..., 0], sz[..., 1] - 8 * sz[..., 0]
+    assert int8_group.is_exact_in(scale, torch.bfloat16) and int8_group.is_exact_in(minimum, torch.bfloat16)
+    # the rounded grid still covers each group: every weight within half a step of its code's value
+    err = (dequantize_int4(q, sz, 32) - w).abs()
+    assert bool((err <= scale.t().repeat_interleave(32, 1) * (0.5 + 1e-4)).all())
+
+
+@needs_kernel
+def test_an_int4_layer_from_a_gguf_grid_keeps_it_exactly_in_float16_parameters() -> None:
+    from llminfer.models.weight_only import Int4WeightOnlyLinear
+
+    gen = torch.Generator().manual_seed(6)  # GGUF Q4_1 blocks: m + d * q with fp16 d and m
+    d = (torch.rand(40, 3, 1, generator=gen) * 0.01 + 1e-4).half().float()
+    m = (-torch.rand(40, 3, 1, generator=gen) * 0.1).half().float()
+    q = torch.randint(0, 16, (40, 3, 32), generator=gen).float()
+    q[..., 0], q[..., 1] = 0.0, 15.0
+    w = (m + q * d).reshape(40, 96)
+    layer = Int4WeightOnlyLinear(_with_weight(nn.Linear(96, 40), w), group_size=32, compute_dtype=torch.float32)
+    layer.use_llminfer_kernel("q8")
+    assert layer.kernel_scales.dtype == layer.kernel_zeros.dtype == torch.float16  # 2 bytes, exact
+    torch.testing.assert_close(layer.dequantized_weight(), w, rtol=0, atol=2e-7)
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(6))
+    ref = x.double() @ w.double().T + layer.bias.detach().double()
+    assert ((layer(x).double() - ref).abs() <= _q8_bound(x, w)).all()
+
+
+@needs_kernel
+def test_an_int8_layer_from_q8_0_blocks_keeps_them_in_float16_and_empty_weights_quantize() -> None:
+    gen = torch.Generator().manual_seed(8)  # GGUF Q8_0 blocks: d * q with an fp16 d, each block's max |q| 127
+    d = (torch.rand(24, 4, 1, generator=gen) * 0.01 + 1e-4).half().float()
+    q = torch.randint(-127, 128, (24, 4, 32), generator=gen).float()
+    q[..., 0] = 127.0
+    w = (q * d).reshape(24, 128)
+    layer = Int8GroupWeightOnlyLinear(_with_weight(nn.Linear(128, 24), w), 32)
+    assert layer.use_q8_path() and layer.scale.dtype == layer.minimum.dtype == torch.float16
+    torch.testing.assert_close(layer.dequantized_weight(), w, rtol=0, atol=2e-7)
+    x = torch.randn(3, 128, generator=gen)
+    ref = x.double() @ w.double().T + layer.bias.detach().double()
+    assert ((layer(x).double() - ref).abs() <= _q8_bound(x, w)).all()
+    from llminfer.models.quantizers import quantize_int4_groupwise
+
+    assert quantize_int8_groupwise(torch.randn(0, 64), 32)[0].shape == (0, 64)  # a layer with no outputs
+    assert quantize_int4_groupwise(torch.randn(0, 64), 32)[0].shape == (0, 64)

@@ -192,9 +192,10 @@ def test_engine_matches_hf_on_the_quantized_model_with_prefix_cache(int8_engine,
     assert [list(r.token_ids) for r in first] == want
     assert [list(r.token_ids) for r in again] == want
     assert all(r.stats.cached_tokens > 0 for r in again)
-    # int8: a byte per weight plus a bf16 scale per output channel, against 2 bytes per weight in bf16.
+    # int8-wo: a byte per weight plus a scale and a minimum per group of 32 (2 bytes each in the q8 layout, 4 on
+    # the wide path), against 2 bytes per weight in bf16.
     assert facts["quant"] == "int8-wo"
-    assert 0.62 <= facts["quantized_linear_bytes"] / facts["quantized_linear_bf16_bytes"] <= 0.64
+    assert 0.56 <= facts["quantized_linear_bytes"] / facts["quantized_linear_bf16_bytes"] <= 0.64
     assert facts["weight_bytes"] < facts["weight_bytes_unquantized"]
     assert facts["parameters"] == sum(p.numel() for p in hf_fp32.parameters())
     # the CPU kernel line names the int8 path this build runs

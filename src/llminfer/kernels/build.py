@@ -51,7 +51,7 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = tuple(sorted(CSRC.glob("*.cpp")))
 #: The headers they share; the build key hashes them with :data:`SOURCES`, so a changed header rebuilds too.
 HEADERS = tuple(sorted(CSRC.glob("*.h")))
-CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off")
+CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off")
 #: Added to :data:`CFLAGS` for the AVX-512 build, which needs every one of :data:`AVX512_CPU_FLAGS`.
 AVX512_CFLAGS = ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl")
 AVX512_CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512dq", "avx512vl"})
@@ -161,8 +161,8 @@ def _why_not_here() -> str | None:
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return f"not x86-64 ({platform.machine()})"
     flags = cpu_flags()
-    if flags and not {"avx2", "fma"} <= flags:
-        return "the CPU lacks AVX2 or FMA"
+    if flags and not {"avx2", "fma", "f16c"} <= flags:  # every AVX2 CPU has F16C (float16 conversions)
+        return "the CPU lacks AVX2, FMA or F16C"
     return None
 
 

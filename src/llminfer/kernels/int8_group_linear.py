@@ -21,6 +21,8 @@ x86 build: AVX2 (``vpmaddwd``), AVX-512 and AVX-512 VNNI (``vpdpwssd``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from llminfer.kernels import build
@@ -28,6 +30,53 @@ from llminfer.kernels import build
 INT8_GROUP_SIZES = (32, 64, 128, 256)
 
 _fake_registered = False
+
+_BF16_DROPPED = 0xFFFF  # the float32 bits below a bfloat16's 8-bit mantissa
+
+
+def bfloat16_floor(t: torch.Tensor) -> torch.Tensor:
+    """The largest bfloat16 value at most ``t``, elementwise, as float32 (same shape). Infinities and NaN
+    stay as they are.
+
+    The group quantizers round their minima down and their scales up with it (:func:`bfloat16_ceil`) and then
+    compute the codes, so the grid still covers the group and the q8 layout keeps both in 2 bytes exactly
+    (:func:`q8_params_dtype`).
+    """
+    return _bfloat16_toward(t, up=False)
+
+
+def bfloat16_ceil(t: torch.Tensor) -> torch.Tensor:
+    """The smallest bfloat16 value at least ``t``, elementwise, as float32 (see :func:`bfloat16_floor`)."""
+    return _bfloat16_toward(t, up=True)
+
+
+def is_exact_in(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether every value of ``t`` is a value of ``dtype`` (a float dtype; NaN counts as one)."""
+    x = t.float()
+    return bool(((x.to(dtype).float() == x) | x.isnan()).all())
+
+
+def grid_reproduces(weight: torch.Tensor, dequantized: torch.Tensor) -> bool:
+    """Whether ``dequantized`` is within ``2**-20 * max|weight|`` of ``weight`` everywhere (float32 rounding of
+    the grid's products, with the tensor's largest value as the yardstick): the weight already lies on the
+    quantizer's grid, as a GGUF file's Q8_0 or Q4_1 blocks do."""
+    w = weight.detach().float()
+    return bool((dequantized - w).abs().max() <= 2.0**-20 * w.abs().max()) if w.numel() else True
+
+
+def float16_nearest(t: torch.Tensor) -> torch.Tensor:
+    """``t`` rounded to the nearest float16 value, as float32 (out of range: infinity)."""
+    return t.half().float()
+
+
+def _bfloat16_toward(t: torch.Tensor, up: bool) -> torch.Tensor:
+    x = t.float().contiguous()
+    bits = x.view(torch.int32)
+    toward_zero = bits & ~_BF16_DROPPED  # dropping the low 16 bits rounds the magnitude down
+    inexact = (bits & _BF16_DROPPED) != 0
+    away = inexact & ((x > 0) if up else (x < 0))  # one bfloat16 step further from zero
+    out = (toward_zero + away.to(torch.int32) * (_BF16_DROPPED + 1)).view(torch.float32)
+    return torch.where(x.isnan(), x, out)  # a NaN whose payload sits in the dropped bits would become inf
 
 
 def quantize_int8_groupwise(weight: torch.Tensor, group_size: int = 32
@@ -41,7 +90,10 @@ def quantize_int8_groupwise(weight: torch.Tensor, group_size: int = 32
     Returns:
         ``(codes, scale, minimum)``: ``codes`` uint8 ``[N, K]``; ``scale`` and ``minimum`` float32
         ``[N, K // group_size]``, with ``weight ≈ codes * scale + minimum`` per group (an all-equal group
-        gets ``scale`` 1 and its value as ``minimum``).
+        gets ``scale`` 1 and its value as ``minimum`` where that is a bfloat16). Both hold bfloat16 values (the
+        minimum rounded down, the scale up, then the codes: :func:`pack_group_q8_params` stores them in 2
+        bytes exactly), unless the weight already lies on such a grid (:func:`grid_reproduces`: a GGUF file's
+        Q8_0 or Q4_1 blocks), which is then kept, in float16 values where they reproduce it.
 
     Raises:
         ValueError: ``group_size`` is not one of :data:`INT8_GROUP_SIZES` or does not divide ``K``.
@@ -52,21 +104,38 @@ def quantize_int8_groupwise(weight: torch.Tensor, group_size: int = 32
     if k % group_size:
         raise ValueError(f"int8 groups of {group_size} need in_features % {group_size} == 0, got {k}")
     w = weight.detach().float().reshape(n, k // group_size, group_size)
-    lo, hi = w.amin(-1), w.amax(-1)
+    # A weight already on such a grid (a GGUF file's blocks) is kept exactly: with float16 values where they
+    # do (GGUF's block scales are fp16), else float32; any other weight gets bfloat16 values.
+    for rounding in (float16_nearest, lambda t: t):
+        # a few rows first: an ordinary weight fails there, before the whole tensor is quantized twice more
+        if not grid_reproduces(weight[:8], dequantize_int8_groupwise(*_int8_grids(w[:8], rounding, rounding))):
+            continue
+        exact = _int8_grids(w, rounding, rounding)
+        if grid_reproduces(weight, dequantize_int8_groupwise(*exact)):
+            return exact
+    return _int8_grids(w, bfloat16_floor, bfloat16_ceil)
 
-    a_scale = (hi - lo) / 255.0
+
+def _int8_grids(w: torch.Tensor, floor: Callable[[torch.Tensor], torch.Tensor],
+                ceil: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """quantize_int8_groupwise on ``w`` ``[N, groups, G]`` with the minima rounded by ``floor`` and the
+    scales by ``ceil`` before the codes are computed."""
+    n = w.shape[0]
+    lo, hi = floor(w.amin(-1)), w.amax(-1)
+
+    a_scale = ceil((hi - lo) / 255.0)
     a_scale = torch.where(a_scale > 0, a_scale, torch.ones_like(a_scale))
     a_codes = torch.round((w - lo[..., None]) / a_scale[..., None]).clamp_(0, 255)
     a_err = ((a_codes * a_scale[..., None] + lo[..., None]) - w).square().sum(-1)
 
-    s_scale = torch.maximum(hi.abs(), lo.abs()) / 127.0
+    s_scale = ceil(torch.maximum(hi.abs(), lo.abs()) / 127.0)
     s_scale = torch.where(s_scale > 0, s_scale, torch.ones_like(s_scale))
     s_q = torch.round(w / s_scale[..., None]).clamp_(-127, 127)
     s_min = -128.0 * s_scale
     s_err = ((s_q + 128.0) * s_scale[..., None] + s_min[..., None] - w).square().sum(-1)
 
     sym = s_err < a_err
-    codes = torch.where(sym[..., None], s_q + 128.0, a_codes).to(torch.uint8).reshape(n, k)
+    codes = torch.where(sym[..., None], s_q + 128.0, a_codes).to(torch.uint8).reshape(n, w.shape[1] * w.shape[2])
     scale = torch.where(sym, s_scale, a_scale).contiguous()
     minimum = torch.where(sym, s_min, lo).contiguous()
     return codes, scale, minimum
@@ -156,7 +225,7 @@ def int8_group_linear_q8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tens
     Args:
         x: float32 ``[M, K]``, contiguous, ``K % 32 == 0``.
         codes: uint8 from :func:`pack_int8_group_q8`.
-        scale, minimum: float32 from :func:`pack_group_q8_params`.
+        scale, minimum: float32, bfloat16 or float16 (both the same) from :func:`pack_group_q8_params`.
         out_features: ``N``.
         bias: float32 ``[N]`` or None.
 
@@ -215,8 +284,20 @@ def unpack_int8_group_q8(packed: torch.Tensor, out_features: int) -> torch.Tenso
     return blocks.reshape(-1, k)[:out_features].contiguous()
 
 
-def pack_group_q8_params(t: torch.Tensor) -> torch.Tensor:
-    """Per-group scales or minima (zero points) ``[N, K // 32]`` in the q8 group layout: float32
+def q8_params_dtype(*params: torch.Tensor) -> torch.dtype:
+    """The dtype :func:`pack_group_q8_params` keeps a layer's scales and minima in: bfloat16 where every value of
+    every tensor is one (what the quantizers give), else float16 where every value is one (a GGUF file's
+    fp16 block scales and minima, kept by the quantizers), else float32."""
+    for dtype in (torch.bfloat16, torch.float16):
+        if all(is_exact_in(p, dtype) for p in params):
+            return dtype
+    return torch.float32
+
+
+def pack_group_q8_params(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Per-group scales or minima (zero points) ``[N, K // 32]`` in the q8 group layout: ``dtype`` (float32, or
+    bfloat16 or float16 where :func:`q8_params_dtype` allows it; the op takes the scale and the minimum in one
+    dtype)
     ``[ceil(N / L), K // 32 * L]``, per block of ``L`` channels the groups in order, each the ``L`` channels'
     values side by side.
 
@@ -225,18 +306,19 @@ def pack_group_q8_params(t: torch.Tensor) -> torch.Tensor:
     """
     lanes = group_q8_lanes()
     groups = t.shape[1]
-    return _blocked(t.float(), lanes).reshape(-1, lanes, groups).transpose(1, 2).reshape(-1, groups * lanes).contiguous()
+    blocked = _blocked(t.to(dtype), lanes).reshape(-1, lanes, groups)
+    return blocked.transpose(1, 2).reshape(-1, groups * lanes).contiguous()
 
 
 def unpack_group_q8_params(packed: torch.Tensor, out_features: int) -> torch.Tensor:
-    """The inverse of :func:`pack_group_q8_params`: ``[out_features, K // 32]``.
+    """The inverse of :func:`pack_group_q8_params`: float32 ``[out_features, K // 32]``.
 
     Raises:
         RuntimeError: the kernel is not loaded.
     """
     lanes = group_q8_lanes()
     groups = packed.shape[1] // lanes
-    return packed.reshape(-1, groups, lanes).transpose(1, 2).reshape(-1, groups)[:out_features].contiguous()
+    return packed.reshape(-1, groups, lanes).transpose(1, 2).reshape(-1, groups)[:out_features].float().contiguous()
 
 
 # ------------------------------------------------------------------------------------ int4 codes, groups of 32

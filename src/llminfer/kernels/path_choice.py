@@ -97,9 +97,10 @@ def _measure_paths() -> dict[str, dict]:
     packed8 = u8.reshape(n // lanes, lanes * k)
     codes4 = torch.full((n // lanes, lanes * k // 2), 0x5A, dtype=torch.uint8)
     s_blocked, z_blocked = s.reshape(n // lanes, -1), z.reshape(n // lanes, -1)
+    s_half, z_half = s_blocked.bfloat16(), z_blocked.bfloat16()  # int8-wo's layers keep their parameters so
     pairs = {"int8": (lambda x: int8_linear_q8(x, w8, ones), lambda x: int8_linear(x, w8, ones), "int8_linear"),
              # the ops themselves: their wrappers would take build's lock, which the caller holds
-             "int8-group": (lambda x: torch.ops.llminfer_cpu.int8_group_linear_q8(x, packed8, s_blocked, z_blocked, n),
+             "int8-group": (lambda x: torch.ops.llminfer_cpu.int8_group_linear_q8(x, packed8, s_half, z_half, n),
                             lambda x: torch.ops.llminfer_cpu.int8_group_linear(x, u8, s, z, g), "int8_group_linear"),
              # int4-wo's groups of 32 (the default) take int4_group_linear_q8 on the q8 path
              "int4": (lambda x: torch.ops.llminfer_cpu.int4_group_linear_q8(x, codes4, s_blocked, z_blocked, n),

@@ -161,7 +161,8 @@ class Int8GroupWeightOnlyLinear(_WeightOnlyLinear):
 
     Buffers: ``weight``, the codes, uint8 ``[out_features, in_features]``; ``scale`` and ``minimum`` float32
     ``[out_features, in_features // group_size]`` (after :meth:`use_q8_path` all three in the blocked layout of
-    :func:`~llminfer.kernels.int8_group_linear.pack_int8_group_q8` and ``pack_group_q8_params``). Input
+    :func:`~llminfer.kernels.int8_group_linear.pack_int8_group_q8` and ``pack_group_q8_params``, the scale and
+    minimum in the dtype of :func:`~llminfer.kernels.int8_group_linear.q8_params_dtype`). Input
     ``[..., in_features]`` (any float dtype) gives
     ``[..., out_features]`` of the input's dtype, computed by
     :func:`llminfer.kernels.int8_group_linear.int8_group_linear` (14-bit activations per row, exact integer sums
@@ -202,8 +203,9 @@ class Int8GroupWeightOnlyLinear(_WeightOnlyLinear):
         if self.group_size != 32 or self.weight.device.type != "cpu" or not int8_group.kernel_available():
             return False
         self.weight = int8_group.pack_int8_group_q8(self.weight)
-        self.scale = int8_group.pack_group_q8_params(self.scale)
-        self.minimum = int8_group.pack_group_q8_params(self.minimum)
+        dtype = int8_group.q8_params_dtype(self.scale, self.minimum)  # bfloat16; float16 for a GGUF grid kept
+        self.scale = int8_group.pack_group_q8_params(self.scale, dtype)
+        self.minimum = int8_group.pack_group_q8_params(self.minimum, dtype)
         self.kernel_path = "q8"
         return True
 
@@ -244,13 +246,13 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
     ``N_pad`` = ``out_features`` rounded up to 16, padding rows zero); ``scales_and_zeros``
     ``[in_features // group_size, N_pad, 2]`` in ``compute_dtype``. After :meth:`use_llminfer_kernel`,
     ``weight`` is uint8 ``[out_features, ceil(in_features / 128) * 64]`` in :func:`pack_int4_codes`'s layout,
-    ``scales_and_zeros`` gives way to float32 ``kernel_scales`` and ``kernel_zeros`` (zero point less 8 *
+    ``scales_and_zeros`` gives way to ``kernel_scales`` and ``kernel_zeros`` (float32; zero point less 8 *
     scale) ``[out_features, in_features // group_size]``, and the products take llminfer's kernel (float32
     activations rounded to 14 bits per row, not ``compute_dtype``). On the q8 path with groups of 32 the codes,
     ``kernel_scales`` and ``kernel_zeros`` are in the blocked layout of
     :func:`~llminfer.kernels.int8_group_linear.pack_int4_group_q8` and ``pack_group_q8_params`` (two-digit
-    activations). Input and output as
-    :class:`Int8WeightOnlyLinear`, with the weight of :func:`dequantize_int4`.
+    activations; the dtype of ``q8_params_dtype``). Input and output as :class:`Int8WeightOnlyLinear`, with
+    the weight of :func:`dequantize_int4`.
 
     Raises:
         ValueError: ``group_size`` is not 32/64/128/256 or does not divide ``in_features``.
@@ -290,7 +292,7 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
         rows = x.numel() // self.in_features
         flat = x.reshape(rows, self.in_features).float().contiguous()
         bias = None if self.bias is None else self.bias.float()
-        if self.kernel_path == "q8" and self.group_size == 32:
+        if self._blocked_q8:
             out = torch.ops.llminfer_cpu.int4_group_linear_q8(flat, self.weight, self.kernel_scales,
                                                              self.kernel_zeros, self.out_features, bias)
         else:
@@ -298,12 +300,17 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
             out = product(flat, self.weight, self.kernel_scales, self.kernel_zeros, self.group_size, bias)
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
+    @property
+    def _blocked_q8(self) -> bool:
+        """Whether the kernel state is in int4_group_linear_q8's blocked layout (the q8 path, groups of 32)."""
+        return self.use_cpu_kernel and self.kernel_path == "q8" and self.group_size == 32
+
     def codes(self) -> torch.Tensor:
         """The int32 ``[out_features, in_features]`` codes in [0, 15] (of either layout)."""
         if self.use_cpu_kernel:
-            unpack = unpack_int4_codes_q8 if self.kernel_path == "q8" else unpack_int4_codes
-            if self.kernel_path == "q8" and self.group_size == 32:
+            if self._blocked_q8:
                 return int8_group.unpack_int4_group_q8(self.weight, self.out_features)
+            unpack = unpack_int4_codes_q8 if self.kernel_path == "q8" else unpack_int4_codes
             return unpack(self.weight, self.in_features)[: self.out_features]
         # torch's packed layout is opaque: its own kernel with scale 1 and zero point 8 computes
         # (q - 8) * 1 + 8 = q, and rows of the identity pick each column (exact: one term per output)
@@ -320,7 +327,7 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
         :func:`pack_int4_codes`, the caller checks that the kernel has its VNNI path) or
         :func:`~llminfer.kernels.q8_linear.int4_linear_q8` (``"q8"``, :func:`pack_int4_codes_q8`; for groups of
         32 :func:`~llminfer.kernels.int8_group_linear.int4_group_linear_q8`, two-digit activations), without
-        torch's row padding; replace ``scales_and_zeros`` by the kernel's float32 ``kernel_scales`` /
+        torch's row padding; replace ``scales_and_zeros`` by the kernel's ``kernel_scales`` /
         ``kernel_zeros`` buffers, and run every product there from now on. Idempotent (the first path stays).
 
         Raises:
@@ -337,23 +344,23 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
         # see what the products read), under other names than torch's layout, so a state_dict of one layout
         # does not load into the other.
         del self.scales_and_zeros
-        if path == "q8":
-            self.weight = int8_group.pack_int4_group_q8(q) if self.group_size == 32 else pack_int4_codes_q8(q)
-        else:
-            self.weight = pack_int4_codes(q)
-        self.kernel_path = path
+        self.kernel_path, self.use_cpu_kernel = path, True
         kernel_zeros = (zeros - 8.0 * scales).contiguous()  # zero - 8 * scale
-        if path == "q8" and self.group_size == 32:  # int4_group_linear_q8's blocked layout
-            scales, kernel_zeros = int8_group.pack_group_q8_params(scales), int8_group.pack_group_q8_params(kernel_zeros)
-        self.register_buffer("kernel_scales", scales)  # float32 [N, K / G] (blocked for int4_group_linear_q8)
+        if self._blocked_q8:  # int4_group_linear_q8's layout
+            dtype = int8_group.q8_params_dtype(scales, kernel_zeros)  # float32 unless compute_dtype is float32
+            self.weight = int8_group.pack_int4_group_q8(q)
+            scales = int8_group.pack_group_q8_params(scales, dtype)
+            kernel_zeros = int8_group.pack_group_q8_params(kernel_zeros, dtype)
+        else:
+            self.weight = {"wide": pack_int4_codes, "q8": pack_int4_codes_q8}[path](q)
+        self.register_buffer("kernel_scales", scales)  # float32 [N, K / G], or blocked for int4_group_linear_q8
         self.register_buffer("kernel_zeros", kernel_zeros)
-        self.use_cpu_kernel = True
 
     def dequantized_weight(self) -> torch.Tensor:
         """The float32 ``[out_features, in_features]`` weight the layer computes with."""
         if self.use_cpu_kernel:
             g, scales, zeros = self.group_size, self.kernel_scales, self.kernel_zeros
-            if self.kernel_path == "q8" and g == 32:
+            if self._blocked_q8:
                 scales = int8_group.unpack_group_q8_params(scales, self.out_features)
                 zeros = int8_group.unpack_group_q8_params(zeros, self.out_features)
             return (self.codes().double() * scales.double().repeat_interleave(g, 1)

@@ -22,7 +22,11 @@
 // one convert per digit and three FMAs for L outputs, and the lanes are the outputs, so no output needs a
 // horizontal sum (in a layout where lanes were groups, that sum and the per-output float steps cost as much as
 // the products on a 32-row LM head: 52 against 37 ms at 32 rows, 17 against 11 at 8, same run). The scale
-// and the minimum are laid out the same way, [blocks, groups, L]. The last block is padded with zero codes.
+// and the minimum are laid out the same way, [blocks, groups, L], in bfloat16 where every value of the layer is
+// one (the quantizers round them so, unless the weight already lies on a grid, as a GGUF file's blocks do), else
+// in float16 where every value is one (GGUF's fp16 block scales: Q8_0 under int8-wo), else in float32. 2 bytes
+// a group each instead of 4 take the bench model's int8 LM head from 97 to 87 MB a step. The last block is
+// padded with zero codes.
 // 4-bit codes (int4-wo's groups of 32): each group's chunk j (j < 4) in the low nibbles and chunk j + 4 in the
 // high ones of the same vector, so one load and two masks give two chunks.
 //
@@ -89,6 +93,25 @@ inline facc fload(const float* p) {
 #endif
 }
 inline facc fadd(facc a, facc b) { return facc_add(a, b); }
+// kL scales or minima (a block's, for one group) as float32: float32 as stored; float16 converted (F16C);
+// bfloat16 (uint16_t) with the 16 bits moved to the top of each lane. All exact.
+inline facc fload_param(const float* p) { return fload(p); }
+inline facc fload_param(const at::Half* p) {
+#if LLMINFER_Q8_512
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#else
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#endif
+}
+inline facc fload_param(const uint16_t* p) {
+#if LLMINFER_Q8_512
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+#else
+  return _mm256_castsi256_ps(_mm256_slli_epi32(
+      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+#endif
+}
 
 // The int32 lanes' update for one chunk: acc + (per lane) the sum of c * q over its 4 columns (VNNI builds; plain
 // AVX2 takes group_q8_tile_plain below).
@@ -143,14 +166,6 @@ struct GroupRows {
   std::vector<int16_t> w;      // [M, K]  254 q + r (plain AVX2)
 };
 
-// 8 int32 lanes' sum.
-inline int32_t lane_sum_epi32(__m256i v) {
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-  return _mm_cvtsi128_si32(s);
-}
-
 // Four vectors of 8 int32 in [-127, 127] as 32 int8 in their order (the packs interleave 128-bit lanes; the
 // permutation puts the 4-byte pieces back).
 inline __m256i narrow_to_int8(const __m256i v[4]) {
@@ -162,10 +177,10 @@ inline __m256i clamp127(__m256i v) {
   return _mm256_min_epi32(_mm256_max_epi32(v, _mm256_set1_epi32(-127)), _mm256_set1_epi32(127));
 }
 
-// One block of 32 activations as its two digits (int8, column order), its d and the digits' sums. A block
+// One block of 32 activations as its two digits (int8, column order), and its d. A block
 // holding a NaN or an infinity gets d = NaN and both digits 0, which makes the row's outputs NaN. (cvtps
 // rounds to nearest even in the default MXCSR mode, as torch.round does.)
-inline void block_digits(const float* xb, __m256i& q8, __m256i& r8, float& d, int32_t& sum_q, int32_t& sum_r) {
+inline void block_digits(const float* xb, __m256i& q8, __m256i& r8, float& d) {
   __m256 v[4];
   __m256 amax = _mm256_setzero_ps();
   int unordered = 0;
@@ -178,7 +193,6 @@ inline void block_digits(const float* xb, __m256i& q8, __m256i& r8, float& d, in
   h = _mm_max_ps(h, _mm_movehl_ps(h, h));
   const float m = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
   q8 = r8 = _mm256_setzero_si256();
-  sum_q = sum_r = 0;
   if (unordered || !std::isfinite(m)) {
     d = std::numeric_limits<float>::quiet_NaN();
     return;
@@ -197,8 +211,6 @@ inline void block_digits(const float* xb, __m256i& q8, __m256i& r8, float& d, in
   }
   q8 = narrow_to_int8(qi);
   r8 = narrow_to_int8(ri);
-  sum_q = lane_sum_epi32(_mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3])));
-  sum_r = lane_sum_epi32(_mm256_add_epi32(_mm256_add_epi32(ri[0], ri[1]), _mm256_add_epi32(ri[2], ri[3])));
 }
 
 GroupRows pack_rows(const float* x, int64_t M, int64_t K) {
@@ -213,9 +225,8 @@ GroupRows pack_rows(const float* x, int64_t M, int64_t K) {
     for (int64_t m = begin; m < end; ++m)
       for (int64_t grp = 0; grp < groups; ++grp) {
         __m256i q8, r8;
-        int32_t total, total_r;  // unused here
         const int64_t i = m * groups + grp;
-        block_digits(x + m * K + grp * kG, q8, r8, g.d[i], total, total_r);
+        block_digits(x + m * K + grp * kG, q8, r8, g.d[i]);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(g.q.data() + m * K + grp * kG), q8);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(g.r.data() + m * K + grp * kG), r8);
         if (kPlain) {
@@ -235,9 +246,9 @@ GroupRows pack_rows(const float* x, int64_t M, int64_t K) {
 
 // Rows [m0, m0 + MT) times channel blocks [b0, b0 + NT) (block_bytes of codes each; s and z the blocks'
 // [groups, kL] parameters): acc[m][j] holds the kL outputs of row m0 + m, block b0 + j, before the bias.
-template <int Bits, int MT, int NT>
+template <int Bits, int MT, int NT, typename P>
 inline void group_q8_tile(const GroupRows& r, int64_t m0, const uint8_t* codes, int64_t block_bytes, int64_t K,
-                          const float* s, const float* z, facc (&acc)[MT][NT]) {
+                          const P* s, const P* z, facc (&acc)[MT][NT]) {
   const int64_t groups = K / kG;
   constexpr int64_t kGroupBytes = kChunks * kL * 4 * Bits / 8;  // one group of a block's codes
   const facc inv_steps = fset1(1.f / kLowSteps);
@@ -277,7 +288,7 @@ inline void group_q8_tile(const GroupRows& r, int64_t m0, const uint8_t* codes, 
       }
     }
     for (int j = 0; j < NT; ++j) {
-      const facc sj = fload(s + (j * groups + g) * kL), zj = fload(z + (j * groups + g) * kL);
+      const facc sj = fload_param(s + (j * groups + g) * kL), zj = fload_param(z + (j * groups + g) * kL);
       for (int m = 0; m < MT; ++m) {
         const int64_t i = (m0 + m) * groups + g;
         const facc dot = ffma(to_float(isum_r[m][j]), inv_steps, to_float(isum[m][j]));  // q + r / 254, summed
@@ -292,9 +303,9 @@ inline void group_q8_tile(const GroupRows& r, int64_t m0, const uint8_t* codes, 
 // group_q8_tile on plain AVX2 (kPlain above), one block of 8 channels: each 32-byte chunk widens to two vectors
 // of 16 int16 (channels 0-3 and 4-7, 4 columns each); vpmaddwd with the row's 4 int16 values broadcast gives
 // each channel two int32 lanes, added pairwise (vphaddd) and put in channel order once per group.
-template <int Bits, int MT, int NT>
+template <int Bits, int MT, int NT, typename P>
 inline void group_q8_tile_plain(const GroupRows& r, int64_t m0, const uint8_t* codes, int64_t block_bytes,
-                                int64_t K, const float* s, const float* z, facc (&acc)[MT][NT]) {
+                                int64_t K, const P* s, const P* z, facc (&acc)[MT][NT]) {
   static_assert(NT == 1, "plain AVX2 tiles are one block wide (16 registers)");
   const int64_t groups = K / kG;
   constexpr int64_t kGroupBytes = kChunks * kL * 4 * Bits / 8;
@@ -326,7 +337,7 @@ inline void group_q8_tile_plain(const GroupRows& r, int64_t m0, const uint8_t* c
         chunk(v + kChunks / 2, high_nibbles(c));
       }
     }
-    const facc sj = fload(s + g * kL), zj = fload(z + g * kL);
+    const facc sj = fload_param(s + g * kL), zj = fload_param(z + g * kL);
     for (int m = 0; m < MT; ++m) {
       const int64_t i = (m0 + m) * groups + g;
       const __m256i total = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(lo[m], hi[m]), order);
@@ -347,16 +358,16 @@ constexpr int kTileBlocks = kPlain ? 1 : 2;
 constexpr int kRowBlocks = 1;
 
 // The outputs of rows [m0, m0 + MT) and blocks [b0, b0 + NT), with the bias, into out [M, N].
-template <int Bits, int MT, int NT>
+template <int Bits, int MT, int NT, typename P>
 inline void group_q8_store(const GroupRows& r, int64_t m0, int64_t b0, const uint8_t* codes, int64_t block_bytes,
-                           int64_t K, const float* s, const float* z, const float* bias, int64_t N, float* out) {
+                           int64_t K, const P* s, const P* z, const float* bias, int64_t N, float* out) {
   facc acc[MT][NT];
   const int64_t groups = K / kG;
 #if LLMINFER_Q8_512 || LLMINFER_Q8_DP256
-  group_q8_tile<Bits, MT, NT>(r, m0, codes + b0 * block_bytes, block_bytes, K, s + b0 * groups * kL,
+  group_q8_tile<Bits, MT, NT, P>(r, m0, codes + b0 * block_bytes, block_bytes, K, s + b0 * groups * kL,
                               z + b0 * groups * kL, acc);
 #else
-  group_q8_tile_plain<Bits, MT, NT>(r, m0, codes + b0 * block_bytes, block_bytes, K, s + b0 * groups * kL,
+  group_q8_tile_plain<Bits, MT, NT, P>(r, m0, codes + b0 * block_bytes, block_bytes, K, s + b0 * groups * kL,
                                     z + b0 * groups * kL, acc);
 #endif
   for (int j = 0; j < NT; ++j) {
@@ -385,9 +396,9 @@ inline void group_q8_store(const GroupRows& r, int64_t m0, int64_t b0, const uin
 }
 
 // out = x @ W.T + bias for codes of Bits bits in the blocked layout above.
-template <int Bits>
-void group_linear_q8(const float* x, int64_t M, int64_t K, const uint8_t* codes, int64_t N, const float* scale,
-                     const float* zero, const float* bias, float* out) {
+template <int Bits, typename P>
+void group_linear_q8(const float* x, int64_t M, int64_t K, const uint8_t* codes, int64_t N, const P* scale,
+                     const P* zero, const float* bias, float* out) {
   const GroupRows r = pack_rows(x, M, K);
   const int64_t blocks = (N + kL - 1) / kL, block_bytes = K * kL * Bits / 8;
   const bool many = M >= kTileRows;
@@ -400,12 +411,12 @@ void group_linear_q8(const float* x, int64_t M, int64_t K, const uint8_t* codes,
       auto rows_of = [&](auto mt, int64_t m0) {
         constexpr int MT = decltype(mt)::value;
         if (many && nb == kTileBlocks) {
-          group_q8_store<Bits, MT, kTileBlocks>(r, m0, b0, codes, block_bytes, K, scale, zero, bias, N, out);
+          group_q8_store<Bits, MT, kTileBlocks, P>(r, m0, b0, codes, block_bytes, K, scale, zero, bias, N, out);
         } else if (!many && nb == kRowBlocks) {
-          group_q8_store<Bits, MT, kRowBlocks>(r, m0, b0, codes, block_bytes, K, scale, zero, bias, N, out);
+          group_q8_store<Bits, MT, kRowBlocks, P>(r, m0, b0, codes, block_bytes, K, scale, zero, bias, N, out);
         } else {
           for (int64_t b = b0; b < b0 + nb; ++b)
-            group_q8_store<Bits, MT, 1>(r, m0, b, codes, block_bytes, K, scale, zero, bias, N, out);
+            group_q8_store<Bits, MT, 1, P>(r, m0, b, codes, block_bytes, K, scale, zero, bias, N, out);
         }
       };
       int64_t m = 0;
@@ -433,10 +444,13 @@ void check_group_q8_args(const char* op, const at::Tensor& x, const at::Tensor& 
               op, ": codes must be a contiguous uint8 [ceil(N / ", kL, "), ", kL * bits / 8,
               " * K] tensor from the op's pack function, got ", codes.sizes(), " for N = ", N, ", K = ", K);
   for (const at::Tensor* t : {&scale, &zero})
-    TORCH_CHECK(t->device().is_cpu() && t->dim() == 2 && t->scalar_type() == at::kFloat && t->is_contiguous() &&
+    TORCH_CHECK(t->device().is_cpu() && t->dim() == 2 && t->scalar_type() == scale.scalar_type() &&
+                    (t->scalar_type() == at::kFloat || t->scalar_type() == at::kBFloat16 ||
+                     t->scalar_type() == at::kHalf) && t->is_contiguous() &&
                     t->size(0) == blocks && t->size(1) == K / kG * kL,
-                op, ": scale and ", zero_name, " must be contiguous float32 [ceil(N / ", kL, "), K / 32 * ", kL,
-                "] tensors from pack_group_q8_params, got ", t->sizes());
+                op, ": scale and ", zero_name, " must be contiguous [ceil(N / ", kL, "), K / 32 * ", kL,
+                "] tensors of one dtype, float32, bfloat16 or float16, from pack_group_q8_params, got ", t->scalar_type(),
+                " ", t->sizes());
 }
 
 // Either op: checked arguments, the output allocated, the product.
@@ -449,15 +463,24 @@ at::Tensor run_group_q8(const char* op, const at::Tensor& x, const at::Tensor& c
   const int64_t M = x.size(0);
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
-  group_linear_q8<Bits>(x.data_ptr<float>(), M, x.size(1), codes.data_ptr<uint8_t>(), N, scale.data_ptr<float>(),
-                        zero.data_ptr<float>(), bias_p, out.data_ptr<float>());
+  if (scale.scalar_type() == at::kHalf)
+    group_linear_q8<Bits>(x.data_ptr<float>(), M, x.size(1), codes.data_ptr<uint8_t>(), N,
+                          scale.data_ptr<at::Half>(), zero.data_ptr<at::Half>(), bias_p, out.data_ptr<float>());
+  else if (scale.scalar_type() == at::kBFloat16)
+    group_linear_q8<Bits>(x.data_ptr<float>(), M, x.size(1), codes.data_ptr<uint8_t>(), N,
+                          reinterpret_cast<const uint16_t*>(scale.data_ptr<at::BFloat16>()),
+                          reinterpret_cast<const uint16_t*>(zero.data_ptr<at::BFloat16>()), bias_p, out.data_ptr<float>());
+  else
+    group_linear_q8<Bits>(x.data_ptr<float>(), M, x.size(1), codes.data_ptr<uint8_t>(), N, scale.data_ptr<float>(),
+                          zero.data_ptr<float>(), bias_p, out.data_ptr<float>());
   return out;
 }
 
 }  // namespace
 
 // int8_group_linear_q8(x [M, K] float32, codes uint8 [ceil(N / L), L * K] from pack_int8_group_q8, scale and
-// minimum float32 [ceil(N / L), K / 32 * L] from pack_group_q8_params, N, bias [N] float32 or None)
+// minimum [ceil(N / L), K / 32 * L] from pack_group_q8_params (both float32, bfloat16 or float16), N, bias [N]
+// float32 or None)
 // -> [M, N] float32.
 at::Tensor int8_group_linear_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                                 const at::Tensor& minimum, int64_t out_features,
