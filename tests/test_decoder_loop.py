@@ -204,3 +204,41 @@ def test_a_model_on_llminfers_kernels_keeps_the_bits_of_its_forward():
     for tokens, starts in (([[5, 6, 7]], [0]), ([[1], [2, 3]], [40, 7])):
         assert torch.equal(_prefill_then_step(model, tokens, starts, loop=True),
                            _prefill_then_step(model, tokens, starts, loop=False))
+
+
+@pytest.mark.skipif(not __import__("llminfer.kernels.build", fromlist=["x"]).skinny_linear_available(),
+                    reason="llminfer's CPU kernel does not build here")
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: q/k/v with a bias
+@pytest.mark.parametrize("mode", ["int8-wo", "int4-wo"])
+def test_quantized_layers_on_the_q8_path_are_called_directly_with_the_bits_of_their_forward(mode, family,
+                                                                                           monkeypatch):
+    """int8-wo / int4-wo layers on the q8 kernel path: the loop calls their op without the module call (and the
+    MLP's parts without the MLP's), with the bits of ``model(...)``; a forward replaced on an instance is
+    called."""
+    from llminfer.models.kernel_swap import enable_cpu_kernels
+    from llminfer.models.weight_only import Int4WeightOnlyLinear, Int8GroupWeightOnlyLinear, quantize_model
+
+    monkeypatch.setenv("LLMINFER_CPU_KERNEL_INT8_PATH", "q8")
+    monkeypatch.setenv("LLMINFER_CPU_KERNEL_INT4_PATH", "q8")
+    model = _model(family)
+    quantize_model(model, mode, compute_dtype=torch.float32)
+    enable_cpu_kernels(model)
+    layer0 = model.model.layers[0]
+    assert layer0.self_attn.q_proj.kernel_path == "q8" and decoder_loop.uses_decoder_loop(model)
+    assert all(decoder_loop._plan_for(model).plain_mlp)
+    assert (layer0.self_attn.q_proj.bias is not None) == (family == "qwen2")
+    calls = []
+    for cls in (Int8GroupWeightOnlyLinear, Int4WeightOnlyLinear, type(layer0.mlp)):  # a module call shows here
+        monkeypatch.setattr(cls, "forward", lambda self, *a, _f=cls.forward, **k: calls.append(1) or _f(self, *a, **k))
+    for tokens, starts in (([[5, 6, 7]], [0]), ([[1], [2, 3]], [40, 7])):
+        assert torch.equal(_prefill_then_step(model, tokens, starts, loop=True),
+                           _prefill_then_step(model, tokens, starts, loop=False))
+    looped = len(calls)
+    calls.clear()
+    _step(model, _cache(model, 1), [[3]], [0], loop=True)
+    assert not calls and looped > 0  # the loop's direct op calls go past forward
+    monkeypatch.undo()  # the classes' own forward again
+    proj = layer0.self_attn.o_proj
+    monkeypatch.setattr(proj, "forward", lambda x, _f=proj.forward: calls.append(1) or _f(x))
+    _step(model, _cache(model, 1), [[3]], [0], loop=True)
+    assert calls == [1]  # an instance's own forward is honoured

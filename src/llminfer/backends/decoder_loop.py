@@ -8,7 +8,9 @@ dispatch. At batch 1 on a small model that is a millisecond or more of Python pe
 :func:`forward_logits` runs the same submodules in the same order with the same tensor ops, so its
 logits have the same bits as ``model(...)`` (``tests/test_decoder_loop.py`` checks them): the norms,
 projections, MLPs and LM head are the model's own modules (kernel swaps, weight-only quantization and
-LoRA wrappers included), attention is the function registered with ``transformers.AttentionInterface``
+LoRA wrappers included; a transformers gate/up/down MLP with a plain SiLU is computed as its forward does,
+and an int8-wo or int4-wo layer on its q8 kernel path gets its op called directly, as its forward would),
+attention is the function registered with ``transformers.AttentionInterface``
 under llminfer's name (:data:`~llminfer.backends.attention.ATTN_IMPLEMENTATION`, the model's
 ``_attn_implementation`` when the loop first sees it), and the rotary helper is the model file's own ``apply_rotary_pos_emb``. Only
 the RoPE cos/sin differ in how they are made: looked up in a table the model's rotary module computed
@@ -32,6 +34,7 @@ import torch
 
 from llminfer.backends.attention import ATTN_IMPLEMENTATION, METADATA_KWARG
 from llminfer.kernels.layers import KernelRMSNorm
+from llminfer.models.weight_only import Int4WeightOnlyLinear, Int8GroupWeightOnlyLinear
 
 __all__ = ["SUPPORTED_MODELS", "forward_logits", "use_decoder_loop", "uses_decoder_loop"]
 
@@ -71,7 +74,14 @@ class _Plan:
         # The layers are kept; every module inside them (and the embedding, final norm and head) is looked up
         # at each step, so LoRA wrappers put in place or taken out later (engine.load_adapter) are used.
         self.layers = list(base.layers[: model.config.num_hidden_layers])
-        self.hookable = [model, base, *self.layers, *(layer.self_attn for layer in self.layers)]
+        # The MLP's own forward is skipped where it is transformers' gate/up/down MLP with a plain SiLU, while that
+        # MLP and its activation are the ones checked here: (mlp, act_fn) per layer, else None
+        self.plain_mlp = [(layer.mlp, layer.mlp.act_fn) if type(layer.mlp).__name__ in _HF_MLPS
+                          and _is_silu(getattr(layer.mlp, "act_fn", None))
+                          and all(hasattr(layer.mlp, p) for p in _MLP_PARTS) else None for layer in self.layers]
+        self.hookable = [model, base, *self.layers, *(layer.self_attn for layer in self.layers),
+                         *(m for layer in self.layers for m in (layer.mlp, getattr(layer.mlp, "act_fn", None))
+                           if isinstance(m, torch.nn.Module))]
         self.rope = _RopeTable(base.rotary_emb)
         self.rotate = sys.modules[type(self.layers[0].self_attn).__module__].apply_rotary_pos_emb
         self.plain_rotate = _same_rotation(self.rotate)
@@ -124,6 +134,47 @@ def _same_rotation(rotate: Any) -> bool:
 
 
 _HF_RMS_NORMS = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm"})
+_HF_MLPS = frozenset({"LlamaMLP", "Qwen2MLP", "MistralMLP"})  # down_proj(act_fn(gate_proj(x)) * up_proj(x))
+_MLP_PARTS = ("gate_proj", "up_proj", "down_proj")
+
+
+def _is_silu(act: Any) -> bool:
+    """Whether ``act`` computes ``torch.nn.functional.silu``'s bits (transformers' ``SiLUActivation`` or
+    ``nn.SiLU``, unless a hub kernel replaced its forward), tried once on a small random tensor."""
+    if not isinstance(act, torch.nn.Module):
+        return False
+    x = torch.randn(3, 37, generator=torch.Generator().manual_seed(0))
+    try:
+        with torch.inference_mode():
+            return torch.equal(act(x), torch.nn.functional.silu(x))
+    except Exception:  # noqa: BLE001 - not an activation of one tensor
+        return False
+
+
+def _linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)`` for ``x`` ``[1, T, K]``. Where ``module`` is an int8-wo or int4-wo layer on its q8 kernel
+    path (not hooked) and ``x`` a contiguous float32 CPU tensor, the op its forward would call, on the same
+    arguments, without the module call and its buffer lookups (about 8 us a layer at one row)."""
+    cls = type(module)
+    if (cls is Int8GroupWeightOnlyLinear or cls is Int4WeightOnlyLinear) and module.kernel_path == "q8" \
+            and x.dtype == torch.float32 and x.is_cpu and x.is_contiguous() \
+            and not (module._forward_hooks or module._forward_pre_hooks) \
+            and "forward" not in module.__dict__:  # no forward replaced on the instance (a patch, accelerate)
+        buffers, bias = module._buffers, module._parameters.get("bias")
+        if bias is None or bias.dtype == torch.float32:
+            flat = x.view(-1, x.shape[-1])
+            if cls is Int8GroupWeightOnlyLinear:
+                out = torch.ops.llminfer_cpu.int8_group_linear_q8(
+                    flat, buffers["weight"], buffers["scale"], buffers["minimum"], module.out_features, bias)
+                return out.view(1, -1, module.out_features)
+            if module._blocked_q8:
+                out = torch.ops.llminfer_cpu.int4_group_linear_q8(
+                    flat, buffers["weight"], buffers["kernel_scales"], buffers["kernel_zeros"], module.out_features,
+                    bias)
+                return out.view(1, -1, module.out_features)
+    return module(x)
+
+
 _plans: weakref.WeakKeyDictionary[torch.nn.Module, _Plan | None] = weakref.WeakKeyDictionary()
 
 
@@ -200,19 +251,26 @@ def forward_logits(model: torch.nn.Module, ids: torch.Tensor, position_ids: torc
     cos, sin = plan.rope.lookup(position_ids[0], hidden, max_position)
     shape = (1, ids.shape[1], -1)
     rotate = _rotate_together if plan.plain_rotate else plan.rotate
-    for layer, extra in zip(plan.layers, plan.extra):
+    for layer, extra, plain_mlp in zip(plan.layers, plan.extra, plan.plain_mlp):
         attn = layer.self_attn
         x = _norm(layer.input_layernorm, hidden)
         heads = (1, ids.shape[1], -1, attn.head_dim)
-        q = attn.q_proj(x).view(heads).transpose(1, 2)
-        k = attn.k_proj(x).view(heads).transpose(1, 2)
-        v = attn.v_proj(x).view(heads).transpose(1, 2)
+        q = _linear(attn.q_proj, x).view(heads).transpose(1, 2)
+        k = _linear(attn.k_proj, x).view(heads).transpose(1, 2)
+        v = _linear(attn.v_proj, x).view(heads).transpose(1, 2)
         q, k = rotate(q, k, cos, sin)
         out, _ = attention(attn, q, k, v, None, dropout=0.0, scaling=attn.scaling, **extra, **{METADATA_KWARG: meta})
-        hidden = hidden + attn.o_proj(out.reshape(shape).contiguous())
-        hidden = hidden + layer.mlp(_norm(layer.post_attention_layernorm, hidden))
+        hidden = hidden + _linear(attn.o_proj, out.reshape(shape).contiguous())
+        x = _norm(layer.post_attention_layernorm, hidden)
+        mlp = layer.mlp
+        if plain_mlp is not None and mlp is plain_mlp[0] and mlp.act_fn is plain_mlp[1] \
+                and "forward" not in mlp.__dict__ and "forward" not in plain_mlp[1].__dict__:
+            x = _linear(mlp.down_proj, torch.nn.functional.silu(_linear(mlp.gate_proj, x)) * _linear(mlp.up_proj, x))
+        else:
+            x = layer.mlp(x)
+        hidden = hidden + x
     hidden = _norm(base.norm, hidden)
-    return model.lm_head(hidden[:, keep])
+    return _linear(model.lm_head, hidden[:, keep])
 
 
 def _hooked(plan: _Plan) -> bool:
