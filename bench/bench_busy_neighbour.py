@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -42,13 +44,21 @@ def neighbour(on: bool, max_s: float):
     if not on:
         yield
         return
-    proc = subprocess.Popen([sys.executable, "-c", _SPIN, str(max_s)])
+    # Not a child of this process: llminfer counts its descendants' CPU time as its own work (compile
+    # workers), so a spinner started with Popen would be invisible to the auto thread count. The shell
+    # starts it in the background and exits; the spinner then belongs to init, as another program would.
+    shell = subprocess.run(["sh", "-c", f'"{sys.executable}" -c "$0" "$1" >/dev/null 2>&1 & echo $!', _SPIN,
+                            str(max_s)], capture_output=True, text=True, check=True)
+    pid = int(shell.stdout.strip())
     try:
         time.sleep(0.2)
         yield
     finally:
-        proc.terminate()
-        proc.wait(10)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and Path(f"/proc/{pid}").exists():
+            time.sleep(0.05)
 
 
 def loadavg() -> str:
