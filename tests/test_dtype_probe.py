@@ -32,7 +32,8 @@ def test_cache_round_trip_and_a_broken_file(tmp_path):
 
 def test_measure_alternates_candidates_and_keeps_each_ones_best():
     calls = []
-    times = {torch.bfloat16: iter([(50, 5), (10, 2), (12, 1)]), torch.float32: iter([(50, 5), (20, 1), (9, 3)])}
+    times = {torch.bfloat16: iter([(50, 5, 5), (10, 2, 2), (12, 1, 1)]),
+             torch.float32: iter([(50, 5, 5), (20, 1, 0.5), (9, 3, 2)])}
 
     def timer(model, dt, attn, dev):
         calls.append(dt)
@@ -41,8 +42,12 @@ def test_measure_alternates_candidates_and_keeps_each_ones_best():
     models, figs = dp.measure_dtypes([torch.bfloat16, torch.float32], lambda dt: (f"m{dt}", "torch"),
                                      torch.device("cpu"), rounds=2, timer=timer)
     assert calls == [torch.bfloat16, torch.float32] * 3  # warm-up round, then 2 alternating rounds
-    assert figs["bfloat16"] == {"prefill_ms": 10, "decode_step_ms": 1, "cost_ms": 10 + dp.DECODE_WEIGHT * 1}
+    assert figs["bfloat16"] == {"prefill_ms": 10, "decode_step_ms": 1, "greedy_step_ms": 1,
+                                "cost_ms": 10 + dp.DECODE_WEIGHT * 1}
     assert figs["float32"]["prefill_ms"] == 9 and figs["float32"]["decode_step_ms"] == 1
+    assert figs["float32"]["greedy_step_ms"] == 0.5  # each time is the best of the rounds on its own
+    share = dp.GREEDY_SHARE
+    assert figs["float32"]["cost_ms"] == pytest.approx(9 + dp.DECODE_WEIGHT * (share * 0.5 + (1 - share) * 1), abs=0.1)
     assert models[torch.float32] == ("mtorch.float32", "torch")
 
 
@@ -65,10 +70,11 @@ def half_flags(monkeypatch, tmp_path):
 def test_auto_measures_keeps_the_faster_and_caches_it(qwen2_dir, half_flags, monkeypatch):
     seen = []
 
-    def fake_time(model, dtype, attn, device, clock=None):
+    def fake_time(model, dtype, attn, device, clock=None, argmax_screen=False):
         seen.append(dtype)
+        assert argmax_screen  # the engine attaches a screen (cpu_argmax_screen), so the greedy steps use it
         assert next(model.parameters()).dtype == dtype  # each candidate is timed in its own dtype
-        return (1.0, 0.1) if dtype == torch.float32 else (2.0, 0.3)
+        return (1.0, 0.1, 0.1) if dtype == torch.float32 else (2.0, 0.3, 0.3)
 
     monkeypatch.setattr(dp, "time_model", fake_time)
     cfg = EngineConfig(model_name=str(qwen2_dir), device="cpu")
@@ -100,3 +106,29 @@ def test_the_flag_rule_stands_when_measuring_fails_or_is_off(qwen2_dir, half_fla
         assert info["dtype"] == "bfloat16" and "dtype_probe" not in info
     with InferenceEngine(EngineConfig(model_name=str(qwen2_dir), device="cpu", dtype="float32")) as engine:
         assert "dtype_probe" not in engine.info()  # a dtype that is set is never measured
+
+
+@pytest.mark.parametrize("screened", [True, False])
+def test_time_model_runs_the_greedy_steps_through_the_argmax_screen_when_one_is_attached(qwen2_dir, monkeypatch,
+                                                                                        screened):
+    import contextlib
+
+    from llminfer.kernels import prepack
+
+    entered = []
+
+    @contextlib.contextmanager
+    def spy(head, rows):
+        entered.append((head, list(rows)))
+        yield
+
+    monkeypatch.setattr(prepack, "argmax_only", spy)
+    monkeypatch.setattr(dp, "_attach_screen", lambda head: screened)
+    ticks = iter(range(10**6))  # ms
+    with InferenceEngine(EngineConfig(model_name=str(qwen2_dir), device="cpu", dtype="float32")) as engine:
+        model = engine.model
+        prefill, decode, greedy = dp.time_model(model, torch.float32, engine.runtime.attention_backend,
+                                                torch.device("cpu"), clock=lambda: next(ticks) * 1e-3,
+                                                argmax_screen=True)
+    assert [prefill, decode, greedy] == pytest.approx([1.0] * 3)  # one tick per interval on the injected clock
+    assert entered == ([(model.get_output_embeddings(), [0])] if screened else [])

@@ -235,7 +235,8 @@ def _probe_dtype(rt: Runtime, cfg: EngineConfig, device: torch.device, quantizat
             models, figures = dp.measure_dtypes(
                 [flag_dtype, torch.float32],
                 lambda dt: (lambda m: (m, m[2]))(_prepare_model(rt, cfg, device, dt, quantization_config)), device,
-                timer=lambda prepared, dt, attn, dev: dp.time_model(prepared[0], dt, attn, dev))
+                timer=lambda prepared, dt, attn, dev: dp.time_model(prepared[0], dt, attn, dev,
+                                                                     argmax_screen=cfg.cpu_argmax_screen))
         except Exception as exc:  # noqa: BLE001 - the flag rule stands
             log.warning("dtype measurement failed; keeping the flag rule's choice", error=str(exc))
             _install_model(rt, cfg, device, *_prepare_model(rt, cfg, device, flag_dtype, quantization_config))
@@ -251,7 +252,8 @@ def _probe_dtype(rt: Runtime, cfg: EngineConfig, device: torch.device, quantizat
     rt.dtype = chosen
     rt.dtype_probe = {**record, "source": how, "key": key}
     figs = ", ".join(f"{k} {v['prefill_ms']:.1f} ms prefill {dp.PREFILL_TOKENS} + {v['decode_step_ms']:.2f} ms/decode "
-                     f"step" for k, v in record["figures"].items())
+                     f"step, {v.get('greedy_step_ms', v['decode_step_ms']):.2f} greedy"
+                     for k, v in record["figures"].items())
     rt.dtype_reason = (f"auto: {str(chosen).replace('torch.', '')} by {how} ({figs}; the flag rule said "
                        f"{flag_name}: {rt.dtype_reason.removeprefix('auto: ')})")
 

@@ -9,10 +9,14 @@ What is measured (:func:`measure_dtypes`): for each candidate the model is loade
 engine will run it (llminfer's CPU kernels, the prepacked head), then, alternating between candidates for
 ``rounds`` rounds so that a load change hits both alike, one prefill chunk of :data:`PREFILL_TOKENS` tokens
 and :data:`DECODE_STEPS` batch-1 decode steps at a context of :data:`PREFILL_TOKENS`, each on a scratch KV
-cache. A candidate's cost is ``prefill + DECODE_WEIGHT x decode step`` in ms (the best of its rounds): a
-request of 128 prompt tokens and 128 new tokens. The cheaper one wins; a tie within 2 % keeps the flag
-rule's choice. The eager path is what is timed (the compiled backend compiles later; its products are the
-same kernels).
+cache, twice: with the full logits a sampled request needs, and as a greedy request runs them (through the
+argmax screen, :mod:`llminfer.kernels.argmax_screen`, where the engine attaches one: an fp32 head only, so
+greedy decode can favour fp32 while sampled decode favours the half type). A candidate's cost is
+``prefill + DECODE_WEIGHT x (GREEDY_SHARE x greedy step + (1 - GREEDY_SHARE) x sampled step)`` in ms (the
+best of its rounds): a request of 128 prompt tokens and 128 new tokens, greedy or sampled alike (greedy is
+llminfer's default, ``temperature=0``; OpenAI clients sample by default). The cheaper one wins; a tie within
+2 % keeps the flag rule's choice. The eager path is what is timed (the compiled backend compiles later; its
+products are the same kernels).
 
 When it runs: ``dtype="auto"`` on CPU, no bitsandbytes quantization, the eager or compiled backend, a
 half-precision checkpoint (an fp32 checkpoint stays fp32: no default lowers a model's precision) on a CPU
@@ -20,7 +24,7 @@ with a native half type (the flag rule, :func:`llminfer.models.loading.resolve_d
 fp32 copy fits in a quarter of the available memory (both copies are loaded at once while measuring).
 Otherwise, or when measuring fails, the flag rule's choice stands. ``LLMINFER_DTYPE_PROBE=0`` turns it off.
 
-The choice is cached in ``$LLMINFER_CACHE_DIR/dtype_choice.json``, keyed by the CPU model, torch's ISA
+The choice is cached in ``$LLMINFER_CACHE_DIR/dtype_choice-v2.json``, keyed by the CPU model, torch's ISA
 level, the model's shape (architecture, hidden size, layers, heads, intermediate size, vocabulary) and the
 thread count, with the figures it was made from (``llminfer info`` shows them as ``dtype_reason`` and
 ``dtype_probe``).
@@ -41,7 +45,9 @@ ENV = "LLMINFER_DTYPE_PROBE"
 PREFILL_TOKENS = 128
 DECODE_STEPS = 3
 DECODE_WEIGHT = 128
-CACHE_FILE = "dtype_choice.json"
+#: The share of greedy requests the cost assumes (the rest sample from the full logits).
+GREEDY_SHARE = 0.5
+CACHE_FILE = "dtype_choice-v2.json"  # v2: greedy steps timed through the argmax screen
 TIE = 0.02
 
 
@@ -102,54 +108,76 @@ def store_choice(key: str, record: dict[str, Any], path: Path | None = None) -> 
 
 
 def time_model(model: torch.nn.Module, dtype: torch.dtype, attention_backend: str, device: torch.device,
-               clock: Callable[[], float] = time.perf_counter) -> tuple[float, float]:
+               clock: Callable[[], float] = time.perf_counter, argmax_screen: bool = False) -> tuple[float, float, float]:
     """One prefill chunk of :data:`PREFILL_TOKENS` tokens, then the fastest of :data:`DECODE_STEPS` batch-1
-    decode steps after it, on a scratch KV cache.
+    decode steps after it with full logits, then (``argmax_screen`` and an fp32 head the screen takes, as
+    :func:`~llminfer.kernels.argmax_screen.attach_argmax_screen` decides; it stays attached) the fastest of as
+    many greedy steps through the screen, on a scratch KV cache.
 
     Returns:
-        ``(prefill_ms, decode_step_ms)``.
+        ``(prefill_ms, decode_step_ms, greedy_step_ms)``; ``greedy_step_ms`` is ``decode_step_ms`` where no
+        screen is attached.
     """
     from llminfer.backends.attention import PagedKVCache
     from llminfer.backends.hf import run_packed
+    from llminfer.kernels.prepack import argmax_only
     from llminfer.kv.sizing import kv_geometry
 
     layers, kv_heads, head_dim = kv_geometry(model.config)
     block = 16
-    n = PREFILL_TOKENS + DECODE_STEPS
+    n = PREFILL_TOKENS + 2 * DECODE_STEPS
     blocks = list(range(-(-n // block)))
     cache = PagedKVCache(layers, len(blocks), block, kv_heads, head_dim, dtype, device)
     t0 = clock()
     run_packed(model, cache, [[1] * PREFILL_TOKENS], [0], [blocks], [PREFILL_TOKENS - 1], device, attention_backend)
     prefill = clock() - t0
-    decode = []
-    for i in range(DECODE_STEPS):
-        t0 = clock()
-        run_packed(model, cache, [[1]], [PREFILL_TOKENS + i], [blocks], [0], device, attention_backend)
-        decode.append(clock() - t0)
-    return prefill * 1e3, min(decode) * 1e3
+
+    def decode_steps(first: int) -> float:
+        times = []
+        for i in range(first, first + DECODE_STEPS):
+            t0 = clock()
+            run_packed(model, cache, [[1]], [i], [blocks], [0], device, attention_backend)
+            times.append(clock() - t0)
+        return min(times) * 1e3
+
+    decode = decode_steps(PREFILL_TOKENS)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not (argmax_screen and device.type == "cpu" and head is not None and _attach_screen(head)):
+        return prefill * 1e3, decode, decode
+    with argmax_only(head, [0]):
+        greedy = decode_steps(PREFILL_TOKENS + DECODE_STEPS)
+    return prefill * 1e3, decode, greedy
+
+
+def _attach_screen(head: torch.nn.Module) -> bool:
+    from llminfer.kernels.argmax_screen import attach_argmax_screen
+
+    return attach_argmax_screen(head)
 
 
 def measure_dtypes(candidates: Sequence[torch.dtype], prepare: Callable[[torch.dtype], tuple[Any, str]],
                    device: torch.device, rounds: int = 2,
-                   timer: Callable[..., tuple[float, float]] = time_model) -> tuple[dict[torch.dtype, Any], dict]:
-    """Load each candidate with ``prepare(dtype) -> (model, attention_backend)`` and time them alternately.
+                   timer: Callable[..., tuple[float, float, float]] = time_model) -> tuple[dict[torch.dtype, Any], dict]:
+    """Load each candidate with ``prepare(dtype) -> (model, attention_backend)`` and time them alternately with
+    ``timer(model, dtype, attention_backend, device) -> (prefill_ms, decode_step_ms, greedy_step_ms)``.
 
     Returns:
         ``(models, figures)``: the prepared models by dtype, and per dtype name ``{"prefill_ms",
-        "decode_step_ms", "cost_ms"}`` (each the best of ``rounds``).
+        "decode_step_ms", "greedy_step_ms", "cost_ms"}`` (each time the best of ``rounds``).
     """
     models = {dt: prepare(dt) for dt in candidates}
-    best: dict[torch.dtype, tuple[float, float]] = {}
+    best: dict[torch.dtype, tuple[float, ...]] = {}
     for dt, (model, attn) in models.items():  # a first call builds kernels and caches: not counted
         timer(model, dt, attn, device)
     for _ in range(rounds):
         for dt, (model, attn) in models.items():
-            p, d = timer(model, dt, attn, device)
+            times = tuple(timer(model, dt, attn, device))
             old = best.get(dt)
-            best[dt] = (p, d) if old is None else (min(old[0], p), min(old[1], d))
-    figures = {str(dt).replace("torch.", ""): {"prefill_ms": round(p, 2), "decode_step_ms": round(d, 3),
-                                                "cost_ms": round(p + DECODE_WEIGHT * d, 1)}
-               for dt, (p, d) in best.items()}
+            best[dt] = times if old is None else tuple(map(min, old, times))
+    figures = {str(dt).replace("torch.", ""): {
+        "prefill_ms": round(p, 2), "decode_step_ms": round(d, 3), "greedy_step_ms": round(g, 3),
+        "cost_ms": round(p + DECODE_WEIGHT * (GREEDY_SHARE * g + (1 - GREEDY_SHARE) * d), 1)}
+        for dt, (p, d, g) in best.items()}
     return models, figures
 
 
