@@ -228,7 +228,7 @@ def test_quantized_layers_on_the_q8_path_are_called_directly_with_the_bits_of_th
     assert all(decoder_loop._plan_for(model).plain_mlp)
     assert (layer0.self_attn.q_proj.bias is not None) == (family == "qwen2")
     calls = []
-    for cls in (Int8GroupWeightOnlyLinear, Int4WeightOnlyLinear, type(layer0.mlp)):  # a module call shows here
+    for cls in (Int8GroupWeightOnlyLinear, Int4WeightOnlyLinear):  # a module call shows here
         monkeypatch.setattr(cls, "forward", lambda self, *a, _f=cls.forward, **k: calls.append(1) or _f(self, *a, **k))
     for tokens, starts in (([[5, 6, 7]], [0]), ([[1], [2, 3]], [40, 7])):
         assert torch.equal(_prefill_then_step(model, tokens, starts, loop=True),
@@ -238,7 +238,29 @@ def test_quantized_layers_on_the_q8_path_are_called_directly_with_the_bits_of_th
     _step(model, _cache(model, 1), [[3]], [0], loop=True)
     assert not calls and looped > 0  # the loop's direct op calls go past forward
     monkeypatch.undo()  # the classes' own forward again
+    mlp_calls = []
+    mlp_forward = type(layer0.mlp).forward
+    monkeypatch.setattr(type(layer0.mlp), "forward", lambda self, x: mlp_calls.append(1) or mlp_forward(self, x) / 2)
+    looped = _prefill_then_step(model, [[5, 6, 7]], [0], loop=True)
+    looped_calls = len(mlp_calls)
+    assert torch.equal(looped, _prefill_then_step(model, [[5, 6, 7]], [0], loop=False))
+    assert looped_calls == len(mlp_calls) - looped_calls > 0  # a forward patched onto the class later is called
+    monkeypatch.undo()
     proj = layer0.self_attn.o_proj
     monkeypatch.setattr(proj, "forward", lambda x, _f=proj.forward: calls.append(1) or _f(x))
     _step(model, _cache(model, 1), [[3]], [0], loop=True)
     assert calls == [1]  # an instance's own forward is honoured
+
+
+def test_an_mlp_forward_patched_onto_its_class_before_the_first_step_is_called(monkeypatch):
+    """The inlined MLP is transformers' own: a forward patched onto the class (not an instance) before the loop
+    first sees the model runs, as ``model(...)`` runs it."""
+    import transformers
+
+    model = _model("llama")
+    forward = transformers.models.llama.modeling_llama.LlamaMLP.forward
+    monkeypatch.setattr(transformers.models.llama.modeling_llama.LlamaMLP, "forward",
+                        lambda self, x: forward(self, x) * 0.5)
+    assert not any(decoder_loop._plan_for(model).plain_mlp)
+    assert torch.equal(_prefill_then_step(model, [[4, 5, 6]], [2], loop=True),
+                       _prefill_then_step(model, [[4, 5, 6]], [2], loop=False))

@@ -21,13 +21,24 @@ def test_pick_keeps_the_flag_choice_within_the_tie_margin():
 def test_cache_round_trip_and_a_broken_file(tmp_path):
     path = tmp_path / "c.json"
     assert dp.cached_choice("k", path) is None
-    dp.store_choice("k", {"choice": "float32"}, path)
-    dp.store_choice("j", {"choice": "bfloat16"}, path)
-    assert dp.cached_choice("k", path) == {"choice": "float32"}
+    good = {"choice": "float32", "figures": {"float32": {"prefill_ms": 1, "decode_step_ms": 0.5}}}
+    dp.store_choice("k", good, path)
+    dp.store_choice("j", {**good, "choice": "bfloat16"}, path)
+    assert dp.cached_choice("k", path) == good
     path.write_text("not json")
     assert dp.cached_choice("k", path) is None
-    dp.store_choice("k", {"choice": "bfloat16"}, path)  # a broken file is replaced
-    assert dp.cached_choice("k", path) == {"choice": "bfloat16"}
+    record = {"choice": "bfloat16", "figures": {"bfloat16": {"prefill_ms": 1.0, "decode_step_ms": 0.1}}}
+    dp.store_choice("k", record, path)  # a broken file is replaced
+    assert dp.cached_choice("k", path) == record
+
+
+@pytest.mark.parametrize("record", ["float32", {"choice": "float32"}, {"choice": 3, "figures": {}},
+                                    {"choice": "float32", "figures": {"float32": {"prefill_ms": 1.0}}},
+                                    {"choice": "float32", "figures": {"float32": "fast"}}])
+def test_a_record_of_another_shape_is_measured_again(tmp_path, record):
+    path = tmp_path / "c.json"
+    dp.store_choice("k", record, path)
+    assert dp.cached_choice("k", path) is None
 
 
 def test_measure_alternates_candidates_and_keeps_each_ones_best():

@@ -224,7 +224,8 @@ def _probe_dtype(rt: Runtime, cfg: EngineConfig, device: torch.device, quantizat
 
     flag_dtype = rt.dtype
     flag_name = str(flag_dtype).replace("torch.", "")
-    key = f"{dp.cpu_key()}|{dp.shape_key(rt.model_config, torch.get_num_threads())}"
+    settings = f"kernels={int(cfg.cpu_kernels)}/screen={int(cfg.cpu_argmax_screen)}"
+    key = f"{dp.cpu_key()}|{dp.shape_key(rt.model_config, torch.get_num_threads(), settings)}"
     record = dp.cached_choice(key)
     if record is not None and record.get("choice") in ("float32", flag_name):
         chosen = getattr(torch, record["choice"])

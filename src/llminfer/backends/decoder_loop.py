@@ -75,8 +75,10 @@ class _Plan:
         # at each step, so LoRA wrappers put in place or taken out later (engine.load_adapter) are used.
         self.layers = list(base.layers[: model.config.num_hidden_layers])
         # The MLP's own forward is skipped where it is transformers' gate/up/down MLP with a plain SiLU, while that
-        # MLP and its activation are the ones checked here: (mlp, act_fn) per layer, else None
-        self.plain_mlp = [(layer.mlp, layer.mlp.act_fn) if type(layer.mlp).__name__ in _HF_MLPS
+        # MLP and its activation are the ones checked here, with their classes' forward functions of then:
+        # (mlp, act_fn, type(mlp).forward, type(act_fn).forward) per layer, else None
+        self.plain_mlp = [(layer.mlp, layer.mlp.act_fn, type(layer.mlp).forward, type(layer.mlp.act_fn).forward)
+                          if type(layer.mlp).__name__ in _HF_MLPS and _defined_in_model_file(type(layer.mlp))
                           and _is_silu(getattr(layer.mlp, "act_fn", None))
                           and all(hasattr(layer.mlp, p) for p in _MLP_PARTS) else None for layer in self.layers]
         self.hookable = [model, base, *self.layers, *(layer.self_attn for layer in self.layers),
@@ -136,6 +138,13 @@ def _same_rotation(rotate: Any) -> bool:
 _HF_RMS_NORMS = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm"})
 _HF_MLPS = frozenset({"LlamaMLP", "Qwen2MLP", "MistralMLP"})  # down_proj(act_fn(gate_proj(x)) * up_proj(x))
 _MLP_PARTS = ("gate_proj", "up_proj", "down_proj")
+
+
+def _defined_in_model_file(cls: type) -> bool:
+    """Whether ``cls.forward`` is the one its model file defines (not a function patched onto the class)."""
+    forward = getattr(cls, "forward", None)
+    return (getattr(forward, "__module__", None) == cls.__module__
+            and getattr(forward, "__qualname__", None) == f"{cls.__qualname__}.forward")
 
 
 def _is_silu(act: Any) -> bool:
@@ -264,6 +273,7 @@ def forward_logits(model: torch.nn.Module, ids: torch.Tensor, position_ids: torc
         x = _norm(layer.post_attention_layernorm, hidden)
         mlp = layer.mlp
         if plain_mlp is not None and mlp is plain_mlp[0] and mlp.act_fn is plain_mlp[1] \
+                and type(mlp).forward is plain_mlp[2] and type(mlp.act_fn).forward is plain_mlp[3] \
                 and "forward" not in mlp.__dict__ and "forward" not in plain_mlp[1].__dict__:
             x = _linear(mlp.down_proj, torch.nn.functional.silu(_linear(mlp.gate_proj, x)) * _linear(mlp.up_proj, x))
         else:

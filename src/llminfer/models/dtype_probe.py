@@ -56,13 +56,14 @@ def probe_enabled() -> bool:
     return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "off", "no")
 
 
-def shape_key(model_config: Any, threads: int) -> str:
-    """What the choice depends on besides the CPU: the architecture, the model's shape, the thread count."""
+def shape_key(model_config: Any, threads: int, settings: str = "") -> str:
+    """What the choice depends on besides the CPU: the architecture, the model's shape, the thread count, and
+    ``settings`` (the engine settings that change what is timed: llminfer's kernels, the argmax screen)."""
     text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     parts = [getattr(text, "model_type", "?")] + [str(getattr(text, a, "?")) for a in (
         "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
         "vocab_size", "tie_word_embeddings")]
-    return "/".join(parts) + f"/threads={threads}"
+    return "/".join(parts) + f"/threads={threads}" + (f"/{settings}" if settings else "")
 
 
 def cpu_key() -> str:
@@ -79,12 +80,24 @@ def cache_path() -> Path:
 
 
 def cached_choice(key: str, path: Path | None = None) -> dict[str, Any] | None:
-    """The cached measurement for ``key`` (None when absent or the file is unreadable)."""
+    """The cached measurement for ``key``: ``{"choice", "figures", ...}`` as :func:`store_choice` wrote it.
+    None when absent, when the file is unreadable, or when the record is not of that shape (a file edited or
+    written by another version): the model is then measured again."""
     path = path or cache_path()
     try:
-        return json.loads(path.read_text()).get(key)
+        record = json.loads(path.read_text()).get(key)
     except (OSError, ValueError, AttributeError):
         return None
+    return record if _well_formed(record) else None
+
+
+def _well_formed(record: Any) -> bool:
+    if not isinstance(record, dict) or not isinstance(record.get("choice"), str):
+        return False
+    figures = record.get("figures")
+    return isinstance(figures, dict) and bool(figures) and all(
+        isinstance(f, dict) and all(isinstance(f.get(k), (int, float)) for k in ("prefill_ms", "decode_step_ms"))
+        for f in figures.values())
 
 
 def store_choice(key: str, record: dict[str, Any], path: Path | None = None) -> None:
