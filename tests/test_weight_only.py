@@ -291,3 +291,22 @@ def test_cli_offers_the_weight_only_modes(capsys):
     main(["run", "--help"])
     out = "".join(capsys.readouterr().out.split())  # the choice list may wrap at the terminal's width
     assert "<none|nf4|fp4|int8|int8-wo|int4-wo|from-gguf>" in out
+
+
+@pytest.mark.skipif(not __import__("llminfer.kernels.int8_group_linear", fromlist=["x"]).kernel_available(),
+                    reason="llminfer's CPU kernel does not build here")
+@pytest.mark.parametrize("mode", ["int8-wo", "int4-wo"])
+def test_structured_output_on_a_quantized_head_in_the_blocked_kernel_layout(qwen2_dir, monkeypatch, mode):
+    """The grammar's bitmask is as wide as the logits, whatever the head's weight layout: on the q8 kernel path
+    an int8-wo head's weight is [ceil(V / L), ...], not [V, ...]."""
+    from llminfer.sampling.structured import StructuredOutput
+
+    monkeypatch.setenv("LLMINFER_CPU_KERNEL_INT8_PATH", "q8")
+    monkeypatch.setenv("LLMINFER_CPU_KERNEL_INT4_PATH", "q8")
+    with make_engine(qwen2_dir, quant=QuantConfig(mode=mode)) as engine:
+        head = engine.model.get_output_embeddings()
+        assert head.kernel_path == "q8" and head.weight.shape[0] != head.out_features
+        result = engine.run("Is the sky blue?", max_new_tokens=8, temperature=1.0, seed=0,
+                            structured_output=StructuredOutput(choice=["yes", "no"]))
+        assert result.text in ("yes", "no")
+        assert engine.cache_stats()["blocks_used"] == 0

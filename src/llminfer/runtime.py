@@ -154,7 +154,7 @@ def load_runtime(cfg: EngineConfig) -> Runtime:
                                    enable_prefix_cache=cache_cfg.enable_prefix_cache and cache_cfg.enable_paged_kv)
     if cfg.assistant_model_name:
         _load_draft(cfg, rt)
-    rt.grammar_compiler = GrammarCompiler(rt.tokenizer, rt.model.get_output_embeddings().weight.shape[0],
+    rt.grammar_compiler = GrammarCompiler(rt.tokenizer, logits_width(rt.model),
                                           rt.eos_token_ids, timeout_s=cfg.grammar_compile_timeout_s)
     log.info("engine loaded", model=rt.model_path, device=str(device), dtype=str(rt.dtype),
              kv_blocks=num_blocks, block_size=block_size)
@@ -186,6 +186,15 @@ def _prepare_model(rt: Runtime, cfg: EngineConfig, device: torch.device, dtype: 
         if isinstance(head, PrepackedLinear) and kernel_layers:
             head.kernel_rows = head_kernel_rows(head)
     return model, kernel_layers, attention_backend
+
+
+def logits_width(model: Any) -> int:
+    """The number of logits the model's output head gives per token: its ``out_features`` (a weight-only layer
+    keeps its weight in a kernel's blocked layout, whose first dimension is not the vocabulary), else its
+    weight's rows."""
+    head = model.get_output_embeddings()
+    width = getattr(head, "out_features", None)
+    return int(width) if isinstance(width, int) else int(head.weight.shape[0])
 
 
 def _install_model(rt: Runtime, cfg: EngineConfig, device: torch.device, model: Any, kernel_layers: int,
@@ -338,8 +347,7 @@ def _load_draft(cfg: EngineConfig, rt: Runtime) -> None:
         from llminfer.kernels.prepack import prepack_lm_head
 
         prepack_lm_head(draft)
-    target_vocab = rt.model.get_output_embeddings().weight.shape[0]
-    draft_vocab = draft.get_output_embeddings().weight.shape[0]
+    target_vocab, draft_vocab = logits_width(rt.model), logits_width(draft)
     if target_vocab != draft_vocab:
         raise ConfigError(f"assistant_model_name: the assistant's vocabulary ({draft_vocab}) differs from "
                           f"the target's ({target_vocab}); they must share a tokenizer")
