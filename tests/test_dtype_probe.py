@@ -136,10 +136,18 @@ def test_time_model_runs_the_greedy_steps_through_the_argmax_screen_when_one_is_
     monkeypatch.setattr(prepack, "argmax_only", spy)
     monkeypatch.setattr(dp, "_attach_screen", lambda head: screened)
     ticks = iter(range(10**6))  # ms
-    with InferenceEngine(EngineConfig(model_name=str(qwen2_dir), device="cpu", dtype="float32")) as engine:
+    # the engine's own screen off: the head is not measured before time_model sees it
+    cfg = EngineConfig(model_name=str(qwen2_dir), device="cpu", dtype="float32", cpu_argmax_screen=False)
+    with InferenceEngine(cfg) as engine:
         model = engine.model
         prefill, decode, greedy = dp.time_model(model, torch.float32, engine.runtime.attention_backend,
                                                 torch.device("cpu"), clock=lambda: next(ticks) * 1e-3,
                                                 argmax_screen=True)
-    assert [prefill, decode, greedy] == pytest.approx([1.0] * 3)  # one tick per interval on the injected clock
-    assert entered == ([(model.get_output_embeddings(), [0])] if screened else [])
+        assert [prefill, decode, greedy] == pytest.approx([1.0] * 3)  # one tick per interval on the injected clock
+        assert entered == ([(model.get_output_embeddings(), [0])] if screened else [])
+        head = model.get_output_embeddings()  # a later round keeps the screen measured at the first
+        head.argmax_screen_probe_ms, head.argmax_screen = {}, (object() if screened else None)
+        monkeypatch.setattr(dp, "_attach_screen", lambda head: pytest.fail("the screen is measured once"))
+        dp.time_model(model, torch.float32, engine.runtime.attention_backend, torch.device("cpu"),
+                      clock=lambda: next(ticks) * 1e-3, argmax_screen=True)
+        assert len(entered) == (2 if screened else 0)

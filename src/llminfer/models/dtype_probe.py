@@ -25,8 +25,8 @@ fp32 copy fits in a quarter of the available memory (both copies are loaded at o
 Otherwise, or when measuring fails, the flag rule's choice stands. ``LLMINFER_DTYPE_PROBE=0`` turns it off.
 
 The choice is cached in ``$LLMINFER_CACHE_DIR/dtype_choice-v2.json``, keyed by the CPU model, torch's ISA
-level, the model's shape (architecture, hidden size, layers, heads, intermediate size, vocabulary) and the
-thread count, with the figures it was made from (``llminfer info`` shows them as ``dtype_reason`` and
+level, the model's shape (architecture, hidden size, layers, heads, intermediate size, vocabulary), the
+thread count and whether llminfer's kernels and the argmax screen are on, with the figures it was made from (``llminfer info`` shows them as ``dtype_reason`` and
 ``dtype_probe``).
 """
 
@@ -155,11 +155,19 @@ def time_model(model: torch.nn.Module, dtype: torch.dtype, attention_backend: st
 
     decode = decode_steps(PREFILL_TOKENS)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if not (argmax_screen and device.type == "cpu" and head is not None and _attach_screen(head)):
+    if not (argmax_screen and device.type == "cpu" and head is not None and _screened(head)):
         return prefill * 1e3, decode, decode
     with argmax_only(head, [0]):
         greedy = decode_steps(PREFILL_TOKENS + DECODE_STEPS)
     return prefill * 1e3, decode, greedy
+
+
+def _screened(head: torch.nn.Module) -> bool:
+    """Whether ``head`` has an argmax screen: measured and attached at its first timing, kept for the later
+    rounds (attaching times the head's copies, about a second for a 151k x 512 head)."""
+    if hasattr(head, "argmax_screen_probe_ms"):
+        return getattr(head, "argmax_screen", None) is not None
+    return _attach_screen(head)
 
 
 def _attach_screen(head: torch.nn.Module) -> bool:
