@@ -91,6 +91,7 @@ def test_the_loop_can_tell_when_it_differs(monkeypatch):
     """The check above can fail: a loop that skips RoPE gives other logits."""
     model = MODELS["llama"]
     monkeypatch.setattr(decoder_loop, "_rotate_together", lambda q, k, cos, sin: (q, k))
+    monkeypatch.setattr(decoder_loop, "_rotate_in_kernel", lambda q, k, cos, sin: (q, k))
     assert not torch.equal(_prefill_then_step(model, [[5, 6]], [9], loop=True),
                            _prefill_then_step(model, [[5, 6]], [9], loop=False))
 
@@ -193,17 +194,42 @@ def test_engines_report_the_loop_and_match_hf_greedy(model_dirs, family, looped)
 
 @pytest.mark.skipif(not __import__("llminfer.kernels.build", fromlist=["x"]).skinny_linear_available(),
                     reason="llminfer's CPU kernel does not build here")
-def test_a_model_on_llminfers_kernels_keeps_the_bits_of_its_forward():
-    """After the kernel swap (SkinnyLinear, KernelRMSNorm), the loop calls the norms' op directly: the same bits."""
+@pytest.mark.parametrize("family", sorted(MODELS))
+@settings(max_examples=8, deadline=None)
+@given(shape=step_shapes, data=st.data())
+def test_a_model_on_llminfers_kernels_keeps_the_bits_of_its_forward(family, shape, data):
+    """After the kernel swap (SkinnyLinear, KernelRMSNorm), the loop calls the norms' op directly, each residual
+    sum together with the next norm (``add_rms_norm``), and RoPE as one op (``rotary_qk``): the same bits."""
+    model = _kernel_models()[family]
+    plan = decoder_loop._plan_for(model)
+    assert plan is not None and plan.plain_rotate
+    starts = [s for s, _ in shape]
+    tokens = [data.draw(st.lists(st.integers(0, 96), min_size=n, max_size=n)) for _, n in shape]
+    calls = []
+    ops = torch.ops.llminfer_cpu
+    with pytest.MonkeyPatch.context() as patch:
+        for name in ("add_rms_norm", "rotary_qk"):
+            patch.setattr(ops, name, lambda *a, _f=getattr(ops, name), _n=name: calls.append(_n) or _f(*a))
+        looped = _prefill_then_step(model, tokens, starts, loop=True)
+    assert torch.equal(looped, _prefill_then_step(model, tokens, starts, loop=False))
+    layers = model.config.num_hidden_layers
+    assert calls.count("rotary_qk") == layers and calls.count("add_rms_norm") == 2 * layers  # the ops ran
+
+
+_KERNEL_MODELS: dict[str, torch.nn.Module] = {}
+
+
+def _kernel_models() -> dict[str, torch.nn.Module]:
     from llminfer.kernels.layers import KernelRMSNorm
     from llminfer.models.kernel_swap import enable_cpu_kernels
 
-    model = _model("qwen2")
-    enable_cpu_kernels(model)
-    assert type(model.model.norm) is KernelRMSNorm and decoder_loop.uses_decoder_loop(model)
-    for tokens, starts in (([[5, 6, 7]], [0]), ([[1], [2, 3]], [40, 7])):
-        assert torch.equal(_prefill_then_step(model, tokens, starts, loop=True),
-                           _prefill_then_step(model, tokens, starts, loop=False))
+    if not _KERNEL_MODELS:
+        for family in MODELS:
+            model = _model(family)
+            enable_cpu_kernels(model)
+            assert type(model.model.norm) is KernelRMSNorm and decoder_loop.uses_decoder_loop(model)
+            _KERNEL_MODELS[family] = model
+    return _KERNEL_MODELS
 
 
 @pytest.mark.skipif(not __import__("llminfer.kernels.build", fromlist=["x"]).skinny_linear_available(),

@@ -12,7 +12,9 @@ LoRA wrappers included; a transformers gate/up/down MLP with a plain SiLU is com
 and an int8-wo or int4-wo layer on its q8 kernel path gets its op called directly, as its forward would),
 attention is the function registered with ``transformers.AttentionInterface``
 under llminfer's name (:data:`~llminfer.backends.attention.ATTN_IMPLEMENTATION`, the model's
-``_attn_implementation`` when the loop first sees it), and the rotary helper is the model file's own ``apply_rotary_pos_emb``. Only
+``_attn_implementation`` when the loop first sees it), and the rotary helper is the model file's own ``apply_rotary_pos_emb`` (where it gives
+:func:`_rotate_together`'s bits, llminfer's ``rotary_qk`` op computes those ops in one call, and each residual
+sum is computed with the next RMSNorm in one op where that norm is llminfer's). Only
 the RoPE cos/sin differ in how they are made: looked up in a table the model's rotary module computed
 once for positions ``0..N-1``. That is exact, because each entry is one product ``position * inv_freq``
 followed by elementwise ``cos``/``sin``, independent of which other positions are computed with it.
@@ -33,6 +35,7 @@ from typing import Any
 import torch
 
 from llminfer.backends.attention import ATTN_IMPLEMENTATION, METADATA_KWARG
+from llminfer.kernels.build import kernels_loaded
 from llminfer.kernels.layers import KernelRMSNorm
 from llminfer.models.weight_only import Int4WeightOnlyLinear, Int8GroupWeightOnlyLinear
 
@@ -111,6 +114,21 @@ def _norm(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return module(x)
 
 
+def _add_norm(module: torch.nn.Module, hidden: torch.Tensor,
+              delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(hidden + delta, module(hidden + delta))`` (``delta`` None: nothing added), for a residual
+    connection followed by the next norm. Where :func:`_norm` would call llminfer's RMSNorm op, both in one
+    op (``add_rms_norm``), with the same bits."""
+    if delta is None:
+        return hidden, _norm(module, hidden)
+    if (type(module) is KernelRMSNorm and hidden.dtype == torch.float32 and delta.dtype == torch.float32
+            and hidden.is_cpu and delta.is_cpu and hidden.shape == delta.shape and module.weight.dtype == torch.float32
+            and not (module._forward_hooks or module._forward_pre_hooks)):
+        return torch.ops.llminfer_cpu.add_rms_norm(hidden, delta, module.weight, module.variance_epsilon)
+    hidden = hidden + delta
+    return hidden, _norm(module, hidden)
+
+
 def _rotate_together(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                      sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' ``apply_rotary_pos_emb`` (``x * cos + rotate_half(x) * sin``, the same elementwise ops)
@@ -120,6 +138,15 @@ def _rotate_together(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
     out = qk * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
     return out[:, :heads], out[:, heads:]
+
+
+def _rotate_in_kernel(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_rotate_together`'s operations in one op (``csrc/rotary_embedding.cpp``, the same bits) for
+    float32 CPU tensors; anything else goes to :func:`_rotate_together`."""
+    if q.dtype == k.dtype == cos.dtype == sin.dtype == torch.float32 and q.is_cpu:
+        return torch.ops.llminfer_cpu.rotary_qk(q, k, cos, sin)
+    return _rotate_together(q, k, cos, sin)
 
 
 def _same_rotation(rotate: Any) -> bool:
@@ -260,27 +287,28 @@ def forward_logits(model: torch.nn.Module, ids: torch.Tensor, position_ids: torc
     cos, sin = plan.rope.lookup(position_ids[0], hidden, max_position)
     shape = (1, ids.shape[1], -1)
     rotate = _rotate_together if plan.plain_rotate else plan.rotate
+    if plan.plain_rotate and hidden.dtype == torch.float32 and hidden.is_cpu and kernels_loaded():
+        rotate = _rotate_in_kernel
+    delta = None  # the last residual branch's output, added to ``hidden`` together with the next norm
     for layer, extra, plain_mlp in zip(plan.layers, plan.extra, plan.plain_mlp):
         attn = layer.self_attn
-        x = _norm(layer.input_layernorm, hidden)
+        hidden, x = _add_norm(layer.input_layernorm, hidden, delta)
         heads = (1, ids.shape[1], -1, attn.head_dim)
         q = _linear(attn.q_proj, x).view(heads).transpose(1, 2)
         k = _linear(attn.k_proj, x).view(heads).transpose(1, 2)
         v = _linear(attn.v_proj, x).view(heads).transpose(1, 2)
         q, k = rotate(q, k, cos, sin)
         out, _ = attention(attn, q, k, v, None, dropout=0.0, scaling=attn.scaling, **extra, **{METADATA_KWARG: meta})
-        hidden = hidden + _linear(attn.o_proj, out.reshape(shape).contiguous())
-        x = _norm(layer.post_attention_layernorm, hidden)
+        hidden, x = _add_norm(layer.post_attention_layernorm, hidden, _linear(attn.o_proj, out.reshape(shape).contiguous()))
         mlp = layer.mlp
         if plain_mlp is not None and mlp is plain_mlp[0] and mlp.act_fn is plain_mlp[1] \
                 and type(mlp).forward is plain_mlp[2] and type(mlp.act_fn).forward is plain_mlp[3] \
                 and "forward" not in mlp.__dict__ and "forward" not in plain_mlp[1].__dict__:
-            x = _linear(mlp.down_proj, torch.nn.functional.silu(_linear(mlp.gate_proj, x)) * _linear(mlp.up_proj, x))
+            delta = _linear(mlp.down_proj, torch.nn.functional.silu(_linear(mlp.gate_proj, x)) * _linear(mlp.up_proj, x))
         else:
-            x = layer.mlp(x)
-        hidden = hidden + x
-    hidden = _norm(base.norm, hidden)
-    return _linear(model.lm_head, hidden[:, keep])
+            delta = layer.mlp(x)
+    hidden, x = _add_norm(base.norm, hidden, delta)
+    return _linear(model.lm_head, x[:, keep])
 
 
 def _hooked(plan: _Plan) -> bool:

@@ -222,7 +222,7 @@ _fakes_registered = False
 
 def _register_fake_impls() -> None:
     """Shape-only implementations of the ops (skinny_linear, int8_linear, int4_linear, their q8 forms,
-    bf16_linear, paged_decode_attention, rms_norm), so
+    bf16_linear, paged_decode_attention, rms_norm, add_rms_norm, rotary_qk), so
     ``torch.compile`` (the compiled backend) traces through them and inductor calls them as extern kernels
     instead of breaking the graph. Once per process:
     the C++ library outlives :func:`_reset_for_tests`."""
@@ -268,7 +268,24 @@ def _register_fake_impls() -> None:
     def _rms_norm_fake(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return torch.empty_like(x, memory_format=torch.contiguous_format)
 
+    @torch.library.register_fake("llminfer_cpu::add_rms_norm")
+    def _add_rms_norm_fake(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.empty_like(x, memory_format=torch.contiguous_format),
+                torch.empty_like(x, memory_format=torch.contiguous_format))
+
+    @torch.library.register_fake("llminfer_cpu::rotary_qk")
+    def _rotary_qk_fake(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                        sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return q.new_empty(q.shape), k.new_empty(k.shape)
+
     _fakes_registered = True
+
+
+def kernels_loaded() -> bool:
+    """Whether the library is loaded already (never builds or loads it: for code that only takes the kernels
+    where a model's layers already run on them)."""
+    return _state["loaded"] is True
 
 
 def skinny_linear_available() -> bool:

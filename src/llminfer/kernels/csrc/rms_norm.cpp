@@ -62,8 +62,51 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return y;
 }
 
+// add_rms_norm(x [..., d], delta [..., d] float32, weight [d], eps) -> (x + delta, rms_norm(x + delta)): a
+// residual connection and the next norm in one op (the decoder loop's pre-norm layers), with the bits of
+// torch's add followed by rms_norm above (an fp32 sum is one rounding however it is computed).
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight,
+                                                double eps) {
+  const char* op = "add_rms_norm";
+  TORCH_CHECK(x.device().is_cpu() && delta.device().is_cpu() && weight.device().is_cpu(), op, ": CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && delta.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
+              op, ": float32 only");
+  TORCH_CHECK(x.sizes() == delta.sizes(), op, ": x ", x.sizes(), " and delta ", delta.sizes(), " differ");
+  TORCH_CHECK(x.dim() >= 1 && weight.dim() == 1 && x.size(-1) == weight.size(0), op,
+              ": x [..., d] and weight [d] disagree");
+  const at::Tensor xc = x.contiguous(), dc = delta.contiguous(), wc = weight.contiguous();
+  at::Tensor sum = at::empty_like(xc);
+  at::Tensor y = at::empty_like(xc);
+  const int64_t d = wc.size(0);
+  const int64_t rows = d ? xc.numel() / d : 0;
+  const float* xp = xc.data_ptr<float>();
+  const float* dp = dc.data_ptr<float>();
+  const float* wp = wc.data_ptr<float>();
+  float* sp = sum.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  const auto body = [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t k = 0; k < d; ++k) sp[r * d + k] = xp[r * d + k] + dp[r * d + k];
+      rms_norm_row(sp + r * d, wp, yp + r * d, d, e);
+    }
+  };
+  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / std::max<int64_t>(1, d));
+  if (rows <= grain)
+    body(0, rows);
+  else
+    parallel_for(0, rows, grain, body);
+  return {sum, y};
+}
+
 }  // namespace llminfer
 
-TORCH_LIBRARY_FRAGMENT(llminfer_cpu, m) { m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(llminfer_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)");
+}
 
-TORCH_LIBRARY_IMPL(llminfer_cpu, CPU, m) { m.impl("rms_norm", &llminfer::rms_norm); }
+TORCH_LIBRARY_IMPL(llminfer_cpu, CPU, m) {
+  m.impl("rms_norm", &llminfer::rms_norm);
+  m.impl("add_rms_norm", &llminfer::add_rms_norm);
+}
