@@ -1,6 +1,7 @@
-"""The decoder loop's fused ops between the products: ``rotary_qk`` (csrc/rotary_embedding.cpp) has the bits of
-transformers' ``apply_rotary_pos_emb`` and ``add_rms_norm`` (csrc/rms_norm.cpp) those of an add followed by
-llminfer's ``rms_norm``, for decode rows and for prefill chunks large enough to be split over threads."""
+"""The decoder loop's fused ops between the products, and the attention's KV write: ``rotary_qk``
+(csrc/rotary_embedding.cpp) has the bits of transformers' ``apply_rotary_pos_emb`` and ``add_rms_norm``
+(csrc/rms_norm.cpp) those of an add followed by llminfer's ``rms_norm``, for decode rows and for prefill chunks large enough to be split over threads;
+``kv_cache_write`` (csrc/paged_decode_attention.cpp) writes what ``index_copy_`` writes."""
 
 from __future__ import annotations
 
@@ -76,3 +77,35 @@ def test_add_rms_norm_refuses_mismatched_inputs() -> None:
         torch.ops.llminfer_cpu.add_rms_norm(torch.ones(2, 8), torch.ones(1, 8), torch.ones(8), 1e-6)
     with pytest.raises(RuntimeError, match="float32"):
         torch.ops.llminfer_cpu.add_rms_norm(torch.ones(2, 8).double(), torch.ones(2, 8), torch.ones(8), 1e-6)
+
+
+@settings(max_examples=20, deadline=None)
+@given(kv_heads=st.integers(1, 3), blocks=st.integers(1, 6), block_size=st.sampled_from([1, 4, 16]),
+       head_dim=st.sampled_from([8, 64]), cache_dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       fresh_bf16=st.booleans(), data=st.data())
+def test_kv_cache_write_is_index_copy(kv_heads, blocks, block_size, head_dim, cache_dtype, fresh_bf16, data) -> None:
+    """The attention's KV write (``kv_cache_write``) puts the same values where two ``index_copy_`` put them,
+    a float32 key rounded to a bfloat16 cache as ``Tensor.to`` rounds it."""
+    slots = data.draw(st.lists(st.integers(0, blocks * block_size - 1), min_size=1, max_size=blocks * block_size,
+                               unique=True))
+    gen = torch.Generator().manual_seed(len(slots))
+    fresh_dtype = cache_dtype if fresh_bf16 else torch.float32
+    key, value = (torch.randn(1, len(slots), kv_heads, head_dim, generator=gen).transpose(1, 2).to(fresh_dtype)
+                  for _ in range(2))
+    caches = [torch.randn(kv_heads, blocks, block_size, head_dim, generator=gen).to(cache_dtype) for _ in range(2)]
+    want = [c.clone() for c in caches]
+    mapping = torch.tensor(slots)
+    for cache, fresh in zip(want, (key, value)):
+        cache.view(kv_heads, -1, head_dim).index_copy_(1, mapping, fresh[0].to(cache_dtype))
+    torch.ops.llminfer_cpu.kv_cache_write(caches[0], caches[1], key[0], value[0], mapping)
+    assert all(torch.equal(a, b) for a, b in zip(caches, want))
+
+
+def test_kv_cache_write_refuses_a_slot_outside_the_pool() -> None:
+    cache = torch.zeros(1, 2, 4, 8)
+    fresh = torch.ones(1, 1, 8)
+    with pytest.raises(RuntimeError, match="slot 8 out of range"):
+        torch.ops.llminfer_cpu.kv_cache_write(cache, cache.clone(), fresh, fresh, torch.tensor([8]))
+    with pytest.raises(RuntimeError, match="must be"):
+        torch.ops.llminfer_cpu.kv_cache_write(cache, cache.clone(), fresh, fresh, torch.tensor([1, 2]))
+    assert not cache.any()

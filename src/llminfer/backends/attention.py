@@ -39,6 +39,7 @@ from llminfer.backends.attention_metadata import (
     decode_chunk_blocks,
 )
 from llminfer.backends.paged_kv_cache import PagedKVCache
+from llminfer.kernels.build import kernels_loaded
 
 __all__ = ["ATTN_IMPLEMENTATION", "DECODE_CHUNK_SLOTS", "METADATA_KWARG", "DecodeBatch", "PagedAttentionMetadata",
            "PagedKVCache", "PrefillSegment", "build_metadata", "build_metadata_loop", "decode_attention",
@@ -83,10 +84,15 @@ def paged_attention_forward(
 
         return triton_attention(query, key, value, k_cache, v_cache, meta.slot_mapping, meta.triton, scaling), None
     num_kv_heads, num_blocks, block_size, head_dim = k_cache.shape
-    flat_k = k_cache.view(num_kv_heads, -1, head_dim)  # [H_kv, slots, D]
-    flat_v = v_cache.view(num_kv_heads, -1, head_dim)
-    flat_k.index_copy_(1, meta.slot_mapping, key[0].to(flat_k.dtype))  # key[0]: [H_kv, T, D]
-    flat_v.index_copy_(1, meta.slot_mapping, value[0].to(flat_v.dtype))
+    if (key.dtype in (torch.float32, k_cache.dtype) and value.dtype == key.dtype and key.is_cpu and kernels_loaded()
+            and not torch.compiler.is_compiling()):
+        # the same copies in one op (csrc/paged_decode_attention.cpp)
+        torch.ops.llminfer_cpu.kv_cache_write(k_cache, v_cache, key[0], value[0], meta.slot_mapping)
+    else:
+        flat_k = k_cache.view(num_kv_heads, -1, head_dim)  # [H_kv, slots, D]
+        flat_v = v_cache.view(num_kv_heads, -1, head_dim)
+        flat_k.index_copy_(1, meta.slot_mapping, key[0].to(flat_k.dtype))  # key[0]: [H_kv, T, D]
+        flat_v.index_copy_(1, meta.slot_mapping, value[0].to(flat_v.dtype))
     # Whole blocks as rows: index_select copies block_size * head_dim contiguous elements per (head, block),
     # where advanced indexing slot by slot would copy head_dim at a time.
     block_k = k_cache.view(num_kv_heads, num_blocks, block_size * head_dim)
@@ -100,9 +106,9 @@ def paged_attention_forward(
     q = query[0]  # [H, T, D]
     num_heads, num_tokens = q.shape[0], q.shape[1]
     gqa = num_heads != num_kv_heads
-    out = q.new_empty(num_tokens, num_heads, head_dim)
-
     group = meta.decode
+    # an all-decode step's output is the decode attention's own
+    out = q.new_empty(num_tokens, num_heads, head_dim) if group is None or not meta.all_decode else q
     if (group is not None and group.ctx_lens is not None and q.dtype in (torch.float32, torch.bfloat16)
             and k_cache.dtype == q.dtype and head_dim % 8 == 0):
         qd = q.transpose(0, 1) if meta.all_decode else q.index_select(1, group.index).transpose(0, 1)  # [b, H, D]

@@ -120,11 +120,76 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
   return out;
 }
 
+// kv_cache_write: a step's new keys and values into their slots of the pool, what two index_copy_ calls and
+// their dtype conversions did (four dispatches and a view each per layer, at batch 1 more than the copy).
+//   k_cache, v_cache [H_kv, num_blocks, block_size, D]  float32 or bfloat16, contiguous (written in place)
+//   key, value       [H_kv, T, D]  float32 or the cache's dtype, D contiguous (a bfloat16 cache gets each
+//                                  float32 value rounded to nearest even, as Tensor.to rounds it)
+//   slot_mapping     [T] int64: token t goes to slot (block * block_size + offset) slot_mapping[t]
+namespace {
+
+template <typename In, typename Out>
+void write_rows(const In* src, int64_t s_head, int64_t s_tok, Out* dst, const int64_t* slots, int64_t H_kv,
+                int64_t T, int64_t slots_per_head, int64_t D) {
+  for (int64_t h = 0; h < H_kv; ++h)
+    for (int64_t t = 0; t < T; ++t) {
+      const In* from = src + h * s_head + t * s_tok;
+      Out* to = dst + (h * slots_per_head + slots[t]) * D;
+      for (int64_t i = 0; i < D; ++i) to[i] = static_cast<Out>(from[i]);
+    }
+}
+
+void write_one(const at::Tensor& cache, const at::Tensor& fresh, const int64_t* slots, int64_t T) {
+  const int64_t H_kv = cache.size(0), D = cache.size(3), per_head = cache.size(1) * cache.size(2);
+  if (cache.scalar_type() == at::kFloat) {
+    write_rows(fresh.data_ptr<float>(), fresh.stride(0), fresh.stride(1), cache.data_ptr<float>(), slots, H_kv, T,
+               per_head, D);
+  } else if (fresh.scalar_type() == at::kFloat) {
+    write_rows(fresh.data_ptr<float>(), fresh.stride(0), fresh.stride(1), cache.data_ptr<c10::BFloat16>(), slots,
+               H_kv, T, per_head, D);
+  } else {
+    write_rows(fresh.data_ptr<c10::BFloat16>(), fresh.stride(0), fresh.stride(1), cache.data_ptr<c10::BFloat16>(),
+               slots, H_kv, T, per_head, D);
+  }
+}
+
+}  // namespace
+
+void kv_cache_write(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& key, const at::Tensor& value,
+                    const at::Tensor& slot_mapping) {
+  const char* op = "kv_cache_write";
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type() &&
+                  (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kBFloat16),
+              op, ": caches must be contiguous [H_kv, blocks, block_size, D] float32 or bfloat16 of one shape");
+  const int64_t H_kv = k_cache.size(0), D = k_cache.size(3), slots_per_head = k_cache.size(1) * k_cache.size(2);
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(), op,
+              ": slot_mapping must be a contiguous int64 vector");
+  const int64_t T = slot_mapping.size(0);
+  for (const at::Tensor* t : {&key, &value}) {
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == H_kv && t->size(1) == T && t->size(2) == D && t->stride(2) == 1, op,
+                ": key/value ", t->sizes(), " must be [", H_kv, ", ", T, ", ", D, "] with D contiguous");
+    TORCH_CHECK(t->scalar_type() == at::kFloat || t->scalar_type() == k_cache.scalar_type(), op,
+                ": key/value must be float32 or the cache's dtype");
+  }
+  TORCH_CHECK(k_cache.device().is_cpu() && key.device().is_cpu() && value.device().is_cpu() &&
+                  slot_mapping.device().is_cpu(), op, ": CPU tensors only");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < slots_per_head, op, ": slot ", slots[t], " out of range");
+  write_one(k_cache, key, slots, T);
+  write_one(v_cache, value, slots, T);
+}
+
 }  // namespace llminfer
 
 TORCH_LIBRARY_FRAGMENT(llminfer_cpu, m) {
   m.def("paged_decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor ctx_lens, float scale) -> Tensor");
+  m.def("kv_cache_write(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor key, Tensor value, Tensor slot_mapping) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(llminfer_cpu, CPU, m) { m.impl("paged_decode_attention", &llminfer::paged_decode_attention); }
+TORCH_LIBRARY_IMPL(llminfer_cpu, CPU, m) {
+  m.impl("paged_decode_attention", &llminfer::paged_decode_attention);
+  m.impl("kv_cache_write", &llminfer::kv_cache_write);
+}
