@@ -54,6 +54,7 @@ def test_info_reports_model_kv_and_step_budget():
         (["run", "x", "--max-new-tokens", "abc"], "max-new-tokens"),
         (["run", "x", "--max-new-tokens", "0"], "max_new_tokens"),
         (["run", "x", "--dtype", "int3"], "dtype"),
+        (["run", "x", "--quant", "int3-wo"], "--quant: unknown mode 'int3-wo'; choose one of none, nf4"),
         (["run", "x", "--tp-size", "2"], "vLLM"),
         (["run", "x", "--bogus-flag"], "bogus"),
         (["run", ""], "empty"),
@@ -65,4 +66,4 @@ def test_bad_input_is_one_line_and_nonzero(args, needle):
     err = p.stderr.strip().splitlines()
     assert len(err) == 1, p.stderr
     assert err[0].startswith("error:") and needle in err[0]
-    assert "Traceback" not in p.stderr
+    assert "Traceback" not in p.stderr and "Value error" not in p.stderr

@@ -90,7 +90,7 @@ class EngineOptions:
     trust_remote_code: TrustRemote = False
     tp_size: TPSize = 1
     pp_size: PPSize = 1
-    quant: QuantOpt = QuantMode.NONE
+    quant: QuantOpt = QuantMode.NONE.value
     adapter: AdapterOpt = None
     adapter_name: AdapterName = None
     compile_mode: CompileMode = "default"

@@ -73,7 +73,9 @@ SpecLookupMax = Annotated[int, typer.Option("--spec-prompt-lookup-max", help="--
                                             "suffix n-gram matched.")]
 SpecLookupMin = Annotated[int, typer.Option("--spec-prompt-lookup-min", help="--spec-method ngram: shortest "
                                             "suffix n-gram matched.")]
-QuantOpt = Annotated[QuantMode, typer.Option("--quant", help="Weight quantization: bitsandbytes (nf4, fp4, "
+# a str checked in build_config: typer's own Enum coercion words a bad value as
+# "Value error, 'x' is not one of ..."
+QuantOpt = Annotated[str, typer.Option("--quant", help="Weight quantization: bitsandbytes (nf4, fp4, "
                                              "int8) or weight-only int8/int4 on llminfer's CPU kernels "
                                              "(int8-wo, int4-wo); from-gguf (a .gguf model: Q8_0 -> int8-wo, "
                                              "Q4_0/Q4_1 -> int4-wo); none.")]
@@ -126,6 +128,9 @@ def build_config(
     """
     from llminfer.errors import ConfigError
 
+    if not isinstance(quant, QuantMode) and str(quant).lower() not in {m.value for m in QuantMode}:
+        raise typer.BadParameter(f"--quant: unknown mode {quant!r}; choose one of "
+                                 f"{', '.join(m.value for m in QuantMode)}")
     try:
         return EngineConfig(
             model_name=model, backend=backend, dtype=dtype, device=device, max_batch_size=max_batch_size,
