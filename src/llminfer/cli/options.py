@@ -75,7 +75,7 @@ SpecLookupMin = Annotated[int, typer.Option("--spec-prompt-lookup-min", help="--
                                             "suffix n-gram matched.")]
 # a str checked in build_config: typer's own Enum coercion words a bad value as
 # "Value error, 'x' is not one of ..."
-QuantOpt = Annotated[str, typer.Option("--quant", help="Weight quantization: bitsandbytes (nf4, fp4, "
+QuantOpt = Annotated[str, typer.Option("--quant", metavar=f"<{'|'.join(m.value for m in QuantMode)}>", help="Weight quantization: bitsandbytes (nf4, fp4, "
                                              "int8) or weight-only int8/int4 on llminfer's CPU kernels "
                                              "(int8-wo, int4-wo); from-gguf (a .gguf model: Q8_0 -> int8-wo, "
                                              "Q4_0/Q4_1 -> int4-wo); none.")]
