@@ -12,7 +12,11 @@ to it (``speed_ratio_float32_over_auto``). bf16 steps of up to 4 rows run on llm
 where the CPU has AVX-512 BF16; ``LLMINFER_CPU_KERNEL_BF16=0`` keeps them on torch's matmul, to compare
 (on a 2-core Xeon with AMX: bf16 batch-1 11.8 against 15.7 ms per token, fp32 18.7).
 
-    python bench/bench_dtype.py [--reps 3] [--new-tokens 32] [--batch 32] [--quick]
+``--model`` runs another model instead (a folder, a ``.gguf`` file or a built-in name such as
+``llminfer/smollm2-135m-instruct``, the trained model, whose GGUF loads in float32, so ``auto`` is float32 there and
+bf16 runs beside it).
+
+    python bench/bench_dtype.py [--reps 3] [--new-tokens 32] [--batch 32] [--quick] [--model NAME]
 """
 
 from __future__ import annotations
@@ -39,9 +43,10 @@ def main() -> dict:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--model", default=None, help="a model folder, .gguf file or built-in name (default: the bench model)")
     args = parse_args(ap, {"reps": 1, "new_tokens": 8, "batch": 8})
     configure_logging("warning")
-    path = bench_model_path()
+    path = args.model or bench_model_path()
     engines = {"auto": _engine(path, "auto", args.batch), "bfloat16": _engine(path, "bfloat16", args.batch)}
     if engines["auto"].runtime.dtype != torch.float32:
         # Where auto picks a half type (native bf16/fp16), float32 runs next to it: the CPU kernels
@@ -51,20 +56,21 @@ def main() -> dict:
     # auto settled by measurement where the flag rule picked a half type (llminfer.models.dtype_probe)
     probe, auto_reason = engines["auto"].runtime.dtype_probe, engines["auto"].runtime.dtype_reason
     kw = dict(max_new_tokens=args.new_tokens, ignore_eos=True)
+    vocab = min(BENCH_VOCAB, engines["auto"].tokenizer.vocab_size)
     for e in engines.values():  # warm-up, excluded
-        e.run_batch_continuous(random_prompts(2, args.prompt_tokens, BENCH_VOCAB, seed=7), max_new_tokens=4)
+        e.run_batch_continuous(random_prompts(2, args.prompt_tokens, vocab, seed=7), max_new_tokens=4)
     ms_per_token: dict[str, list[float]] = {k: [] for k in engines}
     batch_tps: dict[str, list[float]] = {k: [] for k in engines}
     sampled_ms: dict[str, list[float]] = {k: [] for k in engines}
     for rep in range(args.reps):
         order = list(engines.items()) if rep % 2 == 0 else list(engines.items())[::-1]
         for name, e in order:
-            prompt = random_prompts(1, args.prompt_tokens, BENCH_VOCAB, seed=100 + rep)[0]
+            prompt = random_prompts(1, args.prompt_tokens, vocab, seed=100 + rep)[0]
             st = e.run(prompt, **kw).stats
             ms_per_token[name].append((st.total_latency_ms - st.ttft_ms) / max(1, st.completion_tokens - 1))
             st = e.run(prompt, temperature=1.0, seed=rep, **kw).stats  # full logits: no argmax screen
             sampled_ms[name].append((st.total_latency_ms - st.ttft_ms) / max(1, st.completion_tokens - 1))
-            prompts = random_prompts(args.batch, args.prompt_tokens, BENCH_VOCAB, seed=200 + rep)
+            prompts = random_prompts(args.batch, args.prompt_tokens, vocab, seed=200 + rep)
             seconds, results = timed(e.run_batch_continuous, prompts, **kw)
             batch_tps[name].append(sum(r.stats.completion_tokens for r in results) / seconds)
     for e in engines.values():
@@ -73,7 +79,7 @@ def main() -> dict:
     bn = {k: statistics.median(v) for k, v in batch_tps.items()}
     b1_sampled = {k: statistics.median(v) for k, v in sampled_ms.items()}
     payload = {
-        "benchmark": "dtype_auto_vs_bf16", "dtype_chosen": chosen,
+        "benchmark": "dtype_auto_vs_bf16", "model": str(path), "dtype_chosen": chosen,
         "dtype_reason": auto_reason, "dtype_probe": probe,
         "flag_rule_reason": environment()["cpu_dtype"]["auto_reason"],
         "batch1_ms_per_token": b1, "batch1_ms_per_token_runs": ms_per_token,

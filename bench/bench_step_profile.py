@@ -301,12 +301,12 @@ def _loadavg() -> str:
 
 
 def run(quick: bool, reps: int, plain_only: bool = False, compare: str | None = None,
-        quant: str = "none") -> dict[str, Any]:
+        quant: str = "none", dtype: str = "float32") -> dict[str, Any]:
     configure_logging("warning")
     torch.set_num_threads(int(os.environ.get("LLMINFER_BENCH_THREADS", "2")))
     load_before = _loadavg()
     steal = StealMeter()
-    cfg = EngineConfig(model_name=str(bench_model_path()), dtype="float32", device="cpu", max_batch_size=32,
+    cfg = EngineConfig(model_name=str(bench_model_path()), dtype=dtype, device="cpu", max_batch_size=32,
                        batch_timeout_ms=0, attention_backend=os.environ.get("LLMINFER_BENCH_ATTENTION", "auto"),
                        cache=CacheConfig(page_size_tokens=16, kv_cache_memory_bytes=256 << 20),
                        quant=QuantConfig(mode=QuantMode(quant)))
@@ -346,7 +346,7 @@ def run(quick: bool, reps: int, plain_only: bool = False, compare: str | None = 
             cases.append(case)
     finally:
         engine.close()
-    return {"benchmark": "step_profile", "dtype": "float32", "quant": quant, "reps": reps, "quick": quick,
+    return {"benchmark": "step_profile", "dtype": dtype, "quant": quant, "reps": reps, "quick": quick,
             "copy_bandwidth_bytes_per_s": bw, "cases": cases,
             "loadavg_before": load_before,
             "loadavg_after": _loadavg(),
@@ -367,8 +367,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     "'decoder-loop' transformers' model forward against llminfer's decoder loop")
     ap.add_argument("--quant", default="none", help="weight quantization of the model (--quant of llminfer: "
                     "none, int8-wo, int4-wo, ...)")
+    ap.add_argument("--dtype", default="float32", help="the model's dtype (float32, bfloat16, auto)")
     args = ap.parse_args(argv)
-    results = run(args.quick, args.reps, args.plain_only, args.before_after, args.quant)
+    results = run(args.quick, args.reps, args.plain_only, args.before_after, args.quant, args.dtype)
     if args.before_after:
         print(f"load average before {results['loadavg_before']}, after {results['loadavg_after']}; "
               f"steal {_pct(results.get('steal_pct'))}")

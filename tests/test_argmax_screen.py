@@ -18,13 +18,17 @@ from llminfer.kernels.argmax_screen import (
     int8_a8_available,
     int8_a8_screen,
     int8_screen,
+    int8_screens,
     screen_margin,
 )
-from llminfer.kernels.build import skinny_linear_available
+from llminfer.kernels.bf16_linear import bf16_linear
+from llminfer.kernels.build import bf16_kernel_available, skinny_linear_available
 from llminfer.kernels.prepack import PrepackedLinear, argmax_only, prepack_supported
 from llminfer.models import builtin_model_path
 
 needs_kernels = pytest.mark.skipif(not skinny_linear_available(), reason="llminfer's CPU kernels are not built here")
+needs_bf16_kernel = pytest.mark.skipif(not (skinny_linear_available() and bf16_kernel_available()),
+                                       reason="llminfer's bf16 kernel (AVX-512 BF16) does not run here")
 needs_a_copy = pytest.mark.skipif(
     not (skinny_linear_available() or prepack_supported(torch.bfloat16, torch.device("cpu"))),
     reason="neither llminfer's int8 kernel nor oneDNN's bf16 matmul runs here")
@@ -317,3 +321,136 @@ def test_the_torch_candidate_path_finds_the_same_tokens_as_the_fused_one():
     assert fused._fused and a is not None and b is not None
     assert a.argmax(dim=1).tolist() == b.argmax(dim=1).tolist() == (x @ weight.T).argmax(dim=1).tolist()
     assert fused.candidates == plain.candidates > 0
+
+
+@needs_bf16_kernel
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), rows=st.integers(1, 4), vocab=st.integers(2, 600),
+       d=st.sampled_from([32, 64, 96]), ties=st.integers(0, 5), scale=st.sampled_from([1e-3, 1.0, 30.0]))
+def test_a_bf16_head_screen_keeps_the_bf16_kernel_argmax(seed, rows, vocab, d, ties, scale):
+    """A bf16 head's screen scores its candidates on the head's own kernel: the argmax, ties broken by the lowest
+    index, is that of ``bf16_linear`` over the whole vocabulary."""
+    gen = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(vocab, d, generator=gen) * 0.05).to(torch.bfloat16)
+    x = (torch.randn(rows, d, generator=gen) * scale).to(torch.bfloat16)
+    top = int(bf16_linear(x[:1].contiguous(), weight)[0].float().argmax())
+    for k in range(min(ties, vocab - 1)):  # exact copies and one-ulp neighbours of the winner
+        j = (top + 1 + k) % vocab
+        weight[j] = weight[top]
+        if k % 2:
+            weight[j, k % d] = torch.nextafter(weight[j, k % d].float(), torch.tensor(1.0)).to(torch.bfloat16)
+    weight = weight.contiguous()
+    full = bf16_linear(x, weight).float()
+    for product in int8_screens(weight):
+        screen = ArgmaxScreen(weight, [(0, product)], max_step_rows=4)
+        with torch.inference_mode():
+            out = screen.logits(x)
+        if out is None:  # too many candidates: the caller runs the full head
+            continue
+        assert out.dtype == torch.float32
+        assert out.argmax(dim=1).tolist() == full.argmax(dim=1).tolist(), product.name
+        kept = out == full
+        assert kept.any(dim=1).all()  # each row's winner is a scored candidate
+
+
+@needs_bf16_kernel
+def test_a_bf16_head_is_screened_only_where_its_own_kernel_runs():
+    """Steps of up to ``kernel_rows`` rows take the screen; a larger step runs oneDNN's full product, bit for
+    bit, as without a screen."""
+    torch.manual_seed(1)
+    head = PrepackedLinear(nn.Linear(64, 3000, bias=False).to(torch.bfloat16))
+    assert not attach_argmax_screen(head, min_elements=0, require_faster=False)  # no kernel_rows: no screen
+    head.kernel_rows = 4
+    assert attach_argmax_screen(head, min_elements=0, require_faster=False)
+    assert set(head.argmax_screen_probe_ms) <= {f"{n}_{r}" for n in ("bf16", "int8", "int8-a8") for r in (1, 2)}
+    for total, screened in ((1, [0]), (4, [0, 1, 2, 3]), (4, [2]), (6, [0, 1, 2, 3, 4, 5])):
+        x = torch.randn(total, 64).to(torch.bfloat16)
+        before = head.argmax_screen.rows_screened
+        with torch.inference_mode():
+            full = head(x)
+            with argmax_only(head, screened):
+                mixed = head(x)
+        if total > 4:
+            assert head.argmax_screen.rows_screened == before and torch.equal(mixed, full)
+            continue
+        assert head.argmax_screen.rows_screened == before + len(screened)
+        assert mixed.dtype == torch.float32
+        assert mixed[screened].argmax(-1).tolist() == full[screened].float().argmax(-1).tolist()
+        others = [i for i in range(total) if i not in screened]
+        assert torch.equal(mixed[others], full[others].float())
+
+
+@needs_bf16_kernel
+def test_bf16_engine_greedy_tokens_equal_with_and_without_the_screen():
+    prompts = ["Hello there", "The capital of", "a b c d e f", "x"]
+    results = {}
+    for screen in (False, True):
+        with make_engine(builtin_model_path(), dtype="bfloat16", cpu_argmax_screen=False) as engine:
+            if screen:
+                assert attach_argmax_screen(engine.backend.output_head, min_elements=0, require_faster=False)
+            results[screen] = [r.token_ids for r in engine.run_batch_continuous(prompts, max_new_tokens=12)]
+            results[screen] += [engine.run(p, max_new_tokens=12, temperature=0.0).token_ids for p in prompts]
+            info = engine.backend.describe()["argmax_screen"]
+            assert (info is not None and info["rows"] > 0) == screen
+    assert results[True] == results[False]
+
+
+@needs_bf16_kernel
+def test_a_bf16_score_tie_below_the_line_is_kept():
+    """A bf16 head rounds its fp32 sums: two sums apart by less than a bf16 step can tie, and then the lower
+    index wins. With an exact screen (no bound of its own) the tied token below the top sum must still be scored:
+    the threshold widens by the rounding (``score_rounding``)."""
+    d = 32
+    weight = torch.zeros(8, d)
+    weight[2:] = 0.01
+    weight[0, :2] = torch.tensor([1.0, 2.0**-8 + 2.0**-12])  # 1.00415..., rounds up to 1 + 2^-7
+    weight[1, :2] = torch.tensor([1.0, 2.0**-8 + 2.0**-10])  # 1.00488..., the larger sum, rounds the same
+    weight = weight.to(torch.bfloat16).contiguous()
+    x = torch.zeros(1, d, dtype=torch.bfloat16)
+    x[0, :2] = 1.0
+    full = bf16_linear(x, weight).float()
+    assert full[0, 0] == full[0, 1] and int(full.argmax()) == 0
+    exact = weight.float()
+
+    def screen(rounding: float) -> ArgmaxScreen:
+        product = ScreenProduct("exact", lambda xf: xf @ exact.T, lambda xf: torch.zeros(xf.shape[0], 1), 0,
+                                score_rounding=rounding)
+        return ArgmaxScreen(weight, [(0, product)], max_step_rows=4)
+
+    with torch.inference_mode():
+        assert int(screen(2.0**-8).logits(x).argmax()) == 0
+        assert int(screen(0.0).logits(x).argmax()) == 1  # without the widening the tie is missed
+
+
+@needs_kernels
+def test_a_token_with_a_small_step_is_kept_beside_one_whose_rounding_lifts_it():
+    """The int8 copy's rounding is bounded per token: the winner (small weights, a small step, no rounding) sits
+    just above a token whose weights all round up by about half its 50x larger step. The line must take off the
+    lifted token's own bound, not the winner's: else the winner and a runner-up (exact, a 10x larger step) are
+    left unscored, and the runner-up's upper bound outranks the winner's."""
+    d, step = 64, 0.01
+    lifted = torch.full((d,), 0.51 * step)
+    lifted[0] = 127 * step  # sets the row's step to ``step``: 0.51 steps round up to 1
+    winner = torch.full((d,), float(lifted.sum()) / d * (1 + 1e-4))
+    runner_up = torch.tensor([127.0] + [11.0] * 38 + [10.0] * 25) * 0.002  # 1.590, just below the winner
+    weight = torch.cat([winner[None], lifted[None], runner_up[None], torch.full((5, d), 1e-4)]).contiguous()
+    x = torch.ones(1, d)
+    assert int((x @ weight.T).argmax()) == 0
+    for product in int8_screens(weight):
+        with torch.inference_mode():
+            out = ArgmaxScreen(weight, [(0, product)]).logits(x)
+        assert out is not None and int(out.argmax()) == 0, product.name
+
+
+def test_a_spare_copy_takes_over_when_the_last_one_is_dropped():
+    weight = torch.randn(300, 8)
+    loose = ScreenProduct("loose", _bf16_matmul(weight), lambda x: torch.full((x.shape[0], 1), 1e9), 0)
+    tight = _bf16_reference(weight).products[0][1]
+    screen = ArgmaxScreen(weight, [(2**31, loose)], spares=[tight])
+    x = torch.randn(1, 8)
+    with torch.inference_mode(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr("llminfer.kernels.argmax_screen.MAX_CANDIDATES_PER_ROW", 10)
+        for _ in range(16):
+            assert screen.logits(x) is None
+        assert screen.dropped == ["loose"] and screen.product_for(4) is tight and screen.spares == []
+        assert int(screen.logits(x).argmax()) == int((x @ weight.T).argmax())

@@ -117,6 +117,23 @@ def test_auto_dtype_follows_what_the_cpu_runs_natively(checkpoint, native, expec
         assert "no native bf16/fp16" in reason
 
 
+@pytest.mark.parametrize(("weight_type", "native", "expected"), [
+    ("Q4_1", {"bfloat16": True, "float16": True}, torch.bfloat16),  # quantized blocks: fp16 scales at most
+    ("Q8_0", {"bfloat16": False, "float16": False}, torch.float32),
+    ("BF16", {"bfloat16": True, "float16": False}, torch.bfloat16),
+    ("F32", {"bfloat16": True, "float16": True}, torch.float32),  # a float32 GGUF stays float32
+])
+def test_a_gguf_folder_counts_as_its_files_precision(weight_type, native, expected):
+    from llminfer.models.gguf import checkpoint_half_type
+
+    half = checkpoint_half_type({"weight_type": weight_type})
+    label = f"GGUF {weight_type}"
+    dtype, reason = resolve_dtype(EngineConfig(), _Config("float32"), torch.device("cpu"), native_half=native,
+                                  checkpoint=(half, label) if half else None)
+    assert dtype == expected
+    assert (label in reason) == (half is not None)
+
+
 def test_explicit_dtype_and_gpu_keep_the_asked_or_checkpoint_dtype():
     none = {"bfloat16": False, "float16": False}
     assert resolve_dtype(EngineConfig(dtype="bfloat16"), _Config("float32"), torch.device("cpu"), none) == (

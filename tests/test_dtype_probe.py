@@ -67,7 +67,7 @@ def half_flags(monkeypatch, tmp_path):
     """The flag rule picks bfloat16 (as on a CPU with native bf16); the cache lives in tmp_path."""
     real = rt_mod.resolve_dtype
 
-    def resolve(cfg, model_config, device, native_half=None):
+    def resolve(cfg, model_config, device, native_half=None, checkpoint=None):
         if cfg.dtype != "auto":
             return real(cfg, model_config, device)
         return torch.bfloat16, "auto: bfloat16 checkpoint, and this CPU computes bfloat16 natively (test)"

@@ -15,12 +15,21 @@ fp32 and rounds the sum to bf16, so ``|a_j - s_j| <= ((1+u)^3 (1+g) - 1) * sum_i
 ``g = n 2^-24 / (1 - n 2^-24)`` the fp32 summation bound for ``n`` terms (Higham, *Accuracy and Stability of
 Numerical Algorithms*, 2nd ed., section 3.1), taken for ``n = 2d``. The fp32 score ``r_j`` is within
 ``g * sum_i |x_i||w_ji|`` of ``s_j``, and by Cauchy-Schwarz ``sum_i |x_i||w_ji| <= ||x|| * max_j ||w_j||``.
-The int8 copy's bound (:func:`int8_screen`) adds the weights' and the activations' rounding instead. With
+The int8 copy's bound (:func:`int8_screen`) adds the weights' and the activations' rounding instead; the weights'
+part is token ``j``'s own, ``s_j / 2 * ||x||_1`` for its row's step ``s_j`` (a trained head's steps differ by
+3x and more from row to row; see :meth:`ArgmaxScreen.logits` for the threshold it gives). With
 ``E`` the sum of the bounds (raised by a quarter against the rounding of the norms and the threshold), the
 fp32 argmax ``j*`` satisfies ``a_j* >= r_j* - E >= r_k - E >= a_k - 2E`` for every ``k``, so
 ``{j : a_j >= max_k a_k - 2E}`` holds it. Tokens outside that set keep ``a_j``, which is below
 ``max_k a_k - 2E`` and so below ``r_j*``; the set is scored ``r_j = dot(x, w_j)`` in fp32, each on its own, so
 a row's token does not depend on its batch.
+
+A bf16 head (``dtype=bfloat16``) is screened the same way through the int8 copy of its weight, for steps the
+head would run on llminfer's :func:`~llminfer.kernels.bf16_linear.bf16_linear` (up to
+:attr:`~llminfer.kernels.prepack.PrepackedLinear.kernel_rows` rows). Its candidates are scored by that kernel on
+their own rows of the weight, which gives each the bits of the full product (the kernel's order per output does
+not depend on the other outputs), so a screened step's tokens are the unscreened step's. The bound then also
+covers the score's rounding to bf16 (``2^-8`` of ``||x|| max_j ||w_j||``) and the flush of denormal products.
 
 Which copy runs where, and whether the screen is kept at all, is measured at load
 (:func:`attach_argmax_screen`); the figures are in the README's CPU section.
@@ -33,11 +42,21 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import attrs
 import numpy as np
 import structlog
 import torch
 from torch import nn
+
+from llminfer.kernels.screen_copies import (
+    BOUND_SLACK,
+    ScreenProduct,
+    bf16_screen,
+    int8_a8_available,
+    int8_a8_screen,
+    int8_screen,
+    int8_screens,
+    screen_margin,
+)
 
 log = structlog.get_logger("llminfer.argmax_screen")
 
@@ -54,165 +73,27 @@ DROP_FALLBACK_SHARE = 0.125
 DROP_AFTER_CALLS = 16
 #: The row counts :func:`attach_argmax_screen` times each copy at, with the repetitions (median taken).
 PROBES = ((1, 5), (2, 3), (8, 3), (32, 2))
-#: Against the rounding of the norms and of the threshold itself, every bound is raised by a quarter.
-BOUND_SLACK = 1.25
-
-
-def _summation_bound(terms: int) -> float:
-    unit = terms * 2.0**-24
-    return unit / (1.0 - unit)
-
-
-def screen_margin(in_features: int) -> float:
-    """The relative error bound ``c`` (:math:`|a_j - r_j| \\le c\\,\\|x\\|\\max_j\\|w_j\\|`) of a bf16 screen
-    against the fp32 score for dot products of ``in_features`` terms (see the module docstring), with the
-    summation bound taken for twice the terms (``vdpbf16ps`` adds two products per lane and step) and
-    :data:`BOUND_SLACK`."""
-    u = 2.0**-8
-    g = _summation_bound(2 * in_features)
-    return BOUND_SLACK * (((1 + u) ** 3) * (1 + g) - 1 + g)
-
-
-@attrs.frozen
-class ScreenProduct:
-    """One approximate product of the head and its error bound.
-
-    Attributes:
-        name: ``"bf16"`` or ``"int8"``.
-        product: fp32 ``x [R, d]`` -> ``[R, V]`` approximate logits (any float dtype).
-        error_bound: fp32 ``x [R, d]`` -> fp32 ``[R, 1]``: for every token ``j``, a bound on the distance
-            between the approximate logit and the fp32 score ``dot(x, w_j)``.
-        bytes: what the copy holds.
-    """
-
-    name: str
-    product: Callable[[torch.Tensor], torch.Tensor]
-    error_bound: Callable[[torch.Tensor], torch.Tensor]
-    bytes: int
-
-
-def bf16_screen(weight: torch.Tensor) -> ScreenProduct:
-    """oneDNN's packed bf16 copy of ``weight`` (fp32 ``[V, d]``): ``V * d * 2`` bytes. Its bound is
-    :func:`screen_margin` times ``||x|| * max_j ||w_j||``. Raises RuntimeError where oneDNN has no bf16 kernel."""
-    with torch.no_grad():
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(torch.bfloat16), None)
-        wmax = float(weight.norm(dim=1).max())
-    margin = screen_margin(weight.shape[1]) * wmax
-    tiny = weight.shape[1] * 2.0**-100  # denormals that vdpbf16ps counts as zero
-
-    def product(x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), packed, None, "none", [], "")
-
-    def error_bound(x: torch.Tensor) -> torch.Tensor:
-        return x.norm(dim=1, keepdim=True) * margin + tiny
-
-    return ScreenProduct("bf16", product, error_bound, packed.numel() * 2)
-
-
-@attrs.frozen
-class _Int8Copy:
-    """A per-row symmetric int8 copy of an fp32 head and the constants of its error bounds."""
-
-    codes: torch.Tensor  # int8 [V, d]
-    scale: torch.Tensor  # fp32 [V]
-    max_scale: float     # max_j s_j
-    code_mass: float     # max_j s_j ||q_j||_1
-    wmax: float          # max_j ||w_j||, raised by 2^-7 against its own rounding
-
-    @classmethod
-    def of(cls, weight: torch.Tensor) -> _Int8Copy:
-        with torch.no_grad():
-            scale = weight.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127
-            codes = torch.round(weight / scale[:, None]).clamp_(-127, 127)
-            code_mass = float((codes.abs().sum(dim=1) * scale).max())
-            return cls(codes.to(torch.int8).contiguous(), scale, float(scale.max()), code_mass,
-                       float(weight.norm(dim=1).max()) * (1 + 2.0**-7))
-
-    def error_bound(self, x: torch.Tensor, activation_steps: float, terms: int) -> torch.Tensor:
-        """The bound for rows ``x`` where each activation row is rounded to ``max|x| / activation_steps``
-        steps (``inf``: not rounded), with fp32 sums of ``terms`` terms in the copy and the score."""
-        ax = x.abs()
-        g = 2 * _summation_bound(terms)
-        return BOUND_SLACK * (ax.sum(dim=1, keepdim=True) * (self.max_scale / 2)
-                              + ax.amax(dim=1, keepdim=True) * (self.code_mass / (2 * activation_steps))
-                              + x.norm(dim=1, keepdim=True) * (g * self.wmax))
-
-    def bytes(self) -> int:
-        return self.codes.numel() + self.scale.numel() * 4
-
-
-def int8_screen(weight: torch.Tensor, copy: _Int8Copy | None = None) -> ScreenProduct:
-    """A per-row symmetric int8 copy of ``weight`` (fp32 ``[V, d]``, ``d % 32 == 0``) on llminfer's
-    :func:`~llminfer.kernels.linear.int8_linear` (``V * d`` bytes plus a scale per row).
-
-    Its bound for row ``x``: the weights' rounding (``|w - s q| <= s / 2``) costs at most
-    ``max_j s_j / 2 * ||x||_1``; the activations' rounding (14 bits per row on VNNI, none elsewhere) at most
-    ``max_j s_j ||q_j||_1 * ||x||_inf / 16382``; the fp32 sums and the fp32 score at most
-    ``2 g(2d) * ||x|| * max_j ||w_j||``; all times :data:`BOUND_SLACK`.
-    Raises RuntimeError where the kernel is not loaded.
-    """
-    from llminfer.kernels.linear import int8_linear
-
-    c = copy or _Int8Copy.of(weight)
-    terms = 2 * weight.shape[1]
-
-    def product(x: torch.Tensor) -> torch.Tensor:
-        return int8_linear(x.contiguous(), c.codes, c.scale)
-
-    return ScreenProduct("int8", product, lambda x: c.error_bound(x, 8191.0, terms), c.bytes())
-
-
-def int8_a8_available(in_features: int) -> bool:
-    """Whether :func:`int8_a8_screen` runs here: the kernels' AVX-512 VNNI build and ``in_features % 64 == 0``
-    (up to 65536)."""
-    from llminfer.kernels.build import skinny_linear_available
-
-    if in_features % 64 or in_features > 65536 or not skinny_linear_available():
-        return False
-    return "zmm" in torch.ops.llminfer_cpu.q8_instruction()
-
-
-def int8_a8_screen(weight: torch.Tensor, copy: _Int8Copy | None = None) -> ScreenProduct:
-    """The int8 copy of :func:`int8_screen` on 8-bit activations: ``torch.ops.llminfer_cpu.int8_linear_a8``
-    (``csrc/int8_linear_a8.cpp``; AVX-512 VNNI, ``d % 64 == 0``) rounds each activation row to
-    ``max|x| / 127`` steps and sums u8 x s8 products exactly in int32 (``vpdpbusd``, 64 a instruction, the
-    row's activations held in registers), about twice the products per instruction of the 14-bit path and
-    no widening of the weights. Its bound is :func:`int8_screen`'s with ``||x||_inf / 254`` in place of
-    ``/ 16382``. Raises RuntimeError where the kernel cannot run it (:func:`int8_a8_available`).
-    """
-    if not int8_a8_available(weight.shape[1]):
-        raise RuntimeError("int8_linear_a8 needs the AVX-512 VNNI kernel build and in_features % 64 == 0")
-    c = copy or _Int8Copy.of(weight)
-    sums = c.codes.sum(dim=1, dtype=torch.int32)
-    op = torch.ops.llminfer_cpu.int8_linear_a8
-    terms = 2 * weight.shape[1]
-
-    def product(x: torch.Tensor) -> torch.Tensor:
-        return op(x.contiguous(), c.codes, c.scale, sums)
-
-    return ScreenProduct("int8-a8", product, lambda x: c.error_bound(x, 127.0, terms), c.bytes() + sums.numel() * 4)
-
-
-def int8_screens(weight: torch.Tensor) -> list[ScreenProduct]:
-    """:func:`int8_screen` and, where it runs, :func:`int8_a8_screen`, sharing one int8 copy."""
-    c = _Int8Copy.of(weight)
-    products = [int8_screen(weight, c)]
-    if int8_a8_available(weight.shape[1]):
-        products.append(int8_a8_screen(weight, c))
-    return products
 
 
 class ArgmaxScreen:
-    """Approximate copies of an fp32 head ``weight`` (``[V, d]``, no bias) that find each row's fp32 argmax.
+    """Approximate copies of a head ``weight`` (``[V, d]``, no bias) that find each row's argmax.
 
     Args:
-        weight: the fp32 head weight ``[V, d]``, contiguous, on CPU (kept by reference for the fp32 scores).
+        weight: the head weight ``[V, d]``, contiguous, on CPU (kept by reference for the scores): fp32 (scored
+            in fp32), or bf16 (scored by :func:`~llminfer.kernels.bf16_linear.bf16_linear`; the products' bounds
+            must cover that score, as :func:`int8_screens` builds them).
         products: ``(max_rows, product)`` pairs, by increasing ``max_rows``: a call of ``R`` rows takes the
             first whose ``max_rows >= R``, else the last (built by :func:`attach_argmax_screen`).
+        max_step_rows: the most rows of a step the screen may take (the head runs larger steps in full; for a
+            bf16 head, the rows its own kernel takes); None for any.
+        spares: copies to take every step, in order, once all of ``products`` are dropped (:meth:`_count`).
     """
 
-    def __init__(self, weight: torch.Tensor, products: Sequence[tuple[int, ScreenProduct]]) -> None:
+    def __init__(self, weight: torch.Tensor, products: Sequence[tuple[int, ScreenProduct]],
+                 max_step_rows: int | None = None, spares: Sequence[ScreenProduct] = ()) -> None:
         self.weight = weight
+        self.max_step_rows = max_step_rows
+        self.spares = list(spares)
         self.products = list(products)
         self.version = (weight._version, weight.data_ptr())
         self.rows_screened = 0
@@ -222,8 +103,8 @@ class ArgmaxScreen:
         self.dropped: list[str] = []
         from llminfer.kernels.build import skinny_linear_available
 
-        # candidates found and scored in one C++ pass where the kernels are loaded (else numpy and torch)
-        self._fused = weight.shape[1] % 8 == 0 and skinny_linear_available()
+        # fp32: candidates found and scored in one C++ pass where the kernels are loaded (else numpy and torch)
+        self._fused = weight.dtype == torch.float32 and weight.shape[1] % 8 == 0 and skinny_linear_available()
 
     @property
     def stale(self) -> bool:
@@ -243,36 +124,65 @@ class ArgmaxScreen:
 
     def _count(self, product: ScreenProduct, fell_back: bool) -> None:
         """Drop a copy whose bound proves too loose on the real hidden states (the load-time probe used random
-        ones): after :data:`DROP_AFTER_CALLS` calls, one that fell back to the fp32 head in more than
-        :data:`DROP_FALLBACK_SHARE` of them. Its step sizes go to the next copy, or the screen ends."""
+        ones): after :data:`DROP_AFTER_CALLS` calls, one that fell back to the full head in more than
+        :data:`DROP_FALLBACK_SHARE` of them. Its step sizes go to the next copy, else to the first spare, or the
+        screen ends."""
         name = product.name
         self.calls[name] = self.calls.get(name, 0) + 1
         self.fallbacks[name] = self.fallbacks.get(name, 0) + fell_back
         if self.calls[name] >= DROP_AFTER_CALLS and self.fallbacks[name] > DROP_FALLBACK_SHARE * self.calls[name]:
             limits = [limit for limit, p in self.products if p is not product]
             kept = [p for _, p in self.products if p is not product]
+            if not kept and self.spares:
+                kept, limits = [self.spares.pop(0)], [2**31]
             self.products = list(zip(limits[:-1] + [2**31], kept)) if kept else []
             self.dropped.append(name)
             log.info("argmax screen copy dropped: its bound keeps too many candidates", copy=name,
                      calls=self.calls[name], fallbacks=self.fallbacks[name])
 
+    def takes(self, rows: int) -> bool:
+        """Whether a step of ``rows`` rows may be screened: a copy is left, the weight is not stale, and
+        ``rows`` is within :attr:`max_step_rows`."""
+        return bool(self.products) and not self.stale and (self.max_step_rows is None or rows <= self.max_step_rows)
+
     def logits(self, x: torch.Tensor) -> torch.Tensor | None:
-        """Logits whose argmax is each row's fp32 argmax: the fp32 score at each candidate, the screen's value
-        (strictly below the best candidate's score) elsewhere. Only their argmax means anything.
+        """Logits whose argmax is each row's argmax through the head: the head's score at each candidate
+        (fp32; a bf16 head's bf16 score, widened), the screen's value (strictly below the best candidate's
+        score) elsewhere. Only their argmax means anything.
 
         Args:
-            x: ``[R, d]`` float32 hidden states on CPU.
+            x: ``[R, d]`` hidden states on CPU, of the weight's dtype.
 
         Returns:
             ``[R, V]`` float32, or None where the screen cannot decide cheaply (a non-finite row, more than
-            :data:`MAX_CANDIDATES_PER_ROW` candidates in a row): then the caller runs the fp32 head.
+            :data:`MAX_CANDIDATES_PER_ROW` candidates in a row): then the caller runs the full head.
         """
         if not self.products:
             return None
         vocab = self.weight.shape[0]
         chosen = self.product_for(x.shape[0])
-        screen = chosen.product(x).float()  # [R, V]; a fresh tensor (bf16 -> fp32, or int8's own output)
-        threshold = screen.amax(dim=1, keepdim=True) - 2.0 * chosen.error_bound(x)
+        xf = x.float()
+        screen = chosen.product(xf).float()  # [R, V]; a fresh tensor (bf16 -> fp32, or int8's own output)
+        bound = chosen.error_bound(xf)
+        if chosen.token_scale is None:
+            top_value = screen.amax(dim=1, keepdim=True)
+            threshold = top_value - 2.0 * bound
+            largest = top_value.abs() + bound  # bounds |t| for the top fp32 sum t
+        else:
+            # Token j's bound is E_j = bound + alpha s_j. The argmax j* has a_j* + E_j* >= r_j* >= a_m - E_m
+            # for m = argmax a, so every token with a_j + alpha s_j >= a_m - alpha s_m - 2 bound is kept; the
+            # others keep a_j + alpha s_j, still below that line, so below r_j*.
+            alpha = chosen.token_bound(xf)
+            top = screen.argmax(dim=1, keepdim=True)
+            top_value = screen.gather(1, top)
+            threshold = top_value - alpha * chosen.token_scale[top] - 2.0 * bound
+            largest = top_value.abs() + alpha * chosen.max_token_scale + bound
+            screen.addcmul_(alpha, chosen.token_scale.view(1, -1))
+        if chosen.score_rounding:
+            # Rounding keeps the order of the fp32 sums t, but ties the top sum with every sum in its bucket, and
+            # the lowest index of those wins: keep all tokens within 2u(1+u)|t_top| of the line as well.
+            u = chosen.score_rounding
+            threshold = threshold - (BOUND_SLACK * 2 * u * (1 + u)) * largest
         if not bool(torch.isfinite(threshold).all()):
             return None
         if self._fused:
@@ -290,7 +200,10 @@ class ArgmaxScreen:
                 return None
             index = torch.from_numpy(flat)
             rows, cols = index // vocab, index % vocab
-            scores = (self.weight.index_select(0, cols) * x.index_select(0, rows)).sum(dim=1)
+            if self.weight.dtype == torch.bfloat16:
+                scores = self._bf16_scores(x, rows, cols)
+            else:
+                scores = (self.weight.index_select(0, cols) * x.index_select(0, rows)).sum(dim=1)
             screen.view(-1)[index] = scores
             found = len(flat)
         # The other tokens keep their screen values: each is below max a - 2E, and the best candidate's score
@@ -299,10 +212,22 @@ class ArgmaxScreen:
         self.candidates += found
         return screen
 
+    def _bf16_scores(self, x: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        """The bf16 head's logits at ``(rows, cols)`` (row-major order), widened to fp32: each row's candidates
+        through :func:`~llminfer.kernels.bf16_linear.bf16_linear` on their rows of the weight."""
+        from llminfer.kernels.bf16_linear import bf16_linear
+
+        out, start = [], 0
+        for r, n in zip(*(t.tolist() for t in torch.unique_consecutive(rows, return_counts=True))):
+            out.append(bf16_linear(x[r:r + 1].contiguous(), self.weight.index_select(0, cols[start:start + n]))[0])
+            start += n
+        return torch.cat(out).float() if out else torch.empty(0)
+
     def describe(self) -> dict[str, Any]:
-        """The copies (``[max_rows, name]`` in order), those dropped, calls and fallbacks per copy, rows screened so
+        """The copies (``[max_rows, name]`` in order), the spares, those dropped, calls and fallbacks per copy, rows screened so
         far and their mean fp32-scored candidates."""
-        return {"products": [[limit, p.name] for limit, p in self.products], "dropped": self.dropped,
+        return {"products": [[limit, p.name] for limit, p in self.products], "spares": [p.name for p in self.spares],
+                "dropped": self.dropped,
                 "calls": self.calls, "fallbacks": self.fallbacks, "rows": self.rows_screened,
                 "candidates_per_row": round(self.candidates / self.rows_screened, 1) if self.rows_screened else 0}
 
@@ -318,32 +243,38 @@ def _median_ms(fn: Callable[[], object], reps: int = 5) -> float:
 
 
 def attach_argmax_screen(head: nn.Module, *, min_elements: int = MIN_HEAD_ELEMENTS, require_faster: bool = True) -> bool:
-    """Give ``head`` (a :class:`~llminfer.kernels.prepack.PrepackedLinear` over an fp32 weight, no bias, at
-    least ``min_elements`` elements) an :class:`ArgmaxScreen` where that is faster, choosing its copies by
-    measurement.
+    """Give ``head`` (a :class:`~llminfer.kernels.prepack.PrepackedLinear` over an fp32 weight, or a bf16 one
+    whose small steps run on llminfer's bf16 kernel (``kernel_rows > 0``), no bias, at least ``min_elements``
+    elements) an :class:`ArgmaxScreen` where that is faster, choosing its copies by measurement.
 
     The candidates: :func:`bf16_screen` where oneDNN has native bf16 and the kernels are not forced to AVX2
     (``LLMINFER_CPU_KERNEL_ISA=avx2`` stands for CPUs without AVX-512 BF16), and :func:`int8_screen` where
     llminfer's kernels are loaded and ``d % 32 == 0``. At each of :data:`PROBES`' row counts the fp32 head and
     each copy's screen are timed (about a second at load for a 151k x 512 head); the faster copy takes the
     steps up to that count (the last one's, all larger steps). The screen is kept when its 1-row time is
-    under 90 % of the fp32 head's (``require_faster=False`` keeps it regardless).
+    under 90 % of the fp32 head's (``require_faster=False`` keeps it regardless). A bf16 head takes only the int8
+    copies, timed and used at the row counts up to its ``kernel_rows``.
 
     Returns:
         Whether the screen was attached (``head.argmax_screen``; ``head.argmax_screen_probe_ms`` holds the
         probe). Raises nothing: a failure keeps the fp32 head.
     """
-    from llminfer.kernels.build import skinny_linear_available, target_isa
+    from llminfer.kernels.build import bf16_kernel_available, skinny_linear_available, target_isa
     from llminfer.kernels.cpu_info import cpu_flags
     from llminfer.kernels.prepack import PrepackedLinear, prepack_supported
 
     weight = getattr(head, "weight", None)
     if (not isinstance(head, PrepackedLinear) or head.bias is not None or weight is None
-            or weight.dtype != torch.float32 or weight.device.type != "cpu" or not weight.is_contiguous()
-            or weight.numel() < min_elements):
+            or weight.device.type != "cpu" or not weight.is_contiguous() or weight.numel() < min_elements):
         return False
+    bf16_head = weight.dtype == torch.bfloat16
+    if not (weight.dtype == torch.float32 or (bf16_head and head.kernel_rows > 0 and bf16_kernel_available())):
+        return False
+    max_step_rows = head.kernel_rows if bf16_head else None
+    probes = [(rows, reps) for rows, reps in PROBES if max_step_rows is None or rows <= max_step_rows]
+    head_name = "bf16" if bf16_head else "fp32"
     builders: list[Callable[[torch.Tensor], list[ScreenProduct]]] = []
-    if (target_isa() != "avx2" and "avx512_bf16" in cpu_flags()
+    if (not bf16_head and target_isa() != "avx2" and "avx512_bf16" in cpu_flags()
             and prepack_supported(torch.bfloat16, weight.device)):
         builders.append(lambda w: [bf16_screen(w)])
     if weight.shape[1] % 32 == 0 and skinny_linear_available():
@@ -358,9 +289,9 @@ def attach_argmax_screen(head: nn.Module, *, min_elements: int = MIN_HEAD_ELEMEN
         if not products:
             return False
         with torch.inference_mode():
-            for rows, reps in PROBES:
-                x = torch.randn(rows, weight.shape[1])
-                probe[f"fp32_{rows}"] = _median_ms(lambda x=x: head(x), reps)
+            for rows, reps in probes:
+                x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
+                probe[f"{head_name}_{rows}"] = _median_ms(lambda x=x: head(x), reps)
                 for p in products:
                     probe[f"{p.name}_{rows}"] = _median_ms(lambda x=x, p=p: ArgmaxScreen(weight, [(0, p)]).logits(x),
                                                            reps)
@@ -368,15 +299,16 @@ def attach_argmax_screen(head: nn.Module, *, min_elements: int = MIN_HEAD_ELEMEN
         log.warning("argmax screen unavailable; using the fp32 head", error=str(exc)[:200])
         return False
     chosen: list[tuple[int, ScreenProduct]] = []
-    for rows, _ in PROBES:  # the fastest copy at each probed size takes the steps up to that size
+    for rows, _ in probes:  # the fastest copy at each probed size takes the steps up to that size
         best = min(products, key=lambda p, rows=rows: probe[f"{p.name}_{rows}"])
         if chosen and chosen[-1][1] is best:
             chosen.pop()
         chosen.append((rows, best))
     chosen[-1] = (2**31, chosen[-1][1])
-    keep = probe[f"{chosen[0][1].name}_1"] < 0.9 * probe["fp32_1"] or not require_faster
+    keep = probe[f"{chosen[0][1].name}_1"] < 0.9 * probe[f"{head_name}_1"] or not require_faster
     probe = {k: round(v, 2) for k, v in probe.items()}
     log.debug("argmax screen measured", kept=keep, **probe)
-    head.argmax_screen = ArgmaxScreen(weight, chosen) if keep else None
+    spares = sorted((p for p in products if all(p is not c for _, c in chosen)), key=lambda p: probe[f"{p.name}_1"])
+    head.argmax_screen = ArgmaxScreen(weight, chosen, max_step_rows, spares) if keep else None
     head.argmax_screen_probe_ms = probe
     return keep

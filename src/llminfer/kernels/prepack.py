@@ -100,11 +100,11 @@ class PrepackedLinear(nn.Linear):
     #: Products of at most this many rows run on llminfer's kernel instead; 0 (the default) for none. Set
     #: from :func:`head_kernel_rows` by the backends that run llminfer's CPU kernels.
     kernel_rows = 0
-    #: An fp32 head's :class:`~llminfer.kernels.argmax_screen.ArgmaxScreen`, or None (set by
-    #: :func:`~llminfer.kernels.argmax_screen.attach_argmax_screen`).
+    #: The head's :class:`~llminfer.kernels.argmax_screen.ArgmaxScreen` (an fp32 head, or a bf16 one with
+    #: ``kernel_rows``), or None (set by :func:`~llminfer.kernels.argmax_screen.attach_argmax_screen`).
     argmax_screen = None
     #: Rows of the next products whose caller needs only each row's argmax (set around a step by
-    #: :func:`argmax_only`); with a screen, those rows' logits are exact only at the fp32 candidates.
+    #: :func:`argmax_only`); with a screen, those rows' logits are exact only at the candidates.
     argmax_only_rows: tuple[int, ...] = ()
 
     def __init__(self, linear: nn.Linear) -> None:
@@ -126,7 +126,7 @@ class PrepackedLinear(nn.Linear):
             return F.linear(x, self.weight, self.bias)
         flat = x.reshape(-1, self.in_features)
         screen = self.argmax_screen
-        if self.argmax_only_rows and screen is not None and screen.active and not screen.stale:
+        if self.argmax_only_rows and screen is not None and screen.takes(flat.shape[0]):
             return self._screened(flat, screen).reshape(*x.shape[:-1], self.out_features)
         return self._full(flat).reshape(*x.shape[:-1], self.out_features)
 
@@ -140,10 +140,11 @@ class PrepackedLinear(nn.Linear):
         part = screen.logits(flat.index_select(0, picked))
         if part is None:
             return self._full(flat)
-        out = torch.empty(flat.shape[0], self.out_features, dtype=flat.dtype)
+        # float32 for a bf16 head too: a screen value rounded to bf16 could climb to the best candidate's score
+        out = torch.empty(flat.shape[0], self.out_features, dtype=part.dtype)
         out.index_copy_(0, picked, part)
         # the kernel the whole step would have taken, so these rows keep the bits they have without a screen
-        out.index_copy_(0, others, self._full(flat.index_select(0, others), rows_in_step=flat.shape[0]))
+        out.index_copy_(0, others, self._full(flat.index_select(0, others), rows_in_step=flat.shape[0]).to(out.dtype))
         return out
 
     def _full(self, flat: torch.Tensor, rows_in_step: int | None = None) -> torch.Tensor:
@@ -158,7 +159,7 @@ class PrepackedLinear(nn.Linear):
 @contextlib.contextmanager
 def argmax_only(head: nn.Module | None, rows: Sequence[int]) -> Iterator[None]:
     """Within the block, the rows ``rows`` (indices into the head's flattened input) of ``head``'s products
-    need only their argmax: a :class:`PrepackedLinear` with an argmax screen then scores only their fp32
+    need only their argmax: a :class:`PrepackedLinear` with an argmax screen then scores only their
     candidates. A no-op for any other head or when ``rows`` is empty. Not re-entrant; one thread."""
     if not rows or getattr(head, "argmax_screen", None) is None:
         yield

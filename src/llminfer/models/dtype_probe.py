@@ -10,8 +10,9 @@ engine will run it (llminfer's CPU kernels, the prepacked head), then, alternati
 ``rounds`` rounds so that a load change hits both alike, one prefill chunk of :data:`PREFILL_TOKENS` tokens
 and :data:`DECODE_STEPS` batch-1 decode steps at a context of :data:`PREFILL_TOKENS`, each on a scratch KV
 cache, twice: with the full logits a sampled request needs, and as a greedy request runs them (through the
-argmax screen, :mod:`llminfer.kernels.argmax_screen`, where the engine attaches one: an fp32 head only, so
-greedy decode can favour fp32 while sampled decode favours the half type). A candidate's cost is
+argmax screen, :mod:`llminfer.kernels.argmax_screen`, where the engine attaches one: an fp32 head, or a bf16
+head on llminfer's bf16 kernel, so greedy decode can favour one dtype while sampled decode favours the other).
+A candidate's cost is
 ``prefill + DECODE_WEIGHT x (GREEDY_SHARE x greedy step + (1 - GREEDY_SHARE) x sampled step)`` in ms (the
 best of its rounds): a request of 128 prompt tokens and 128 new tokens, greedy or sampled alike (greedy is
 llminfer's default, ``temperature=0``; OpenAI clients sample by default). The cheaper one wins; a tie within
@@ -24,7 +25,7 @@ with a native half type (the flag rule, :func:`llminfer.models.loading.resolve_d
 fp32 copy fits in a quarter of the available memory (both copies are loaded at once while measuring).
 Otherwise, or when measuring fails, the flag rule's choice stands. ``LLMINFER_DTYPE_PROBE=0`` turns it off.
 
-The choice is cached in ``$LLMINFER_CACHE_DIR/dtype_choice-v2.json``, keyed by the CPU model, torch's ISA
+The choice is cached in ``$LLMINFER_CACHE_DIR/dtype_choice-v3.json``, keyed by the CPU model, torch's ISA
 level, the model's shape (architecture, hidden size, layers, heads, intermediate size, vocabulary), the
 thread count and whether llminfer's kernels and the argmax screen are on, with the figures it was made from (``llminfer info`` shows them as ``dtype_reason`` and
 ``dtype_probe``).
@@ -47,7 +48,7 @@ DECODE_STEPS = 3
 DECODE_WEIGHT = 128
 #: The share of greedy requests the cost assumes (the rest sample from the full logits).
 GREEDY_SHARE = 0.5
-CACHE_FILE = "dtype_choice-v2.json"  # v2: greedy steps timed through the argmax screen
+CACHE_FILE = "dtype_choice-v3.json"  # v2: greedy steps timed through the argmax screen; v3: bf16 heads screened too
 TIE = 0.02
 
 
@@ -123,7 +124,7 @@ def store_choice(key: str, record: dict[str, Any], path: Path | None = None) -> 
 def time_model(model: torch.nn.Module, dtype: torch.dtype, attention_backend: str, device: torch.device,
                clock: Callable[[], float] = time.perf_counter, argmax_screen: bool = False) -> tuple[float, float, float]:
     """One prefill chunk of :data:`PREFILL_TOKENS` tokens, then the fastest of :data:`DECODE_STEPS` batch-1
-    decode steps after it with full logits, then (``argmax_screen`` and an fp32 head the screen takes, as
+    decode steps after it with full logits, then (``argmax_screen`` and a head the screen takes, as
     :func:`~llminfer.kernels.argmax_screen.attach_argmax_screen` decides; it stays attached) the fastest of as
     many greedy steps through the screen, on a scratch KV cache.
 

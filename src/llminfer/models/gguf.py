@@ -292,6 +292,17 @@ def source_info(model_path: str, gguf_file: str | os.PathLike | None = None) -> 
     return info
 
 
+def checkpoint_half_type(info: dict[str, Any]) -> str | None:
+    """The half type a GGUF file's weights fit in, for ``dtype="auto"``: ``"float16"`` for F16 and for quantized
+    blocks (Q8_0, Q4_1, K-quants: small integers times fp16 scales, whose rounding to a half type is far below
+    their own), ``"bfloat16"`` for BF16, None for F32 / F64 (the converted folder is float32 either way, so
+    without this every GGUF would count as an fp32 checkpoint)."""
+    kind = info.get("weight_type") or info.get("file_type")
+    if kind in ("F32", "F64") or not isinstance(kind, str):
+        return None
+    return "bfloat16" if kind == "BF16" else "float16"
+
+
 def weight_only_mode(info: dict[str, Any]) -> str:
     """``--quant from-gguf``: the llminfer quantization mode that keeps a GGUF file's weights quantized.
 

@@ -217,7 +217,8 @@ def _why_half(support: dict[str, Any], half: str) -> str:
 
 
 def resolve_dtype(cfg: EngineConfig, model_config: Any, device: torch.device,
-                  native_half: dict[str, bool] | None = None) -> tuple[torch.dtype, str]:
+                  native_half: dict[str, bool] | None = None,
+                  checkpoint: tuple[str, str] | None = None) -> tuple[torch.dtype, str]:
     """The weights' dtype, and why it was chosen.
 
     ``cfg.dtype`` when set. For ``"auto"``: on GPU, the checkpoint's dtype (float32 when it names none);
@@ -229,6 +230,9 @@ def resolve_dtype(cfg: EngineConfig, model_config: Any, device: torch.device,
 
     Args:
         native_half: the CPU's native half types (default: :func:`cpu_native_half`; injected in tests).
+        checkpoint: ``(dtype name, label)`` where the config's dtype is not the checkpoint's precision: a GGUF
+            file's folder is float32, its weights a half type or quantized blocks with fp16 scales
+            (:func:`llminfer.models.gguf.checkpoint_half_type`); the label names it in the reason.
 
     Returns:
         ``(dtype, reason)``, the reason one line for ``llminfer info`` and benchmark artifacts.
@@ -241,6 +245,8 @@ def resolve_dtype(cfg: EngineConfig, model_config: Any, device: torch.device,
     if dt not in _DTYPES.values():
         dt = torch.float32
     name = str(dt).replace("torch.", "")
+    if checkpoint is not None:
+        dt, name = _DTYPES[checkpoint[0]], checkpoint[1]
     if device.type != "cpu" or dt == torch.float32:
         return dt, f"auto: the checkpoint's {name}"
     if native_half is None:
