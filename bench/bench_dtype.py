@@ -16,7 +16,10 @@ where the CPU has AVX-512 BF16; ``LLMINFER_CPU_KERNEL_BF16=0`` keeps them on tor
 ``llminfer/smollm2-135m-instruct``, the trained model, whose GGUF loads in float32, so ``auto`` is float32 there and
 bf16 runs beside it).
 
-    python bench/bench_dtype.py [--reps 3] [--new-tokens 32] [--batch 32] [--quick] [--model NAME]
+``--busy`` runs the measured repetitions (not the loads, so not the dtype measurement, which a quiet first load
+caches) beside another process spinning on one core (``bench_busy_neighbour.py``'s bounded spin loop).
+
+    python bench/bench_dtype.py [--reps 3] [--new-tokens 32] [--batch 32] [--quick] [--model NAME] [--busy]
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import argparse
 import statistics
 
 import torch
+from bench_busy_neighbour import loadavg, neighbour
 
 from common import BENCH_VOCAB, bench_model_path, environment, parse_args, random_prompts, save, timed
 from llminfer import CacheConfig, EngineConfig, InferenceEngine
@@ -37,16 +41,38 @@ def _engine(path, dtype: str, batch: int) -> InferenceEngine:
     return InferenceEngine(cfg).load().start()
 
 
+def measure(engines: dict, args: argparse.Namespace, vocab: int, kw: dict, ms_per_token: dict, sampled_ms: dict,
+            batch_tps: dict) -> None:
+    """``args.reps`` repetitions, the engines' order alternating: batch-1 greedy and sampled ms per token after the
+    first, and batch ``args.batch`` output tok/s, appended to the three dicts by engine name."""
+    for rep in range(args.reps):
+        order = list(engines.items()) if rep % 2 == 0 else list(engines.items())[::-1]
+        for name, e in order:
+            prompt = random_prompts(1, args.prompt_tokens, vocab, seed=100 + rep)[0]
+            st = e.run(prompt, **kw).stats
+            ms_per_token[name].append((st.total_latency_ms - st.ttft_ms) / max(1, st.completion_tokens - 1))
+            st = e.run(prompt, temperature=1.0, seed=rep, **kw).stats  # full logits: no argmax screen
+            sampled_ms[name].append((st.total_latency_ms - st.ttft_ms) / max(1, st.completion_tokens - 1))
+            prompts = random_prompts(args.batch, args.prompt_tokens, vocab, seed=200 + rep)
+            seconds, results = timed(e.run_batch_continuous, prompts, **kw)
+            batch_tps[name].append(sum(r.stats.completion_tokens for r in results) / seconds)
+
+
 def main() -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--busy", action="store_true", help="measure beside a process spinning on one core")
     ap.add_argument("--model", default=None, help="a model folder, .gguf file or built-in name (default: the bench model)")
     args = parse_args(ap, {"reps": 1, "new_tokens": 8, "batch": 8})
     configure_logging("warning")
     path = args.model or bench_model_path()
+    # The first engine a process loads decoded 5-10 % slower than later ones of the same dtype on the trained
+    # model (bf16, auto = bf16, bf16 loaded in that order: 21.8, 20.2, 20.0 ms/token), so an unmeasured pilot
+    # takes that place.
+    pilot = _engine(path, "float32", 1)
     engines = {"auto": _engine(path, "auto", args.batch), "bfloat16": _engine(path, "bfloat16", args.batch)}
     if engines["auto"].runtime.dtype != torch.float32:
         # Where auto picks a half type (native bf16/fp16), float32 runs next to it: the CPU kernels
@@ -62,18 +88,11 @@ def main() -> dict:
     ms_per_token: dict[str, list[float]] = {k: [] for k in engines}
     batch_tps: dict[str, list[float]] = {k: [] for k in engines}
     sampled_ms: dict[str, list[float]] = {k: [] for k in engines}
-    for rep in range(args.reps):
-        order = list(engines.items()) if rep % 2 == 0 else list(engines.items())[::-1]
-        for name, e in order:
-            prompt = random_prompts(1, args.prompt_tokens, vocab, seed=100 + rep)[0]
-            st = e.run(prompt, **kw).stats
-            ms_per_token[name].append((st.total_latency_ms - st.ttft_ms) / max(1, st.completion_tokens - 1))
-            st = e.run(prompt, temperature=1.0, seed=rep, **kw).stats  # full logits: no argmax screen
-            sampled_ms[name].append((st.total_latency_ms - st.ttft_ms) / max(1, st.completion_tokens - 1))
-            prompts = random_prompts(args.batch, args.prompt_tokens, vocab, seed=200 + rep)
-            seconds, results = timed(e.run_batch_continuous, prompts, **kw)
-            batch_tps[name].append(sum(r.stats.completion_tokens for r in results) / seconds)
-    for e in engines.values():
+    load_before = loadavg()
+    with neighbour(args.busy, 900.0):
+        measure(engines, args, vocab, kw, ms_per_token, sampled_ms, batch_tps)
+    load_after = loadavg()
+    for e in [*engines.values(), pilot]:
         e.close()
     b1 = {k: statistics.median(v) for k, v in ms_per_token.items()}
     bn = {k: statistics.median(v) for k, v in batch_tps.items()}
@@ -90,7 +109,8 @@ def main() -> dict:
         **({"speed_ratio_float32_over_auto": {"batch_1": b1["auto"] / b1["float32"],
                                                f"batch_{args.batch}": bn["float32"] / bn["auto"]}}
            if "float32" in engines else {}),
-        "new_tokens": args.new_tokens, "prompt_tokens": args.prompt_tokens, "reps": args.reps,
+        "new_tokens": args.new_tokens, "prompt_tokens": args.prompt_tokens, "reps": args.reps, "busy": args.busy,
+        "loadavg_before": load_before, "loadavg_after": load_after,
         "environment": environment(),
     }
     r = payload["speed_ratio_auto_over_bf16"]
@@ -103,6 +123,7 @@ def main() -> dict:
               f"batch {args.batch} {bn['float32']:.1f} tok/s (x{f[f'batch_{args.batch}']:.2f})")
     print("[dtype] batch 1 sampled (temperature 1, full logits): " + ", ".join(
         f"{k} {v:.1f} ms/token" for k, v in b1_sampled.items()))
+    print(f"[dtype] load average before {load_before}, after {load_after}" + (" (one core kept busy)" if args.busy else ""))
     print(f"-> {save('dtype_auto', payload)}")
     return payload
 
