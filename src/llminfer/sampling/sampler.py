@@ -27,7 +27,7 @@ from llminfer.results import TokenLogprob
 from llminfer.sampling.params import SamplingParams
 from llminfer.sampling.processors import ROW_PROCESSORS, ForcedWords, RequestHistory, RowProcessor
 from llminfer.sampling.structured import GrammarMatcher, allocate_bitmask, apply_bitmask
-from llminfer.sampling.warpers import WARPERS, apply_top_k, apply_top_p
+from llminfer.sampling.warpers import WARPERS, Temperature, apply_top_k, apply_top_p
 
 NEG_INF = float("-inf")
 __all__ = ["ForcedWords", "SamplingState", "apply_top_k", "apply_top_p", "argmax_rows", "draw", "sample", "warp"]
@@ -184,7 +184,7 @@ def row_uniforms(generators: Sequence[torch.Generator | None], device: torch.dev
 
 def _plain_temperature(params: SamplingParams) -> bool:
     """Whether no warper but the temperature applies (the fused draw's case)."""
-    return not any(warper.applies(params) for warper in WARPERS[1:])
+    return not any(warper.applies(params) for warper in WARPERS if not isinstance(warper, Temperature))
 
 
 def draw_sampled_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
