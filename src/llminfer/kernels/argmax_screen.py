@@ -169,15 +169,18 @@ class ArgmaxScreen:
             threshold = top_value - 2.0 * bound
             largest = top_value.abs() + bound  # bounds |t| for the top fp32 sum t
         else:
-            # Token j's bound is E_j = bound + alpha s_j. The argmax j* has a_j* + E_j* >= r_j* >= a_m - E_m
-            # for m = argmax a, so every token with a_j + alpha s_j >= a_m - alpha s_m - 2 bound is kept; the
-            # others keep a_j + alpha s_j, still below that line, so below r_j*.
+            # Token j's bound is E_j = bound + alpha s_j. The argmax j* has a_j* + E_j* >= r_j* >= max_k (a_k - E_k),
+            # so every token with a_j + alpha s_j >= max_k (a_k - alpha s_k) - 2 bound is kept; the others keep
+            # a_j + alpha s_j, still below that line, so below r_j*. (amax, not argmax: torch's argmax is not
+            # vectorized on CPU, 128 against 9 us over 151,646 logits.)
             alpha = chosen.token_bound(xf)
-            top = screen.argmax(dim=1, keepdim=True)
-            top_value = screen.gather(1, top)
-            threshold = top_value - alpha * chosen.token_scale[top] - 2.0 * bound
-            largest = top_value.abs() + alpha * chosen.max_token_scale + bound
-            screen.addcmul_(alpha, chosen.token_scale.view(1, -1))
+            scale = chosen.token_scale.view(1, -1)
+            lower = torch.addcmul(screen, alpha, scale, value=-1.0).amax(dim=1, keepdim=True)
+            threshold = lower - 2.0 * bound
+            largest = None
+            if chosen.score_rounding:  # |t_top| <= max a + alpha max_j s_j + bound, and lower is within that too
+                largest = screen.amax(dim=1, keepdim=True).abs() + alpha * chosen.max_token_scale + bound
+            screen.addcmul_(alpha, scale)
         if chosen.score_rounding:
             # Rounding keeps the order of the fp32 sums t, but ties the top sum with every sum in its bucket, and
             # the lowest index of those wins: keep all tokens within 2u(1+u)|t_top| of the line as well.
