@@ -29,7 +29,9 @@ head would run on llminfer's :func:`~llminfer.kernels.bf16_linear.bf16_linear` (
 :attr:`~llminfer.kernels.prepack.PrepackedLinear.kernel_rows` rows). Its candidates are scored by that kernel on
 their own rows of the weight, which gives each the bits of the full product (the kernel's order per output does
 not depend on the other outputs), so a screened step's tokens are the unscreened step's. The bound then also
-covers the score's rounding to bf16 (``2^-8`` of ``||x|| max_j ||w_j||``) and the flush of denormal products.
+covers the flush of denormal products, and the line moves down by the bf16 rounding of the top score
+(``2u(1+u)`` of its size, ``u = 2^-8``): rounding keeps the order of the fp32 sums but ties sums that share a
+bf16 value, and of those the lowest index is the argmax.
 
 Which copy runs where, and whether the screen is kept at all, is measured at load
 (:func:`attach_argmax_screen`); the figures are in the README's CPU section.
