@@ -454,3 +454,19 @@ def test_a_spare_copy_takes_over_when_the_last_one_is_dropped():
             assert screen.logits(x) is None
         assert screen.dropped == ["loose"] and screen.product_for(4) is tight and screen.spares == []
         assert int(screen.logits(x).argmax()) == int((x @ weight.T).argmax())
+
+
+@needs_a_copy
+def test_the_backend_keeps_a_screen_the_dtype_measurement_attached(monkeypatch):
+    """A head already screened while ``dtype="auto"`` was measured is not timed again; the measurement's steps
+    are not counted as the engine's."""
+    with make_engine(builtin_model_path(), cpu_argmax_screen=False) as engine:
+        head = engine.backend.output_head
+        assert attach_argmax_screen(head, min_elements=0, require_faster=False)
+        with torch.inference_mode(), argmax_only(head, [0]):
+            head(torch.randn(1, head.in_features))
+        assert head.argmax_screen.rows_screened == 1
+        monkeypatch.setattr("llminfer.kernels.argmax_screen.attach_argmax_screen",
+                            lambda *a, **k: pytest.fail("timed again"))
+        assert engine.backend.attach_argmax_screen()
+        assert head.argmax_screen.rows_screened == 0 and head.argmax_screen.calls == {}

@@ -112,13 +112,21 @@ class HFBackend(StepBackend):
         return None if logits_hooked(self.model, head) else head
 
     def attach_argmax_screen(self) -> bool:
-        """Screen greedy rows through int8 / bf16 copies of an fp32 CPU head where measured faster
-        (:func:`~llminfer.kernels.argmax_screen.attach_argmax_screen`); returns whether it did."""
-        if self.device.type != "cpu" or self.output_head is None:
+        """Screen greedy rows through int8 / bf16 copies of an fp32 or bf16 CPU head where measured faster
+        (:func:`~llminfer.kernels.argmax_screen.attach_argmax_screen`); returns whether it did. A head the
+        ``dtype="auto"`` measurement already screened (:mod:`llminfer.models.dtype_probe`) keeps that outcome
+        rather than being timed a second time."""
+        head = self.output_head
+        if self.device.type != "cpu" or head is None:
             return False
+        if hasattr(head, "argmax_screen_probe_ms"):
+            screen = getattr(head, "argmax_screen", None)
+            if screen is not None:
+                screen.reset_counts()  # the measurement's dummy steps are not the engine's
+            return screen is not None
         from llminfer.kernels.argmax_screen import attach_argmax_screen
 
-        return attach_argmax_screen(self.output_head)
+        return attach_argmax_screen(head)
 
     def describe(self) -> dict[str, Any]:
         """Facts for ``engine.info()``: steps run so far, the attention kernels, CUDA-graph counts, whether

@@ -108,6 +108,12 @@ class ArgmaxScreen:
         # fp32: candidates found and scored in one C++ pass where the kernels are loaded (else numpy and torch)
         self._fused = weight.dtype == torch.float32 and weight.shape[1] % 8 == 0 and skinny_linear_available()
 
+    def reset_counts(self) -> None:
+        """Forget the rows screened, the candidates and the calls and fallbacks per copy (not the copies
+        dropped)."""
+        self.rows_screened = self.candidates = 0
+        self.calls, self.fallbacks = {}, {}
+
     @property
     def stale(self) -> bool:
         """Whether the fp32 weight was modified in place or replaced since the copies were made (then do not use
