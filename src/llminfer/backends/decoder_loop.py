@@ -102,8 +102,7 @@ def _norm(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     llminfer's :class:`~llminfer.kernels.layers.KernelRMSNorm` on float32 input (and not hooked), its op
     without the module call."""
     if type(module) is KernelRMSNorm:
-        if (x.dtype == torch.float32 and x.device.type == "cpu" and module.weight.dtype == torch.float32
-                and not (module._forward_hooks or module._forward_pre_hooks)):
+        if _kernel_norm_takes(module, x):
             return torch.ops.llminfer_cpu.rms_norm(x, module.weight, module.variance_epsilon)
         return module(x)
     if x.dtype == torch.float32 and type(module).__name__ in _HF_RMS_NORMS:
@@ -114,6 +113,13 @@ def _norm(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return module(x)
 
 
+def _kernel_norm_takes(module: torch.nn.Module, x: torch.Tensor) -> bool:
+    """Whether llminfer's RMSNorm ops may replace ``module(x)``: llminfer's :class:`KernelRMSNorm` with a
+    float32 weight, not hooked, on float32 CPU input."""
+    return (type(module) is KernelRMSNorm and x.dtype == torch.float32 and x.device.type == "cpu"
+            and module.weight.dtype == torch.float32 and not (module._forward_hooks or module._forward_pre_hooks))
+
+
 def _add_norm(module: torch.nn.Module, hidden: torch.Tensor,
               delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(hidden + delta, module(hidden + delta))`` (``delta`` None: nothing added), for a residual
@@ -121,9 +127,8 @@ def _add_norm(module: torch.nn.Module, hidden: torch.Tensor,
     op (``add_rms_norm``), with the same bits."""
     if delta is None:
         return hidden, _norm(module, hidden)
-    if (type(module) is KernelRMSNorm and hidden.dtype == torch.float32 and delta.dtype == torch.float32
-            and hidden.is_cpu and delta.is_cpu and hidden.shape == delta.shape and module.weight.dtype == torch.float32
-            and not (module._forward_hooks or module._forward_pre_hooks)):
+    if (_kernel_norm_takes(module, hidden) and delta.dtype == torch.float32 and delta.is_cpu
+            and hidden.shape == delta.shape):
         return torch.ops.llminfer_cpu.add_rms_norm(hidden, delta, module.weight, module.variance_epsilon)
     hidden = hidden + delta
     return hidden, _norm(module, hidden)
