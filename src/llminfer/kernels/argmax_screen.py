@@ -1,4 +1,4 @@
-"""The exact fp32 argmax of a large LM head at a lower precision's speed: screen, then score the candidates in fp32.
+"""The exact argmax of a large LM head (fp32 or bf16) at a lower precision's speed: screen, then score the candidates.
 
 A greedy request that needs no logits (no logprobs, processors, bans or grammar) only needs the head's argmax.
 On CPU the fp32 head dominates a small model's decode step (151,646 x 512 is 310 MB to read per step at one
@@ -116,9 +116,10 @@ class ArgmaxScreen:
 
     @property
     def stale(self) -> bool:
-        """Whether the fp32 weight was modified in place or replaced since the copies were made (then do not use
-        them). An in-place edit through ``weight.data`` moves neither and is not seen, as for oneDNN's packed
-        copy (:class:`~llminfer.kernels.prepack.PrepackedLinear`)."""
+        """Whether the weight was modified in place or replaced since the copies were made (then do not use
+        them). An in-place edit through ``weight.data`` moves neither and is not seen: the copies then keep the
+        old values, as oneDNN's packed copy does (:class:`~llminfer.kernels.prepack.PrepackedLinear`), while the
+        steps that read the plain weight (up to ``kernel_rows`` rows) see the new ones."""
         return (self.weight._version, self.weight.data_ptr()) != self.version
 
     @property
@@ -260,15 +261,15 @@ def attach_argmax_screen(head: nn.Module, *, min_elements: int = MIN_HEAD_ELEMEN
 
     The candidates: :func:`bf16_screen` where oneDNN has native bf16 and the kernels are not forced to AVX2
     (``LLMINFER_CPU_KERNEL_ISA=avx2`` stands for CPUs without AVX-512 BF16), and :func:`int8_screen` where
-    llminfer's kernels are loaded and ``d % 32 == 0``. At each of :data:`PROBES`' row counts the fp32 head and
+    llminfer's kernels are loaded and ``d % 32 == 0``. At each of :data:`PROBES`' row counts the head and
     each copy's screen are timed (about a second at load for a 151k x 512 head); the faster copy takes the
     steps up to that count (the last one's, all larger steps). The screen is kept when its 1-row time is
-    under 90 % of the fp32 head's (``require_faster=False`` keeps it regardless). A bf16 head takes only the int8
+    under 90 % of the head's own (``require_faster=False`` keeps it regardless). A bf16 head takes only the int8
     copies, timed and used at the row counts up to its ``kernel_rows``.
 
     Returns:
         Whether the screen was attached (``head.argmax_screen``; ``head.argmax_screen_probe_ms`` holds the
-        probe). Raises nothing: a failure keeps the fp32 head.
+        probe). Raises nothing: a failure keeps the full head.
     """
     from llminfer.kernels.build import bf16_kernel_available, skinny_linear_available, target_isa
     from llminfer.kernels.cpu_info import cpu_flags
@@ -307,7 +308,7 @@ def attach_argmax_screen(head: nn.Module, *, min_elements: int = MIN_HEAD_ELEMEN
                     probe[f"{p.name}_{rows}"] = _median_ms(lambda x=x, p=p: ArgmaxScreen(weight, [(0, p)]).logits(x),
                                                            reps)
     except RuntimeError as exc:
-        log.warning("argmax screen unavailable; using the fp32 head", error=str(exc)[:200])
+        log.warning("argmax screen unavailable; using the full head", error=str(exc)[:200])
         return False
     chosen: list[tuple[int, ScreenProduct]] = []
     for rows, _ in probes:  # the fastest copy at each probed size takes the steps up to that size
