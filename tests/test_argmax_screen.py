@@ -470,3 +470,16 @@ def test_the_backend_keeps_a_screen_the_dtype_measurement_attached(monkeypatch):
                             lambda *a, **k: pytest.fail("timed again"))
         assert engine.backend.attach_argmax_screen()
         assert head.argmax_screen.rows_screened == 0 and head.argmax_screen.calls == {}
+
+
+@needs_kernels
+def test_spares_hold_no_bytes_of_their_own():
+    """A copy the probe did not choose is kept as a spare only where it shares a chosen copy's bytes (the two int8
+    copies): an unchosen bf16 copy is freed."""
+    torch.manual_seed(2)
+    head = PrepackedLinear(nn.Linear(64, 3000, bias=False))
+    assert attach_argmax_screen(head, min_elements=0, require_faster=False)
+    screen = head.argmax_screen
+    held = [p.storage for _, p in screen.products]
+    assert all(any(s.storage is h for h in held) for s in screen.spares)
+    assert all(p.storage is not None for _, p in screen.products if p.name.startswith("int8"))

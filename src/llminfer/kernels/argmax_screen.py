@@ -320,7 +320,11 @@ def attach_argmax_screen(head: nn.Module, *, min_elements: int = MIN_HEAD_ELEMEN
     keep = probe[f"{chosen[0][1].name}_1"] < 0.9 * probe[f"{head_name}_1"] or not require_faster
     probe = {k: round(v, 2) for k, v in probe.items()}
     log.debug("argmax screen measured", kept=keep, **probe)
-    spares = sorted((p for p in products if all(p is not c for _, c in chosen)), key=lambda p: probe[f"{p.name}_1"])
+    # spares: the unchosen copies that hold no bytes of their own (the int8 copy the chosen one shares), so a
+    # spare costs no memory; a bf16 copy the probe did not choose is freed
+    held = [c.storage for _, c in chosen if c.storage is not None]
+    spares = sorted((p for p in products if all(p is not c for _, c in chosen) and any(p.storage is h for h in held)),
+                    key=lambda p: probe[f"{p.name}_1"])
     head.argmax_screen = ArgmaxScreen(weight, chosen, max_step_rows, spares) if keep else None
     head.argmax_screen_probe_ms = probe
     return keep

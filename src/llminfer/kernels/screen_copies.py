@@ -53,6 +53,7 @@ class ScreenProduct:
         max_token_scale: the largest of ``token_scale``.
         score_rounding: the unit roundoff of the head's scores where they are rounded after the fp32 sum
             (``2^-8``: a bf16 head's), else 0; :meth:`ArgmaxScreen.logits` widens its threshold by it.
+        storage: what holds the copy's bytes; copies with the same storage share them (the two int8 copies).
     """
 
     name: str
@@ -63,6 +64,7 @@ class ScreenProduct:
     token_bound: Callable[[torch.Tensor], torch.Tensor] | None = None
     max_token_scale: float = 0.0
     score_rounding: float = 0.0
+    storage: object = None
 
 
 def bf16_screen(weight: torch.Tensor) -> ScreenProduct:
@@ -145,7 +147,7 @@ def int8_screen(weight: torch.Tensor, copy: _Int8Copy | None = None, bf16_score:
         return int8_linear(x.contiguous(), c.codes, c.scale)
 
     return ScreenProduct("int8", product, lambda x: c.error_bound(x, 8191.0, terms, bf16_score), c.bytes(),
-                         c.scale, c.weight_rounding, c.max_scale, 2.0**-8 if bf16_score else 0.0)
+                         c.scale, c.weight_rounding, c.max_scale, 2.0**-8 if bf16_score else 0.0, c)
 
 
 def int8_a8_available(in_features: int) -> bool:
@@ -178,7 +180,7 @@ def int8_a8_screen(weight: torch.Tensor, copy: _Int8Copy | None = None, bf16_sco
 
     return ScreenProduct("int8-a8", product, lambda x: c.error_bound(x, 127.0, terms, bf16_score),
                          c.bytes() + sums.numel() * 4, c.scale, c.weight_rounding, c.max_scale,
-                         2.0**-8 if bf16_score else 0.0)
+                         2.0**-8 if bf16_score else 0.0, c)
 
 
 def int8_screens(weight: torch.Tensor) -> list[ScreenProduct]:
