@@ -218,8 +218,9 @@ class ArgmaxScreen:
                 scores = (self.weight.index_select(0, cols) * x.index_select(0, rows)).sum(dim=1)
             screen.view(-1)[index] = scores
             found = len(flat)
-        # The other tokens keep their screen values: each is below max a - 2E, and the best candidate's score
-        # is at least max a - E, so none of them can be the argmax (and no [R, V] fill is needed).
+        # The other tokens keep their screen values (raised by alpha s_j with per-token bounds): each is below the
+        # threshold, which is below the best candidate's score, so none of them can be the argmax (and no [R, V]
+        # fill is needed).
         self.rows_screened += x.shape[0]
         self.candidates += found
         return screen
