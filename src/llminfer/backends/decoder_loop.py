@@ -34,9 +34,15 @@ from typing import Any
 
 import torch
 
-from llminfer.backends.attention import ATTN_IMPLEMENTATION, METADATA_KWARG
+from llminfer.backends.attention import (
+    ATTN_IMPLEMENTATION,
+    METADATA_KWARG,
+    cpu_decode_attention,
+    paged_attention_forward,
+)
 from llminfer.kernels.build import kernels_loaded
 from llminfer.kernels.layers import KernelRMSNorm
+from llminfer.models.fused_projections import FUSED_ATTR
 from llminfer.models.weight_only import Int4WeightOnlyLinear, Int8GroupWeightOnlyLinear
 
 __all__ = ["SUPPORTED_MODELS", "forward_logits", "use_decoder_loop", "uses_decoder_loop"]
@@ -216,6 +222,17 @@ def _linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return module(x)
 
 
+def _fused(owner: torch.nn.Module, x: torch.Tensor) -> list[torch.Tensor] | None:
+    """The outputs of ``owner``'s fused projections (:mod:`llminfer.models.fused_projections`: q/k/v or gate/up in
+    one product, the bits of each member's own) for ``x`` ``[1, T, K]``, or None where ``owner`` has none, it
+    no longer stands for the members, or ``x`` is not a contiguous float32 CPU tensor."""
+    fused = owner.__dict__.get(FUSED_ATTR)
+    if (fused is None or x.dtype != torch.float32 or not x.is_cpu or not x.is_contiguous()
+            or not fused.current(owner)):
+        return None
+    return fused(x)
+
+
 _plans: weakref.WeakKeyDictionary[torch.nn.Module, _Plan | None] = weakref.WeakKeyDictionary()
 
 
@@ -287,6 +304,7 @@ def forward_logits(model: torch.nn.Module, ids: torch.Tensor, position_ids: torc
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     attention = ALL_ATTENTION_FUNCTIONS[ATTN_IMPLEMENTATION]
+    direct_attention = attention is paged_attention_forward  # not a wrapper registered in its place
     base = model.model
     hidden = base.embed_tokens(ids)
     cos, sin = plan.rope.lookup(position_ids[0], hidden, max_position)
@@ -299,17 +317,23 @@ def forward_logits(model: torch.nn.Module, ids: torch.Tensor, position_ids: torc
         attn = layer.self_attn
         hidden, x = _add_norm(layer.input_layernorm, hidden, delta)
         heads = (1, ids.shape[1], -1, attn.head_dim)
-        q = _linear(attn.q_proj, x).view(heads).transpose(1, 2)
-        k = _linear(attn.k_proj, x).view(heads).transpose(1, 2)
-        v = _linear(attn.v_proj, x).view(heads).transpose(1, 2)
+        qkv = _fused(attn, x)
+        if qkv is None:
+            qkv = (_linear(attn.q_proj, x), _linear(attn.k_proj, x), _linear(attn.v_proj, x))
+        q, k, v = (t.view(heads).transpose(1, 2) for t in qkv)
         q, k = rotate(q, k, cos, sin)
-        out, _ = attention(attn, q, k, v, None, dropout=0.0, scaling=attn.scaling, **extra, **{METADATA_KWARG: meta})
+        out = cpu_decode_attention(attn.layer_idx, q, k, v, meta, attn.scaling) if direct_attention else None
+        if out is None:
+            out, _ = attention(attn, q, k, v, None, dropout=0.0, scaling=attn.scaling, **extra,
+                               **{METADATA_KWARG: meta})
         hidden, x = _add_norm(layer.post_attention_layernorm, hidden, _linear(attn.o_proj, out.reshape(shape).contiguous()))
         mlp = layer.mlp
         if plain_mlp is not None and mlp is plain_mlp[0] and mlp.act_fn is plain_mlp[1] \
                 and type(mlp).forward is plain_mlp[2] and type(mlp.act_fn).forward is plain_mlp[3] \
                 and "forward" not in mlp.__dict__ and "forward" not in plain_mlp[1].__dict__:
-            delta = _linear(mlp.down_proj, torch.nn.functional.silu(_linear(mlp.gate_proj, x)) * _linear(mlp.up_proj, x))
+            gate_up = _fused(mlp, x)
+            gate, up = gate_up if gate_up is not None else (_linear(mlp.gate_proj, x), _linear(mlp.up_proj, x))
+            delta = _linear(mlp.down_proj, torch.nn.functional.silu(gate) * up)
         else:
             delta = layer.mlp(x)
     hidden, x = _add_norm(base.norm, hidden, delta)

@@ -10,6 +10,7 @@ from torch import nn
 from llminfer.kernels import build
 from llminfer.kernels.layers import KernelRMSNorm, SkinnyLinear
 from llminfer.kernels.path_choice import quant_paths
+from llminfer.models.fused_projections import fuse_projections
 from llminfer.models.weight_only import Int4WeightOnlyLinear, Int8GroupWeightOnlyLinear, Int8WeightOnlyLinear
 
 #: transformers' RMSNorm classes that compute ``weight * (x * rsqrt(mean(x ** 2) + eps))`` in float32, the
@@ -83,4 +84,5 @@ def enable_cpu_kernels(model: nn.Module, include_head: bool = False) -> int:
         int4 = [m for m in int4 if m.in_features <= 32768] if build.int8_activation_bits() is not None else []
     for layer in int4:
         layer.use_llminfer_kernel(int4_path)
+    fuse_projections(model)  # q/k/v and gate/up of the q8 weight-only layers, one product each
     return len(swapped) + len(int8) + len(int4) + len(grouped)
