@@ -39,11 +39,11 @@ def _cache(model: torch.nn.Module, sequences: int) -> PagedKVCache:
                         c.hidden_size // c.num_attention_heads, torch.float32, "cpu")
 
 
-def _step(model, cache, tokens, starts, loop: bool) -> torch.Tensor:
+def _step(model, cache, tokens, starts, loop: bool, backend: str = "torch") -> torch.Tensor:
     """One packed step over ``tokens`` (per sequence) at ``starts``; every row's logits."""
     tables = [list(range(i * BLOCKS_PER_SEQ, (i + 1) * BLOCKS_PER_SEQ)) for i in range(len(tokens))]
     meta, position_ids = build_metadata(cache, starts, [len(t) for t in tokens], tables, torch.device("cpu"),
-                                        "torch")
+                                        backend)
     ids = torch.tensor([t for seq in tokens for t in seq])[None]
     keep = torch.arange(ids.shape[1])
     with torch.inference_mode():
@@ -54,7 +54,7 @@ def _step(model, cache, tokens, starts, loop: bool) -> torch.Tensor:
                      **{METADATA_KWARG: meta}).logits
 
 
-def _prefill_then_step(model, tokens, starts, loop: bool) -> torch.Tensor:
+def _prefill_then_step(model, tokens, starts, loop: bool, backend: str = "torch") -> torch.Tensor:
     """Fill each sequence's cache up to its start (one prefill through ``model(...)``), then run the step."""
     cache = _cache(model, len(tokens))
     gen = torch.Generator().manual_seed(sum(starts))
@@ -67,7 +67,7 @@ def _prefill_then_step(model, tokens, starts, loop: bool) -> torch.Tensor:
         with torch.inference_mode():
             model(input_ids=torch.tensor([t for p, _ in fill for t in p])[None], position_ids=pos,
                   use_cache=False, **{METADATA_KWARG: meta})
-    return _step(model, cache, tokens, starts, loop)
+    return _step(model, cache, tokens, starts, loop, backend)
 
 
 MODELS = {family: _model(family) for family in ("llama", "qwen2", "mistral")}
@@ -290,3 +290,36 @@ def test_an_mlp_forward_patched_onto_its_class_before_the_first_step_is_called(m
     assert not any(decoder_loop._plan_for(model).plain_mlp)
     assert torch.equal(_prefill_then_step(model, [[4, 5, 6]], [2], loop=True),
                        _prefill_then_step(model, [[4, 5, 6]], [2], loop=False))
+
+
+@pytest.mark.skipif(not __import__("llminfer.kernels.build", fromlist=["x"]).skinny_linear_available(),
+                    reason="llminfer's CPU kernel does not build here")
+def test_an_all_decode_step_calls_the_decode_attention_directly_unless_a_wrapper_is_registered(monkeypatch):
+    """An all-decode fp32 step on the kernels goes to ``cpu_decode_attention`` from the loop, past the registered
+    function, with the model forward's bits; a step with a prefill, or a function registered in its place, does
+    not."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from llminfer.backends.attention import ATTN_IMPLEMENTATION
+
+    model = _kernel_models()["llama"]
+    direct, registered = [], []
+    monkeypatch.setattr(decoder_loop, "cpu_decode_attention",
+                        lambda *a, _f=decoder_loop.cpu_decode_attention: direct.append(_f(*a)) or direct[-1])
+    from llminfer.backends import attention
+
+    looped = _prefill_then_step(model, [[4], [9]], [30, 12], loop=True, backend="cpu")
+    with monkeypatch.context() as general:  # the reference takes the registered function's general path
+        general.setattr(attention, "cpu_decode_attention", lambda *a: None)
+        assert torch.equal(looped, _prefill_then_step(model, [[4], [9]], [30, 12], loop=False, backend="cpu"))
+    layers = model.config.num_hidden_layers
+    assert len(direct) == layers and all(out is not None for out in direct)
+    direct.clear()
+    _prefill_then_step(model, [[4, 5], [9]], [30, 12], loop=True, backend="cpu")
+    assert len(direct) == layers and all(out is None for out in direct)  # a prefill: the general path
+    direct.clear()
+    original = ALL_ATTENTION_FUNCTIONS[ATTN_IMPLEMENTATION]
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, ATTN_IMPLEMENTATION,
+                        lambda *a, **k: registered.append(1) or original(*a, **k))
+    _prefill_then_step(model, [[4], [9]], [30, 12], loop=True, backend="cpu")
+    assert not direct and len(registered) == 2 * layers  # the wrapper, for the prefill and the step
