@@ -10,6 +10,8 @@ import random
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from helpers import hf_greedy, make_engine, random_prompts
 from llminfer import EngineConfig
@@ -141,6 +143,30 @@ def test_vectorised_metadata_equals_the_loop_builder():
             assert (x is None and y is None) or torch.equal(x, y)
     empty, pos = build_metadata(cache, [], [], [], "cpu", attention_backend="triton")
     assert pos.shape == (1, 0) and empty.slot_mapping.numel() == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), backend=st.sampled_from(["cpu", "torch"]))
+def test_the_all_decode_builder_gives_the_vectorised_builders_fields(data, backend):
+    """A CPU step of decode tokens only takes its own builder: the same positions, slots, decode rows, block ids
+    (zero past each context), masks, context lengths and chunk as the general builder."""
+    from llminfer.backends import attention_metadata as am
+
+    block = data.draw(st.sampled_from([1, 4, 16]))
+    cache = PagedKVCache(1, 512, block, 2, 8, torch.float32, "cpu")
+    starts = data.draw(st.lists(st.integers(1, 300), min_size=1, max_size=6))
+    tables = [data.draw(st.lists(st.integers(0, 511), min_size=s // block + 1 + extra, max_size=s // block + 1 + extra))
+              for s, extra in zip(starts, data.draw(st.lists(st.integers(0, 3), min_size=len(starts),
+                                                              max_size=len(starts))))]
+    fast, pos_fast = build_metadata(cache, starts, [1] * len(starts), tables, "cpu", backend)
+    general, pos = am._build_metadata_vectorised(cache, starts, [1] * len(starts), tables, torch.device("cpu"),
+                                                 backend, None)
+    assert torch.equal(pos_fast, pos) and torch.equal(fast.slot_mapping, general.slot_mapping)
+    assert fast.all_decode and general.all_decode and not fast.prefills and fast.triton is None
+    for f in ("index", "block_ids", "mask", "ctx_lens"):
+        a, b = getattr(fast.decode, f), getattr(general.decode, f)
+        assert (a is None and b is None) or (torch.equal(a, b) and a.dtype == b.dtype), f
+    assert fast.decode.chunk == general.decode.chunk
 
 
 def test_decode_splits_bounds():
