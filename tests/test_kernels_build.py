@@ -183,6 +183,13 @@ if build.int8_activation_bits() is None:  # no VNNI: no int4 path either
         raise AssertionError("int4_linear ran without VNNI")
     except RuntimeError as exc:
         assert "no AVX-512 VNNI path" in str(exc), exc
+import llminfer.kernels.int8_group_linear as grp  # 6-bit codes: the int8 kernel's bits on the same codes
+for n, k, m in [(40, 64, 1), (24, 96, 5)]:  # 40: a last block of half the lanes (AVX-512)
+    codes = torch.randint(0, 64, (n, k), generator=g)
+    s, z = grp.pack_group_q8_params(torch.rand(n, k // 32, generator=g)), grp.pack_group_q8_params(torch.randn(n, k // 32))
+    x = torch.randn(m, k, generator=g)
+    six = torch.ops.llminfer_cpu.int6_group_linear_q8(x, grp.pack_int6_group_q8(codes), s, z, n, None)
+    assert torch.equal(six, torch.ops.llminfer_cpu.int8_group_linear_q8(x, grp.pack_int8_group_q8(codes.to(torch.uint8)), s, z, n, None))
 print("other build ok")
 """
 

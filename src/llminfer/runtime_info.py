@@ -129,7 +129,9 @@ def _cpu_kernel_line(rt: Runtime, cfg: EngineConfig) -> str:
                 detail += (f"; int4 on VNNI integer dot products, {bits}-bit activations" if bits
                            else "; int4 on torch's kernel (no AVX-512 VNNI here)")
             detail += f"; int4 on the {quant_path_note('int4')}"
-            if cfg.quant.quantize_lm_head and cfg.quant.int4_lm_head == "int8":
+            if type(head).__name__ == "Int6GroupWeightOnlyLinear":
+                detail += "; the LM head in 6-bit groups on int6_group_linear_q8"
+            elif cfg.quant.quantize_lm_head and cfg.quant.int4_lm_head in ("int8", "int6"):
                 head_op = int8_head_op or ("int8_linear_q8" if quant_paths()["int8"]["path"] == "q8"
                                            else "int8_linear")
                 detail += f"; the LM head in int8 on {head_op}"

@@ -117,28 +117,52 @@ def quantize_int8_groupwise(weight: torch.Tensor, group_size: int = 32
 
 
 def _int8_grids(w: torch.Tensor, floor: Callable[[torch.Tensor], torch.Tensor],
-                ceil: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                ceil: Callable[[torch.Tensor], torch.Tensor], levels: int = 255
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """quantize_int8_groupwise on ``w`` ``[N, groups, G]`` with the minima rounded by ``floor`` and the
-    scales by ``ceil`` before the codes are computed."""
+    scales by ``ceil`` before the codes are computed, for codes in ``[0, levels]`` (255; 63 for 6 bits, whose
+    symmetric grid is then ``d * q``, ``q`` in [-31, 31], stored as ``q + 32``)."""
     n = w.shape[0]
+    half = levels // 2  # 127: the symmetric grid's largest step count
     lo, hi = floor(w.amin(-1)), w.amax(-1)
 
-    a_scale = ceil((hi - lo) / 255.0)
+    a_scale = ceil((hi - lo) / float(levels))
     a_scale = torch.where(a_scale > 0, a_scale, torch.ones_like(a_scale))
-    a_codes = torch.round((w - lo[..., None]) / a_scale[..., None]).clamp_(0, 255)
+    a_codes = torch.round((w - lo[..., None]) / a_scale[..., None]).clamp_(0, levels)
     a_err = ((a_codes * a_scale[..., None] + lo[..., None]) - w).square().sum(-1)
 
-    s_scale = ceil(torch.maximum(hi.abs(), lo.abs()) / 127.0)
+    s_scale = ceil(torch.maximum(hi.abs(), lo.abs()) / float(half))
     s_scale = torch.where(s_scale > 0, s_scale, torch.ones_like(s_scale))
-    s_q = torch.round(w / s_scale[..., None]).clamp_(-127, 127)
-    s_min = -128.0 * s_scale
-    s_err = ((s_q + 128.0) * s_scale[..., None] + s_min[..., None] - w).square().sum(-1)
+    s_q = torch.round(w / s_scale[..., None]).clamp_(-half, half)
+    s_min = -(half + 1.0) * s_scale
+    s_err = ((s_q + half + 1.0) * s_scale[..., None] + s_min[..., None] - w).square().sum(-1)
 
     sym = s_err < a_err
-    codes = torch.where(sym[..., None], s_q + 128.0, a_codes).to(torch.uint8).reshape(n, w.shape[1] * w.shape[2])
+    codes = torch.where(sym[..., None], s_q + half + 1.0, a_codes).to(torch.uint8).reshape(n, w.shape[1] * w.shape[2])
     scale = torch.where(sym, s_scale, a_scale).contiguous()
     minimum = torch.where(sym, s_min, lo).contiguous()
     return codes, scale, minimum
+
+
+def quantize_int6_groupwise(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group-wise 6-bit codes (groups of 32; int4-wo's LM head, as llama.cpp's Q4_0 files keep theirs at 6
+    bits): :func:`quantize_int8_groupwise`'s two grids with 63 steps, the minimum rounded down and the scale up
+    to bfloat16 values.
+
+    Args:
+        weight: ``[N, K]`` float, ``K % 32 == 0``.
+
+    Returns:
+        ``(codes, scale, minimum)``: ``codes`` uint8 ``[N, K]`` in [0, 63]; ``scale`` and ``minimum`` float32
+        ``[N, K // 32]`` holding bfloat16 values, ``weight ≈ codes * scale + minimum`` per group.
+
+    Raises:
+        ValueError: ``K`` is not a multiple of 32.
+    """
+    n, k = weight.shape
+    if k % 32:
+        raise ValueError(f"int6 groups of 32 need in_features % 32 == 0, got {k}")
+    return _int8_grids(weight.detach().float().reshape(n, k // 32, 32), bfloat16_floor, bfloat16_ceil, levels=63)
 
 
 def dequantize_int8_groupwise(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
@@ -170,6 +194,11 @@ def _register_fake() -> None:
 
     @torch.library.register_fake("llminfer_cpu::int8_group_linear_q8")
     def _int8_group_linear_q8_fake(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+                                   out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return x.new_empty(x.shape[0], out_features, dtype=torch.float32)
+
+    @torch.library.register_fake("llminfer_cpu::int6_group_linear_q8")
+    def _int6_group_linear_q8_fake(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
                                    out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
         return x.new_empty(x.shape[0], out_features, dtype=torch.float32)
 
@@ -361,3 +390,38 @@ def unpack_int4_group_q8(packed: torch.Tensor, out_features: int) -> torch.Tenso
     pairs = packed.reshape(-1, k // 32, 4, lanes * 4)
     chunks = torch.cat([pairs & 0x0F, pairs >> 4], dim=2).reshape(-1, lanes * k)
     return unpack_int8_group_q8(chunks, out_features).to(torch.int32)
+
+
+# ------------------------------------------------------------------------------------ int6 codes, groups of 32
+def pack_int6_group_q8(codes: torch.Tensor) -> torch.Tensor:
+    """Codes in [0, 63], integer ``[N, K]`` (groups of 32), in ``int6_group_linear_q8``'s layout: uint8
+    ``[ceil(N / L), 3 * L * K // 4]``; per block and group, the low 4 bits as :func:`pack_int4_group_q8`'s 4
+    vectors (chunk ``j`` in the low nibbles, ``j + 4`` in the high ones), then 2 vectors of the top 2 bits, the
+    first for chunks 0-3 and the second for chunks 4-7, chunk ``4h + c`` at bits ``2c, 2c + 1`` of each byte.
+
+    Raises:
+        RuntimeError: the kernel is not loaded.
+    """
+    lanes = group_q8_lanes()
+    k = codes.shape[1]
+    chunks = pack_int8_group_q8(codes.to(torch.uint8)).reshape(-1, k // 32, 8, lanes * 4)
+    low, top = chunks & 0x0F, chunks >> 4
+    nibbles = low[:, :, :4] | (low[:, :, 4:] << 4)
+    planes = torch.stack([top[:, :, 4 * h] | (top[:, :, 4 * h + 1] << 2) | (top[:, :, 4 * h + 2] << 4)
+                          | (top[:, :, 4 * h + 3] << 6) for h in (0, 1)], dim=2)
+    return torch.cat([nibbles, planes], dim=2).reshape(-1, 3 * lanes * k // 4).contiguous()
+
+
+def unpack_int6_group_q8(packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The inverse of :func:`pack_int6_group_q8`: int32 ``[out_features, K]``.
+
+    Raises:
+        RuntimeError: the kernel is not loaded.
+    """
+    lanes = group_q8_lanes()
+    k = packed.shape[1] * 4 // (3 * lanes)
+    parts = packed.reshape(-1, k // 32, 6, lanes * 4)
+    nibbles, planes = parts[:, :, :4], parts[:, :, 4:]
+    low = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=2)
+    top = torch.stack([(planes[:, :, h] >> (2 * c)) & 0x03 for h in (0, 1) for c in range(4)], dim=2)
+    return unpack_int8_group_q8((low | (top << 4)).reshape(-1, lanes * k), out_features).to(torch.int32)

@@ -55,50 +55,14 @@ from llminfer.models.quantizers import (  # noqa: F401 - re-exported: the layers
     quantize_int4_groupwise,
     quantize_int8_per_channel,
 )
+from llminfer.models.weight_only_base import WeightOnlyLinear as _WeightOnlyLinear
+from llminfer.models.weight_only_int6 import Int6GroupWeightOnlyLinear
 
 _INT4_N_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu: "expect N to be dividable by 16"
 _INT8_K_MULTIPLE = 8
 
 
 # --------------------------------------------------------------------------------------------- modules
-class _WeightOnlyLinear(nn.Linear):
-    """Shared parts: an ``nn.Linear`` (for PEFT) holding no float weight, input cast to the kernel's dtype."""
-
-    mode = ""
-
-    def __init__(self, linear: nn.Linear, compute_dtype: torch.dtype) -> None:
-        nn.Module.__init__(self)  # not nn.Linear.__init__: it would allocate a float weight
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
-        self.compute_dtype = compute_dtype
-        #: True for an LM head quantized from a weight it shared with the input embedding.
-        self.tied_to_input_embedding = False
-        bias = linear.bias
-        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
-
-    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(self.compute_dtype)
-        # The AVX kernels use aligned 16-byte loads of the activation rows. Under torch.compile inductor's
-        # buffers are aligned and a data pointer cannot be traced, so only eager checks it.
-        if not flat.is_contiguous() or (not torch.compiler.is_compiling() and flat.data_ptr() % 64):
-            flat = flat.clone(memory_format=torch.contiguous_format)
-        out = self._kernel(flat).to(x.dtype)
-        if self.bias is not None:
-            out = out + self.bias.to(x.dtype)
-        return out.reshape(*x.shape[:-1], self.out_features)
-
-    def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"mode={self.mode}, compute_dtype={str(self.compute_dtype).replace('torch.', '')}")
-
-    def quantized_bytes(self) -> int:
-        """Bytes of the quantized weight and its scales (bias excluded)."""
-        return sum(b.numel() * b.element_size() for b in self.buffers(recurse=False))
-
-
 class Int8WeightOnlyLinear(_WeightOnlyLinear):
     """``nn.Linear`` replacement with an int8 per-output-channel weight.
 
@@ -372,12 +336,12 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
         return f"{super().extra_repr()}, group_size={self.group_size}"
 
 
-WEIGHT_ONLY_TYPES = (Int8WeightOnlyLinear, Int8GroupWeightOnlyLinear, Int4WeightOnlyLinear)
+WEIGHT_ONLY_TYPES = (Int8WeightOnlyLinear, Int8GroupWeightOnlyLinear, Int4WeightOnlyLinear, Int6GroupWeightOnlyLinear)
 
 
 # ----------------------------------------------------------------------------------------- model pass
 def quantize_model(model: nn.Module, mode: str, *, group_size: int = 32, compute_dtype: torch.dtype = torch.bfloat16,
-                   quantize_lm_head: bool = True, int4_lm_head: str = "int8",
+                   quantize_lm_head: bool = True, int4_lm_head: str = "int6",
                    int8_group_size: int = 32) -> dict[str, Any]:
     """Replace ``model``'s ``nn.Linear`` layers by weight-only quantized ones, in place.
 
@@ -392,26 +356,21 @@ def quantize_model(model: nn.Module, mode: str, *, group_size: int = 32, compute
         group_size: int4 group size (32, 64, 128 or 256).
         compute_dtype: the kernels' activation dtype (see the module docstring).
         quantize_lm_head: replace the LM head too.
-        int4_lm_head: with ``mode="int4-wo"``, the head's format: ``"int8"`` (int8-wo's) or ``"int4"``.
+        int4_lm_head: with ``mode="int4-wo"``, the head's format: ``"int6"`` (6-bit groups, where llminfer's CPU
+            kernel loads, else ``"int8"``), ``"int8"`` (int8-wo's) or ``"int4"``.
         int8_group_size: int8 layers' (int8-wo's, and an int8 head's) input columns per scale and minimum
             (:class:`Int8GroupWeightOnlyLinear`), or 0 for one scale per output channel
             (:class:`Int8WeightOnlyLinear`). Where llminfer's CPU kernel cannot load, per channel.
 
-    Returns:
-        ``{"quantized": [names], "skipped": {name: reason}}``.
-
-    Raises:
-        ValueError: an unknown ``mode``.
+    Returns ``{"quantized": [names], "skipped": {name: reason}}``; raises ValueError for an unknown ``mode``.
     """
     if mode not in ("int8-wo", "int4-wo"):
         raise ValueError(f"unknown weight-only mode {mode!r}")
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     report: dict[str, Any] = {"quantized": [], "skipped": {}}
-    if int8_group_size:
-
-        if not int8_group.kernel_available():
-            report["int8_format"] = "per channel (llminfer's CPU kernel for groups is not available)"
-            int8_group_size = 0
+    if int8_group_size and not int8_group.kernel_available():
+        report["int8_format"] = "per channel (llminfer's CPU kernel for groups is not available)"
+        int8_group_size = 0
     report.setdefault("int8_format", f"groups of {int8_group_size}" if int8_group_size else "per channel")
     targets = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear]
     for name, linear in targets:
@@ -420,7 +379,9 @@ def quantize_model(model: nn.Module, mode: str, *, group_size: int = 32, compute
             continue
         try:
             new: nn.Module
-            if mode == "int8-wo" or (linear is head and int4_lm_head == "int8"):
+            if linear is head and mode == "int4-wo" and int4_lm_head == "int6" and int8_group.kernel_available():
+                new = Int6GroupWeightOnlyLinear(linear, compute_dtype)
+            elif mode == "int8-wo" or (linear is head and int4_lm_head in ("int8", "int6")):
                 grouped = int8_group_size and linear.in_features % int8_group_size == 0
                 new = (Int8GroupWeightOnlyLinear(linear, int8_group_size, compute_dtype) if grouped
                        else Int8WeightOnlyLinear(linear, compute_dtype))

@@ -143,6 +143,27 @@ inline ivec high_nibbles(ivec v) {
 #endif
 }
 
+// 6-bit codes (int4-wo's LM head): bits 4-5 of chunk (v + 4 * half) come from the group's plane vector `half`,
+// where chunk c of the half sits at bits 2c, 2c + 1 of each byte; moved to bits 4-5. The 16-bit shifts move
+// bits across bytes only into positions the 0x30 mask drops.
+template <int V>
+inline ivec top_bits(ivec plane) {
+#if LLMINFER_Q8_512
+  const ivec moved = V < 2 ? _mm512_slli_epi16(plane, 4 - 2 * V) : _mm512_srli_epi16(plane, 2 * V - 4);
+  return _mm512_and_si512(moved, _mm512_set1_epi8(0x30));
+#else
+  const ivec moved = V < 2 ? _mm256_slli_epi16(plane, 4 - 2 * V) : _mm256_srli_epi16(plane, 2 * V - 4);
+  return _mm256_and_si256(moved, _mm256_set1_epi8(0x30));
+#endif
+}
+inline ivec ior(ivec a, ivec b) {
+#if LLMINFER_Q8_512
+  return _mm512_or_si512(a, b);
+#else
+  return _mm256_or_si256(a, b);
+#endif
+}
+
 // Plain AVX2 (no u8 x s8 dot-product instruction): the two digits folded into one int16, 254 q + r (at most
 // 254 * 127 + 127 = 32385), times the codes widened to int16 on vpmaddwd: 2 instructions per 16 columns for both
 // digits, where vpmaddubsw needed the sign trick (xor, abs, sign, maddubs, madd, add) for each digit. A lane's
@@ -268,7 +289,33 @@ inline void group_q8_tile(const GroupRows& r, int64_t m0, const uint8_t* codes, 
         }
       }
     };
-    for (int64_t v = 0; v < kChunks * Bits / 8; ++v) {
+    if constexpr (Bits == 6) {  // 4 vectors of nibble pairs (as 4-bit codes), then the 2 plane vectors
+      ivec plane[2][NT];
+      for (int j = 0; j < NT; ++j)
+        for (int half = 0; half < 2; ++half) {
+          const uint8_t* pp = codes + j * block_bytes + g * kGroupBytes + (4 + half) * kL * 4;
+          _mm_prefetch(reinterpret_cast<const char*>(pp + NT * block_bytes), _MM_HINT_T0);
+          plane[half][j] = iload(pp);
+        }
+      auto pair = [&](auto vc) __attribute__((always_inline)) {
+        constexpr int v = decltype(vc)::value;
+        ivec low[NT], high[NT];
+        for (int j = 0; j < NT; ++j) {
+          const uint8_t* cp = codes + j * block_bytes + g * kGroupBytes + v * kL * 4;
+          _mm_prefetch(reinterpret_cast<const char*>(cp + NT * block_bytes), _MM_HINT_T0);
+          const ivec c = iload(cp);
+          low[j] = ior(low_nibbles(c), top_bits<v>(plane[0][j]));
+          high[j] = ior(high_nibbles(c), top_bits<v>(plane[1][j]));
+        }
+        chunk(v, low);
+        chunk(v + kChunks / 2, high);
+      };
+      pair(std::integral_constant<int, 0>{});
+      pair(std::integral_constant<int, 1>{});
+      pair(std::integral_constant<int, 2>{});
+      pair(std::integral_constant<int, 3>{});
+    }
+    for (int64_t v = 0; Bits != 6 && v < kChunks * Bits / 8; ++v) {
       ivec c[NT];
       for (int j = 0; j < NT; ++j) {
         const uint8_t* cp = codes + j * block_bytes + g * kGroupBytes + v * kL * 4;
@@ -326,7 +373,23 @@ inline void group_q8_tile_plain(const GroupRows& r, int64_t m0, const uint8_t* c
         hi[m] = _mm256_add_epi32(hi[m], _mm256_madd_epi16(c_hi, a));
       }
     };
-    for (int64_t v = 0; v < kChunks * Bits / 8; ++v) {
+    if constexpr (Bits == 6) {
+      const __m256i plane0 = iload(codes + g * kGroupBytes + 4 * kL * 4);
+      const __m256i plane1 = iload(codes + g * kGroupBytes + 5 * kL * 4);
+      auto pair = [&](auto vc) __attribute__((always_inline)) {
+        constexpr int v = decltype(vc)::value;
+        const uint8_t* cp = codes + g * kGroupBytes + v * kL * 4;
+        _mm_prefetch(reinterpret_cast<const char*>(cp + block_bytes), _MM_HINT_T0);
+        const __m256i c = iload(cp);
+        chunk(v, ior(low_nibbles(c), top_bits<v>(plane0)));
+        chunk(v + kChunks / 2, ior(high_nibbles(c), top_bits<v>(plane1)));
+      };
+      pair(std::integral_constant<int, 0>{});
+      pair(std::integral_constant<int, 1>{});
+      pair(std::integral_constant<int, 2>{});
+      pair(std::integral_constant<int, 3>{});
+    }
+    for (int64_t v = 0; Bits != 6 && v < kChunks * Bits / 8; ++v) {
       const uint8_t* cp = codes + g * kGroupBytes + v * kL * 4;
       _mm_prefetch(reinterpret_cast<const char*>(cp + block_bytes), _MM_HINT_T0);  // the next tile's
       const __m256i c = iload(cp);
@@ -494,6 +557,15 @@ at::Tensor int4_group_linear_q8(const at::Tensor& x, const at::Tensor& codes, co
   return run_group_q8<4>("int4_group_linear_q8", x, codes, scale, zero, out_features, bias, "zero");
 }
 
+// int6_group_linear_q8: the same for 6-bit codes c in [0, 63], W[n, k] = c * scale + minimum (int4-wo's LM head;
+// per group of a block, the low 4 bits as the 4-bit codes' 4 vectors, then 2 vectors of the top 2 bits: see
+// top_bits above).
+at::Tensor int6_group_linear_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                                const at::Tensor& minimum, int64_t out_features,
+                                const c10::optional<at::Tensor>& bias) {
+  return run_group_q8<6>("int6_group_linear_q8", x, codes, scale, minimum, out_features, bias, "minimum");
+}
+
 // Channels per block in this build (16 on AVX-512 VNNI, else 8): what the Python pack functions lay out.
 int64_t group_q8_lanes() { return kL; }
 
@@ -504,10 +576,13 @@ TORCH_LIBRARY_FRAGMENT(llminfer_cpu, m) {
         "Tensor? bias=None) -> Tensor");
   m.def("int4_group_linear_q8(Tensor x, Tensor codes, Tensor scale, Tensor zero, int out_features, "
         "Tensor? bias=None) -> Tensor");
+  m.def("int6_group_linear_q8(Tensor x, Tensor codes, Tensor scale, Tensor minimum, int out_features, "
+        "Tensor? bias=None) -> Tensor");
   m.def("group_q8_lanes() -> int", &llminfer::group_q8_lanes);
 }
 
 TORCH_LIBRARY_IMPL(llminfer_cpu, CPU, m) {
   m.impl("int8_group_linear_q8", &llminfer::int8_group_linear_q8);
   m.impl("int4_group_linear_q8", &llminfer::int4_group_linear_q8);
+  m.impl("int6_group_linear_q8", &llminfer::int6_group_linear_q8);
 }
