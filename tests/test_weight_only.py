@@ -114,23 +114,22 @@ def test_quantize_model_tied_head_keeps_embedding_and_reports_skips(qwen2_dir):
     assert r4["skipped"] and all("% 128 == 0" in why for why in r4["skipped"].values())
 
 
-def test_int4_keeps_a_6_bit_head_unless_asked(hf_fp32):
-    """``int4-wo`` quantizes the LM head to 6 bits by default where llminfer's kernel loads, as llama.cpp's
-    Q4_0 keeps its output matrix at Q6_K (int8-wo's format where it does not), to int8 with
-    ``int4_lm_head="int8"``, to int4 with ``"int4"``; the other layers are int4 either way; a bad value is a
-    ConfigError naming the field."""
+def test_int4_keeps_an_int8_head_unless_asked(hf_fp32):
+    """``int4-wo`` quantizes the LM head to int8 by default, to 6 bits with ``int4_lm_head="int6"`` where
+    llminfer's kernel loads (llama.cpp's Q4_0 keeps its output matrix at Q6_K; int8 where it does not), to int4
+    with ``"int4"``; the other layers are int4 either way; a bad value is a ConfigError naming the field."""
     from llminfer.kernels.int8_group_linear import kernel_available
     from llminfer.models.weight_only_int6 import Int6GroupWeightOnlyLinear
 
-    default, eight, four = copy.deepcopy(hf_fp32), copy.deepcopy(hf_fp32), copy.deepcopy(hf_fp32)
+    default, six, four = copy.deepcopy(hf_fp32), copy.deepcopy(hf_fp32), copy.deepcopy(hf_fp32)
     quantize_model(default, "int4-wo")
-    quantize_model(eight, "int4-wo", int4_lm_head="int8")
+    quantize_model(six, "int4-wo", int4_lm_head="int6")
     quantize_model(four, "int4-wo", int4_lm_head="int4")
-    assert isinstance(default.lm_head, Int6GroupWeightOnlyLinear if kernel_available() else Int8GroupWeightOnlyLinear)
-    assert isinstance(eight.lm_head, Int8GroupWeightOnlyLinear) and isinstance(four.lm_head, Int4WeightOnlyLinear)
+    assert isinstance(default.lm_head, Int8GroupWeightOnlyLinear) and isinstance(four.lm_head, Int4WeightOnlyLinear)
+    assert isinstance(six.lm_head, Int6GroupWeightOnlyLinear if kernel_available() else Int8GroupWeightOnlyLinear)
     layers = [m for n, m in default.named_modules() if n.endswith("mlp.down_proj")]
     assert layers and all(isinstance(m, Int4WeightOnlyLinear) for m in layers)
-    assert QuantConfig(mode="int4-wo").int4_lm_head == "int6"
+    assert QuantConfig(mode="int4-wo").int4_lm_head == "int8"
     with pytest.raises(ConfigError, match="int4_lm_head"):
         QuantConfig(mode="int4-wo", int4_lm_head="int2")
 
@@ -219,7 +218,7 @@ def test_engine_matches_hf_on_the_quantized_model_with_prefix_cache(int8_engine,
 
 def test_int4_engine_runs_on_the_kernel_and_its_rows_do_not_depend_on_the_batch(qwen2_dir):
     """int4-wo with llminfer's kernel (where the CPU has AVX-512 VNNI): ``info`` names int4_linear and the
-    6-bit head, and greedy output of a request alone equals its output in a batch with others (the int4 and
+    int8 head, and greedy output of a request alone equals its output in a batch with others (the int4 and
     int8 products are batch-invariant, like the rest of the fp32 step)."""
     from llminfer.kernels import build
 
@@ -229,12 +228,14 @@ def test_int4_engine_runs_on_the_kernel_and_its_rows_do_not_depend_on_the_batch(
         line = engine.info()["cpu_kernel"]
         if build.skinny_linear_available():
             paths = path_choice.quant_paths()
+            # the int8 head takes int8-wo's group format, on the path chosen for it
+            head = f"int8_group_linear{'_q8' if paths['int8-group']['path'] == 'q8' else ''} (groups of 32)"
             if paths["int4"]["path"] == "q8":
                 assert line.startswith("int4_group_linear_q8 on ") and "int4 on the q8 path" in line, line
             elif build.int8_activation_bits():
                 assert line.startswith("int4_linear on ") and "int4 on the wide path" in line, line
             if paths["int4"]["path"] == "q8" or build.int8_activation_bits():
-                assert "the LM head in 6-bit groups on int6_group_linear_q8;" in line, line  # the default head
+                assert f"the LM head in int8 on {head};" in line, line
         prompts = random_prompts([5, 9, 14, 3, 20, 7], VOCAB, seed=4)
         alone = [list(engine.run(p, max_new_tokens=8, ignore_eos=True).token_ids) for p in prompts[:3]]
         together = engine.run_requests([engine.make_request(p, max_new_tokens=8, ignore_eos=True) for p in prompts])

@@ -7,7 +7,8 @@ Steps (each skipped with one ``SKIP:`` line where it cannot run):
 2. convert the bench model (``bench/common.py``) with the vendored ``convert_hf_to_gguf.py`` to f32 (plus
    f16/bf16 where this CPU computes them natively), then Q8_0 and Q4_0 with ``llama-quantize``;
 3. batch-1 decode: ``llama-bench -p 0 -n N`` (tg) per GGUF, and llminfer's batch-1 decode ms/token at the
-   matched precision (fp32 vs f32; ``int8-wo`` vs Q8_0 and ``int4-wo`` vs Q4_0 where ``--quant`` has them);
+   matched precision (fp32 vs f32; ``int8-wo`` vs Q8_0 and ``int4-wo`` vs Q4_0 where ``--quant`` has them;
+   int4-wo with the 6-bit LM head, as Q4_0 files keep theirs at Q6_K: ``--int4-lm-head``);
    then llama.cpp's own top-1 agreement of Q8_0 and Q4_0 with f32 (``llama-perplexity --kl-divergence``),
    the yardstick for ``bench_quant.py``'s agreement on the same random-weight model;
 4. with ``--serve``: ``llama-server -np 32`` and ``llminfer serve`` each under ``llminfer bench-serve`` (64
@@ -52,6 +53,10 @@ CACHE = Path(os.environ.get("LLAMACPP_CACHE", Path.home() / ".cache" / "llminfer
 BIN = CACHE / "build" / "bin"  # build-avx2/bin with --isa avx2 (use_isa)
 ISA = "native"
 PAIRS = (("float32", "none", "f32"), ("float32", "int8-wo", "q8_0"), ("float32", "int4-wo", "q4_0"))
+
+
+#: int4-wo's LM head in llminfer's rows (``--int4-lm-head``): matched to Q4_0's Q6_K head by default.
+INT4_LM_HEAD = "int6"
 
 
 def loadavg() -> str:
@@ -247,8 +252,9 @@ def llminfer_decode(model_dir: Path, quant: str, tokens: int, threads: int, back
     from llminfer.config import QuantConfig, QuantMode
 
     torch.set_num_threads(threads)
+    head = {"int4_lm_head": INT4_LM_HEAD} if quant == "int4-wo" else {}
     cfg = EngineConfig(model_name=str(model_dir), dtype="float32", device="cpu", max_batch_size=1,
-                       batch_timeout_ms=0, quant=QuantConfig(mode=QuantMode(quant)), backend=backend)
+                       batch_timeout_ms=0, quant=QuantConfig(mode=QuantMode(quant), **head), backend=backend)
     tpot = []
     with InferenceEngine(cfg) as engine:
         # Within the model's vocabulary (a --gguf model's may be smaller than the bench model's).
@@ -307,7 +313,8 @@ def serve_pair(model_dir: Path, gguf: Path, quant: str, threads: int, work: Path
         "llama_server": [str(BIN / "llama-server"), "-m", str(gguf), "-np", "32", "-c", str(32 * 640),
                          "-t", str(threads), "--host", "127.0.0.1", *_no_repack(gguf)],
         "llminfer": [sys.executable, "-m", "llminfer", "serve", "--model", str(model_dir), "--dtype", "float32",
-                     "--max-batch-size", "32", "--quant", quant, "--host", "127.0.0.1"],
+                     "--max-batch-size", "32", "--quant", quant, "--host", "127.0.0.1",
+                     *(["--int4-lm-head", INT4_LM_HEAD] if quant == "int4-wo" else [])],
     }
     order = ["llminfer", "llama_server"] if llminfer_first else ["llama_server", "llminfer"]
     for name, cmd in ((n, servers[n]) for n in order):
@@ -340,17 +347,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--isa", choices=("native", "avx2"), default="native", help="avx2: llama.cpp built for "
                     "AVX2/FMA/F16C only and llminfer's AVX2 kernels, to measure that class on a newer CPU")
     ap.add_argument("--no-agreement", action="store_true", help="skip llama.cpp's top-1 agreement rows")
+    ap.add_argument("--int4-lm-head", choices=("int6", "int8", "int4"), default="int6",
+                    help="int4-wo's LM head (default int6: the 6-bit head of llama.cpp's Q4_0 files, Q6_K)")
     ap.add_argument("--json-out", type=Path, default=None)
     ap.add_argument("--gguf", type=Path, default=None, help="a trained model's GGUF: llama.cpp runs this file, "
                     "llminfer what it loads from it (see --model)")
     ap.add_argument("--model", default=None, help="with --gguf: what llminfer loads (default: the GGUF itself; "
                     "a folder of the same weights dequantized also enables the agreement rows)")
     args = ap.parse_args(argv)
+    global INT4_LM_HEAD
+    INT4_LM_HEAD = args.int4_lm_head
     use_isa(args.isa)
     from llminfer.benchmark.environment import StealMeter
 
     whole_run = StealMeter()
-    payload: dict[str, Any] = {"benchmark": "llamacpp_peer", "loadavg_before": loadavg(), "isa": args.isa}
+    payload: dict[str, Any] = {"benchmark": "llamacpp_peer", "loadavg_before": loadavg(), "isa": args.isa,
+                               "int4_lm_head": INT4_LM_HEAD}
     if shutil.which("cmake") is None or shutil.which("c++") is None:
         print("SKIP: llama.cpp peer benchmark: cmake or a C++ compiler is missing")
         return {"skipped": "no cmake/compiler"}

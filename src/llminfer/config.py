@@ -157,11 +157,11 @@ class QuantConfig:
             128, 256; 32 as llama.cpp's Q8_0, the default), each group on the closer of an asymmetric and a
             symmetric grid (:mod:`llminfer.kernels.int8_group_linear`); 0 for one scale per output channel (fewer
             bytes, coarser: on trained weights it flips several times more top-1 tokens).
-        int4_lm_head: ``int4-wo``: the LM head's format, ``"int6"`` (default: 6-bit groups of 32,
-            :mod:`llminfer.models.weight_only_int6`, as llama.cpp's Q4_0 files keep the output matrix at 6 bits,
-            Q6_K; ``"int8"`` where llminfer's CPU kernel does not load), ``"int8"`` (int8-wo's format: a third
-            more bytes than 6 bits, fewer top-1 tokens flipped) or ``"int4"`` (group-wise like the other
-            layers: half the bytes of 8 bits, many more flips).
+        int4_lm_head: ``int4-wo``: the LM head's format, ``"int8"`` (default: int8-wo's format; it flips the
+            fewest top-1 tokens), ``"int6"`` (6-bit groups of 32, :mod:`llminfer.models.weight_only_int6`: the
+            head's bits of llama.cpp's Q4_0 files, which keep the output matrix at 6 bits, Q6_K; three quarters
+            of int8's bytes; ``"int8"`` where llminfer's CPU kernel does not load) or ``"int4"`` (group-wise
+            like the other layers: half the bytes of 8 bits, many more flips).
     """
 
     mode: QuantMode = attrs.field(default=QuantMode.NONE, converter=_enum(QuantMode))
@@ -169,7 +169,7 @@ class QuantConfig:
     compute_dtype: str = attrs.field(default="bfloat16", validator=_one_of(DTYPES[1:]))
     int4_group_size: int = attrs.field(default=32, validator=[_int, _int4_group])
     quantize_lm_head: bool = attrs.field(default=True, validator=_bool)
-    int4_lm_head: str = attrs.field(default="int6", validator=_one_of(("int6", "int8", "int4")))
+    int4_lm_head: str = attrs.field(default="int8", validator=_one_of(("int8", "int6", "int4")))
     int8_group_size: int = attrs.field(default=32, validator=[_int, _int8_group])
 
 

@@ -35,6 +35,7 @@ from llminfer.cli.options import (
     Device,
     Dtype,
     HFToken,
+    Int4Head,
     KVBytes,
     LocalOnly,
     LogLevel,
@@ -91,6 +92,7 @@ class EngineOptions:
     tp_size: TPSize = 1
     pp_size: PPSize = 1
     quant: QuantOpt = QuantMode.NONE.value
+    int4_lm_head: Int4Head = "int8"
     adapter: AdapterOpt = None
     adapter_name: AdapterName = None
     compile_mode: CompileMode = "default"

@@ -79,6 +79,9 @@ QuantOpt = Annotated[str, typer.Option("--quant", metavar=f"<{'|'.join(m.value f
                                              "int8) or weight-only int8/int4 on llminfer's CPU kernels "
                                              "(int8-wo, int4-wo); from-gguf (a .gguf model: Q8_0 -> int8-wo, "
                                              "Q4_0/Q4_1 -> int4-wo); none.")]
+Int4Head = Annotated[str, typer.Option("--int4-lm-head", metavar="<int8|int6|int4>", help="With --quant int4-wo: "
+                                        "the LM head's format: int8 (default, the fewest top-1 flips), int6 (the "
+                                        "6-bit head of llama.cpp's Q4_0 files, 3/4 of int8's bytes) or int4.")]
 AdapterOpt = Annotated[str | None, typer.Option("--adapter", help="LoRA adapter (PEFT folder or hub id) "
                                                 "loaded on top of the model.")]
 AdapterName = Annotated[str | None, typer.Option("--adapter-name", help="Name of the --adapter (default: "
@@ -116,8 +119,9 @@ def build_config(
     hf_token: str | None = None, local_files_only: bool = False, cache_dir: str | None = None,
     trust_remote_code: bool = False, tp_size: int = 1, pp_size: int = 1, assistant_model: str | None = None,
     spec_num_assistant_tokens: int = 5, spec_confidence_threshold: float = 0.4,
-    quant: QuantMode | str = QuantMode.NONE, attention_backend: str = "auto", threads: int | None = None,
-    max_num_batched_tokens: int | None = None, long_prefill_token_threshold: int = 0, **extra: Any,
+    quant: QuantMode | str = QuantMode.NONE, int4_lm_head: str = "int8", attention_backend: str = "auto",
+    threads: int | None = None, max_num_batched_tokens: int | None = None, long_prefill_token_threshold: int = 0,
+    **extra: Any,
 ) -> EngineConfig:
     """Turn the engine flags (keyword arguments named like the command parameters; the defaults are the
     flags' defaults) into a validated :class:`EngineConfig`. ``extra`` goes to ``EngineConfig`` as is.
@@ -137,7 +141,7 @@ def build_config(
             max_model_len=max_model_len,
             cache=CacheConfig(page_size_tokens=page_size, enable_prefix_cache=not no_prefix_cache,
                               kv_cache_memory_bytes=kv_cache_bytes),
-            quant=QuantConfig(mode=quant),
+            quant=QuantConfig(mode=quant, int4_lm_head=int4_lm_head),
             scheduler=SchedulerConfig(long_prefill_token_threshold=long_prefill_token_threshold,
                                       **({} if max_num_batched_tokens is None
                                          else {"max_num_batched_tokens": max_num_batched_tokens})),
@@ -170,7 +174,7 @@ CONFIG_FLAGS: dict[str, str] = {
     "num_threads": "--threads", "max_num_batched_tokens": "--max-num-batched-tokens",
     "long_prefill_token_threshold": "--long-prefill-token-threshold",
     "speculative_prompt_lookup_max": "--spec-prompt-lookup-max",
-    "speculative_prompt_lookup_min": "--spec-prompt-lookup-min",
+    "speculative_prompt_lookup_min": "--spec-prompt-lookup-min", "int4_lm_head": "--int4-lm-head",
 }
 """``EngineConfig`` field → the flag that sets it, for error messages."""
 

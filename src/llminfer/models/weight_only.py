@@ -341,7 +341,7 @@ WEIGHT_ONLY_TYPES = (Int8WeightOnlyLinear, Int8GroupWeightOnlyLinear, Int4Weight
 
 # ----------------------------------------------------------------------------------------- model pass
 def quantize_model(model: nn.Module, mode: str, *, group_size: int = 32, compute_dtype: torch.dtype = torch.bfloat16,
-                   quantize_lm_head: bool = True, int4_lm_head: str = "int6",
+                   quantize_lm_head: bool = True, int4_lm_head: str = "int8",
                    int8_group_size: int = 32) -> dict[str, Any]:
     """Replace ``model``'s ``nn.Linear`` layers by weight-only quantized ones, in place.
 
@@ -356,8 +356,8 @@ def quantize_model(model: nn.Module, mode: str, *, group_size: int = 32, compute
         group_size: int4 group size (32, 64, 128 or 256).
         compute_dtype: the kernels' activation dtype (see the module docstring).
         quantize_lm_head: replace the LM head too.
-        int4_lm_head: with ``mode="int4-wo"``, the head's format: ``"int6"`` (6-bit groups, where llminfer's CPU
-            kernel loads, else ``"int8"``), ``"int8"`` (int8-wo's) or ``"int4"``.
+        int4_lm_head: with ``mode="int4-wo"``, the head's format: ``"int8"`` (int8-wo's), ``"int6"`` (6-bit
+            groups, where llminfer's CPU kernel loads, else int8) or ``"int4"``.
         int8_group_size: int8 layers' (int8-wo's, and an int8 head's) input columns per scale and minimum
             (:class:`Int8GroupWeightOnlyLinear`), or 0 for one scale per output channel
             (:class:`Int8WeightOnlyLinear`). Where llminfer's CPU kernel cannot load, per channel.
