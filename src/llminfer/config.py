@@ -69,6 +69,12 @@ def _one_of(choices: tuple[str, ...]):
     return check
 
 
+def _int4_only(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value != attribute.default and instance.mode not in (QuantMode.INT4_WO, QuantMode.FROM_GGUF):
+        raise ConfigError(f"{attribute.name} {value!r} applies to int4-wo (or from-gguf's Q4 files) only; "
+                          f"mode is {instance.mode.value}")
+
+
 def _enum(enum_cls: type[enum.Enum]):
     """Accept an enum member or its value (``"nf4"``), reject anything else with a ConfigError."""
 
@@ -161,7 +167,9 @@ class QuantConfig:
             fewest top-1 tokens), ``"int6"`` (6-bit groups of 32, :mod:`llminfer.models.weight_only_int6`: the
             head's bits of llama.cpp's Q4_0 files, which keep the output matrix at 6 bits, Q6_K; three quarters
             of int8's bytes; ``"int8"`` where llminfer's CPU kernel does not load) or ``"int4"`` (group-wise
-            like the other layers: half the bytes of 8 bits, many more flips).
+            like the other layers: half the bytes of 8 bits, many more flips). Other than ``"int8"`` only
+            with ``mode`` ``int4-wo`` or ``from-gguf`` (where a Q8_0 file's int8-wo ignores it), else a
+            ConfigError.
     """
 
     mode: QuantMode = attrs.field(default=QuantMode.NONE, converter=_enum(QuantMode))
@@ -169,7 +177,7 @@ class QuantConfig:
     compute_dtype: str = attrs.field(default="bfloat16", validator=_one_of(DTYPES[1:]))
     int4_group_size: int = attrs.field(default=32, validator=[_int, _int4_group])
     quantize_lm_head: bool = attrs.field(default=True, validator=_bool)
-    int4_lm_head: str = attrs.field(default="int8", validator=_one_of(("int8", "int6", "int4")))
+    int4_lm_head: str = attrs.field(default="int8", validator=[_one_of(("int8", "int6", "int4")), _int4_only])
     int8_group_size: int = attrs.field(default=32, validator=[_int, _int8_group])
 
 

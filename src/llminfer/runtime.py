@@ -334,7 +334,8 @@ def resolve_quant(cfg: EngineConfig) -> EngineConfig:
         raise ConfigError(f"quant.mode from-gguf needs a .gguf model (or {TRAINED_MODEL_NAME}); "
                           f"{name or 'the built-in tiny model'!r} is none: choose int8-wo, int4-wo, nf4, ...")
     mode = weight_only_mode(read_gguf_info(file))
-    return attrs.evolve(cfg, quant=attrs.evolve(cfg.quant, mode=QuantMode(mode)))
+    head = {} if mode == QuantMode.INT4_WO.value else {"int4_lm_head": "int8"}  # int4-wo's alone
+    return attrs.evolve(cfg, quant=attrs.evolve(cfg.quant, mode=QuantMode(mode), **head))
 
 
 def _load_draft(cfg: EngineConfig, rt: Runtime) -> None:
