@@ -32,6 +32,33 @@ def test_cache_round_trip_and_a_broken_file(tmp_path):
     assert dp.cached_choice("k", path) == record
 
 
+def _store_many(path: str, prefix: str) -> None:
+    from pathlib import Path
+
+    for i in range(20):
+        dp.store_choice(f"{prefix}{i}", {"choice": "float32", "figures": {}}, Path(path))
+
+
+def test_concurrent_stores_keep_every_key(tmp_path):
+    """Processes and threads storing at once each read, add and replace the file under one lock: no key is lost
+    to another's write (without the lock, the later writer drops what the earlier one added since it read)."""
+    import multiprocessing
+    import threading
+
+    path = tmp_path / "c.json"
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_store_many, args=(str(path), f"p{n}-")) for n in range(2)]
+    threads = [threading.Thread(target=_store_many, args=(str(path), f"t{n}-")) for n in range(2)]
+    for worker in (*procs, *threads):
+        worker.start()
+    for worker in (*procs, *threads):
+        worker.join(timeout=120)
+    assert all(p.exitcode == 0 for p in procs)
+    import json
+
+    assert set(json.loads(path.read_text())) == {f"{w}{n}-{i}" for w in "pt" for n in range(2) for i in range(20)}
+
+
 @pytest.mark.parametrize("record", ["float32", {"choice": "float32"}, {"choice": 3, "figures": {}},
                                     {"choice": "float32", "figures": {"float32": {"prefill_ms": 1.0}}},
                                     {"choice": "float32", "figures": {"float32": "fast"}}])

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -102,21 +103,25 @@ def _well_formed(record: Any) -> bool:
 
 
 def store_choice(key: str, record: dict[str, Any], path: Path | None = None) -> None:
-    """Add ``record`` under ``key`` to the cache file (written atomically; errors are ignored: the next
-    load measures again)."""
+    """Add ``record`` under ``key`` to the cache file (written atomically, under an OS file lock so that
+    processes storing at once keep each other's keys; errors are ignored: the next load measures again)."""
+    import fcntl  # the probe runs on CPUs of POSIX hosts only (dtype="auto" on a CPU device)
+
     path = path or cache_path()
     try:
-        try:
-            data = json.loads(path.read_text())
-            if not isinstance(data, dict):
-                data = {}
-        except (OSError, ValueError):
-            data = {}
-        data[key] = record
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-        os.replace(tmp, path)
+        with open(path.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                data = json.loads(path.read_text())
+                if not isinstance(data, dict):
+                    data = {}
+            except (OSError, ValueError):
+                data = {}
+            data[key] = record
+            tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
+            tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+            os.replace(tmp, path)
     except OSError:
         pass
 
