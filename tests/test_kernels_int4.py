@@ -140,9 +140,13 @@ def test_int4_layer_moves_to_the_kernel_with_the_same_codes(group):
             assert layer.weight.shape == (37, 256)
         assert torch.equal(layer.codes(), q)
         after = layer(x)
-        want = F.linear(x.double(), dequantize_int4(q, sz.bfloat16().float(), group).double(), lin.bias.double())
-        torch.testing.assert_close(layer.dequantized_weight().double(),
-                                   dequantize_int4(q, sz.bfloat16().float(), group).double(), atol=1e-6, rtol=1e-6)
+        # the quantizer's own grid (torch's layout rounded its zero points to bfloat16)
+        want = F.linear(x.double(), dequantize_int4(q, sz, group).double(), lin.bias.double())
+        torch.testing.assert_close(layer.dequantized_weight().double(), dequantize_int4(q, sz, group).double(),
+                                   atol=1e-6, rtol=1e-6)
+        if layer.kernel_path == "q8" and group == 32:  # its bfloat16 scales and minima in 2 bytes each
+            assert layer.kernel_scales.dtype == layer.kernel_zeros.dtype == torch.bfloat16
+        assert layer._kernel_grid is None  # the float32 copy is dropped
         assert "scales_and_zeros" not in layer.state_dict()  # the kernel's scales replace torch's
     err_after, err_before = (after.double() - want).abs().max(), (before.double() - want).abs().max()
     if layer.kernel_path == "q8":  # 8-bit block activations: within their rounding bound (test_kernels_q8)
@@ -179,6 +183,27 @@ def test_int4_kernel_layout_state_dict_round_trips_and_refuses_the_other_layout(
     with pytest.raises(RuntimeError, match="kernel_scales|scales_and_zeros"):
         a.load_state_dict(torch_layout.state_dict())
     assert a.quantized_bytes() == sum(t.numel() * t.element_size() for t in (a.weight, a.kernel_scales, a.kernel_zeros))
+
+
+@needs_int_path
+def test_a_torch_layout_state_loaded_later_is_what_the_kernel_computes():
+    """The quantizer's grid kept for the kernel is the layer's own: after load_state_dict of another
+    torch-layout layer, use_llminfer_kernel takes the loaded scales and zero points, not the kept grid."""
+    from llminfer.models.weight_only import Int4WeightOnlyLinear
+
+    torch.manual_seed(1)
+    shifted = [nn.Linear(160, 20), nn.Linear(160, 20)]
+    with torch.no_grad():
+        for linear in shifted:  # groups far from 0: zero points (minimum + 8 * scale) that are not bfloat16 values
+            linear.weight.add_(1.0)
+    source, target = Int4WeightOnlyLinear(shifted[0], 32), Int4WeightOnlyLinear(shifted[1], 32)
+    assert source._kernel_grid is not None and target._kernel_grid is not None
+    want = source.dequantized_weight()  # torch's layout: the bfloat16 zero points
+    target.load_state_dict(source.state_dict())
+    target.use_llminfer_kernel("q8")
+    torch.testing.assert_close(target.dequantized_weight(), want, rtol=0, atol=1e-6)
+    source.use_llminfer_kernel("q8")  # its own kept grid: the quantizer's minima, not torch's rounded zeros
+    assert not torch.equal(source.dequantized_weight(), want)
 
 
 @needs_int_path

@@ -178,6 +178,9 @@ def _prepare_model(rt: Runtime, cfg: EngineConfig, device: torch.device, dtype: 
         if (cfg.attention_backend == "auto" and attention_backend == "torch"
                 and dtype in (torch.float32, torch.bfloat16) and skinny_linear_available()):
             attention_backend = "cpu"
+    from llminfer.models.weight_only import drop_kernel_grids
+
+    drop_kernel_grids(model)
     if cfg.cpu_prepack_lm_head and spec.cpu_lm_head == "prepacked":
         from llminfer.kernels.prepack import PrepackedLinear, head_kernel_rows, prepack_lm_head
 
@@ -348,6 +351,9 @@ def _load_draft(cfg: EngineConfig, rt: Runtime) -> None:
         from llminfer.models.kernel_swap import enable_cpu_kernels
 
         enable_cpu_kernels(draft)
+    from llminfer.models.weight_only import drop_kernel_grids
+
+    drop_kernel_grids(draft)
     if cfg.cpu_prepack_lm_head:
         from llminfer.kernels.prepack import prepack_lm_head
 

@@ -211,12 +211,15 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
     ``[in_features // group_size, N_pad, 2]`` in ``compute_dtype``. After :meth:`use_llminfer_kernel`,
     ``weight`` is uint8 ``[out_features, ceil(in_features / 128) * 64]`` in :func:`pack_int4_codes`'s layout,
     ``scales_and_zeros`` gives way to ``kernel_scales`` and ``kernel_zeros`` (float32; zero point less 8 *
-    scale) ``[out_features, in_features // group_size]``, and the products take llminfer's kernel (float32
-    activations rounded to 14 bits per row, not ``compute_dtype``). On the q8 path with groups of 32 the codes,
-    ``kernel_scales`` and ``kernel_zeros`` are in the blocked layout of
+    scale, i.e. the group's minimum) ``[out_features, in_features // group_size]``, and the products take
+    llminfer's kernel (float32 activations rounded to 14 bits per row, not ``compute_dtype``). On the q8 path
+    with groups of 32 the codes, ``kernel_scales`` and ``kernel_zeros`` are in the blocked layout of
     :func:`~llminfer.kernels.int8_group_linear.pack_int4_group_q8` and ``pack_group_q8_params`` (two-digit
-    activations; the dtype of ``q8_params_dtype``). Input and output as :class:`Int8WeightOnlyLinear`, with
-    the weight of :func:`dequantize_int4`.
+    activations; the dtype of ``q8_params_dtype``: 2 bytes each for the quantizer's bfloat16 grid, or a GGUF
+    file's float16 one). The kernel's scales and minima are the quantizer's own where the layer was built
+    from a float weight (torch's layout rounds the zero point to ``compute_dtype``; the kernel then computes
+    the quantizer's grid, not that rounding), else those of ``scales_and_zeros``. Input and output as
+    :class:`Int8WeightOnlyLinear`, with the weight of :func:`dequantize_int4`.
 
     Raises:
         ValueError: ``group_size`` is not 32/64/128/256 or does not divide ``in_features``.
@@ -238,6 +241,10 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
         q, sz = quantize_int4_groupwise(w, group_size)
         self.register_buffer("weight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
         self.register_buffer("scales_and_zeros", sz.to(compute_dtype))
+        # The quantizer's grid where compute_dtype rounds it (a bfloat16 zero point, minimum + 8 * scale, is
+        # not the bfloat16 minimum it came from): use_llminfer_kernel takes the scales and minima from it, in 2
+        # bytes each where they are bfloat16 or float16 values, and drops it (drop_kernel_grid).
+        self._kernel_grid: torch.Tensor | None = None if int8_group.is_exact_in(sz, compute_dtype) else sz
 
     #: Set by :meth:`use_llminfer_kernel`: ``weight`` then holds the codes in the layout of
     #: :func:`llminfer.kernels.int4_linear.int4_linear` (``kernel_path`` ``"wide"``) or of
@@ -302,7 +309,11 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
         if self.use_cpu_kernel:
             return
         q = self.codes()
-        sz = self.scales_and_zeros[:, : self.out_features].float()  # [K/G, N, 2]
+        grid = self._kernel_grid
+        if grid is None or not torch.equal(grid.to(self.scales_and_zeros.dtype), self.scales_and_zeros):
+            grid = self.scales_and_zeros  # none kept, or the buffer changed since (load_state_dict, an edit)
+        sz = grid[:, : self.out_features].float()  # [K/G, N, 2]
+        self.drop_kernel_grid()
         scales, zeros = sz[..., 0].t().contiguous(), sz[..., 1].t().contiguous()
         # The kernel's state replaces torch's: buffers (so state_dict, load_state_dict and the byte counts
         # see what the products read), under other names than torch's layout, so a state_dict of one layout
@@ -311,7 +322,7 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
         self.kernel_path, self.use_cpu_kernel = path, True
         kernel_zeros = (zeros - 8.0 * scales).contiguous()  # zero - 8 * scale
         if self._blocked_q8:  # int4_group_linear_q8's layout
-            dtype = int8_group.q8_params_dtype(scales, kernel_zeros)  # float32 unless compute_dtype is float32
+            dtype = int8_group.q8_params_dtype(scales, kernel_zeros)  # 2 bytes from the quantizer's grid
             self.weight = int8_group.pack_int4_group_q8(q)
             scales = int8_group.pack_group_q8_params(scales, dtype)
             kernel_zeros = int8_group.pack_group_q8_params(kernel_zeros, dtype)
@@ -319,6 +330,13 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
             self.weight = {"wide": pack_int4_codes, "q8": pack_int4_codes_q8}[path](q)
         self.register_buffer("kernel_scales", scales)  # float32 [N, K / G], or blocked for int4_group_linear_q8
         self.register_buffer("kernel_zeros", kernel_zeros)
+
+    _kernel_grid: torch.Tensor | None = None
+
+    def drop_kernel_grid(self) -> None:
+        """Free the quantizer's float32 grid kept for :meth:`use_llminfer_kernel` (2 bits a weight), where the
+        layer stays on torch's kernel. Idempotent."""
+        self._kernel_grid = None
 
     def dequantized_weight(self) -> torch.Tensor:
         """The float32 ``[out_features, in_features]`` weight the layer computes with."""
@@ -396,6 +414,14 @@ def quantize_model(model: nn.Module, mode: str, *, group_size: int = 32, compute
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
         report["quantized"].append(name)
     return report
+
+
+def drop_kernel_grids(model: nn.Module) -> None:
+    """:meth:`Int4WeightOnlyLinear.drop_kernel_grid` on every int4-wo layer of ``model``: call it once the CPU
+    kernels had their chance (the layers they took dropped theirs already)."""
+    for module in model.modules():
+        if isinstance(module, Int4WeightOnlyLinear):
+            module.drop_kernel_grid()
 
 
 def check_kernels_available() -> str | None:
