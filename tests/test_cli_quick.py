@@ -73,6 +73,7 @@ def _no_load(*_args, **_kwargs):
     (["info", "--page-size-tokens", "0"], "page_size_tokens"),
     (["run", "x", "--model", "./no/such/folder"], "does not exist"),
     (["run", "x", "--adapter-name", "a"], "--adapter-name needs --adapter"),
+    (["serve", "--adapter", "/no/such/adapter"], "--adapter: '/no/such/adapter' is not a folder"),
     (["run", "x", "--system", "be brief", "--no-chat"], "--system needs the chat template"),
     (["run", "x", "--json-schema", "@/no/such.json"], "cannot read"),
     (["run", "x", "--log-level", "loud"], "--log-level"),

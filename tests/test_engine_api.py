@@ -155,6 +155,12 @@ def test_config_errors_name_the_field():
     cfg = EngineConfig()
     with pytest.raises(ConfigError, match="page_size_tokens"):
         cfg.cache.page_size_tokens = 0
+    # an infinite batch timeout held every request back forever; NaN slipped past the ">= 0" check
+    for bad in (float("inf"), float("nan")):
+        with pytest.raises(ConfigError, match="batch_timeout_ms must be a finite number"):
+            EngineConfig(batch_timeout_ms=bad)
+        with pytest.raises(ConfigError, match="grammar_compile_timeout_s must be a finite number"):
+            EngineConfig(grammar_compile_timeout_s=bad)
 
 
 def test_async_generate_inside_running_loop():

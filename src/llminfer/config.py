@@ -8,6 +8,7 @@ when it loads.
 from __future__ import annotations
 
 import enum
+import math
 from typing import Any
 
 import attrs
@@ -102,7 +103,14 @@ def _typed(*types: type):
 
 _int = _typed(int)
 _opt_int = v.optional(_typed(int))
-_num = _typed(int, float)
+def _num(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    """A finite int or float: an infinite batch timeout would hold every request back forever, and NaN
+    passes every comparison's ``not``."""
+    _typed(int, float)(instance, attribute, value)
+    if not math.isfinite(value):
+        raise ConfigError(f"{attribute.name} must be a finite number, got {value!r}")
+
+
 _bool = _typed(bool)
 
 

@@ -96,6 +96,7 @@ def _cpu_kernel_line(rt: Runtime, cfg: EngineConfig) -> str:
 
         # the op the model's layers run on, and how
         op, detail = "skinny_linear", "every row count"
+        layers = rt.cpu_kernel_layers
         bits = int8_activation_bits()
         grouped = cfg.quant.int8_group_size and int8_group_kernel_available()
         int8_head_op = f"int8_group_linear (groups of {cfg.quant.int8_group_size})" if grouped else None
@@ -131,10 +132,13 @@ def _cpu_kernel_line(rt: Runtime, cfg: EngineConfig) -> str:
             detail += f"; int4 on the {quant_path_note('int4')}"
             if type(head).__name__ == "Int6GroupWeightOnlyLinear":
                 detail += "; the LM head in 6-bit groups on int6_group_linear_q8"
+            elif type(head).__name__ == "Int4WeightOnlyLinear":
+                detail += "; the LM head in int4 too"
             elif cfg.quant.quantize_lm_head and cfg.quant.int4_lm_head in ("int8", "int6"):
                 head_op = int8_head_op or ("int8_linear_q8" if quant_paths()["int8"]["path"] == "q8"
                                            else "int8_linear")
                 detail += f"; the LM head in int8 on {head_op}"
+                layers -= int(getattr(head, "kernel_path", None) == "q8")  # counted with the layers it took
         elif rt.dtype == torch.bfloat16:
             op = "bf16_linear"
             detail = (f"bf16 on AVX-512 BF16 up to {BF16_KERNEL_MAX_ROWS} rows, torch's matmul beyond"
@@ -142,7 +146,7 @@ def _cpu_kernel_line(rt: Runtime, cfg: EngineConfig) -> str:
         from llminfer.kernels.build import kernel_threads
 
         threads = "llminfer's worker threads" if kernel_threads() == "llminfer" else "OpenMP threads"
-        return f"{op} on {rt.cpu_kernel_layers} layers ({vector_isa()}, {detail}; {threads})"
+        return f"{op} on {layers} layers ({vector_isa()}, {detail}; {threads})"
     if rt.device.type != "cpu" or not backend_spec(cfg.backend).cpu_fast_path:
         return f"off (CPU {titles_with('cpu_fast_path')} backends only)"
     if not cfg.cpu_kernels:

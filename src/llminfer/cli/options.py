@@ -81,7 +81,8 @@ QuantOpt = Annotated[str, typer.Option("--quant", metavar=f"<{'|'.join(m.value f
                                              "Q4_0/Q4_1 -> int4-wo); none.")]
 Int4Head = Annotated[str, typer.Option("--int4-lm-head", metavar="<int8|int6|int4>", help="With --quant int4-wo: "
                                         "the LM head's format: int8 (default, the fewest top-1 flips), int6 (the "
-                                        "6-bit head of llama.cpp's Q4_0 files, 3/4 of int8's bytes) or int4.")]
+                                        "6-bit head of llama.cpp's Q4_0 files, 3/4 of int8's bytes; 94 % top-1 agreement on SmolLM2) or int4 (79 %: "
+                                        "answers change).")]
 AdapterOpt = Annotated[str | None, typer.Option("--adapter", help="LoRA adapter (PEFT folder or hub id) "
                                                 "loaded on top of the model.")]
 AdapterName = Annotated[str | None, typer.Option("--adapter-name", help="Name of the --adapter (default: "
@@ -182,7 +183,8 @@ CONFIG_FLAGS: dict[str, str] = {
 def check_engine_flags(*, model: str | None = None, device: str = "auto", log_level: str = "warning",
                        adapter: str | None = None, adapter_name: str | None = None) -> None:
     """The engine flags that :class:`EngineConfig` cannot check without loading anything: ``--device``'s
-    form, a ``--model`` written as a path that is no folder, ``--log-level``, ``--adapter-name`` alone.
+    form, a ``--model`` or ``--adapter`` written as a path that is no folder, ``--log-level``,
+    ``--adapter-name`` alone.
 
     Raises:
         typer.BadParameter: naming the flag.
@@ -199,6 +201,9 @@ def check_engine_flags(*, model: str | None = None, device: str = "auto", log_le
             raise typer.BadParameter(f"--model: {model!r} {what}")
     if adapter_name and not adapter:
         raise typer.BadParameter("--adapter-name needs --adapter")
+    if adapter and adapter.startswith(("/", ".", "~")) and not os.path.isdir(os.path.expanduser(adapter)):
+        # before the model loads, not after (a hub id is looked up when the adapter loads)
+        raise typer.BadParameter(f"--adapter: {adapter!r} is not a folder")
 
 
 _DEVICE = re.compile(r"auto|(cpu|cuda|mps|xpu)(:\d+)?")

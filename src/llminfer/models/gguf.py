@@ -308,9 +308,10 @@ def weight_only_mode(info: dict[str, Any]) -> str:
 
     Returns:
         ``"int8-wo"`` (Q8_0), ``"int4-wo"`` (Q4_0, Q4_1) or ``"none"`` (float files: nothing to keep). The
-        weights are first dequantized, then quantized again in that mode: Q4_1 blocks come back exactly where
-        a block's minimum and maximum are among its 16 levels (llama.cpp's quantizer puts them there), up to
-        the int4 kernel's bf16 scales; Q8_0's per-block scales become one scale per output channel.
+        weights are first dequantized, then quantized again in that mode, whose groups of 32 find the file's
+        blocks again: Q8_0's scales and Q4_1's scales and minima come back exactly, kept in float16 on
+        llminfer's kernels (Q4_1 where a block's minimum and maximum are among its 16 levels, where llama.cpp's
+        quantizer puts them).
 
     Raises:
         ConfigError: the file's weight type has no weight-only equivalent (K-quants and others).

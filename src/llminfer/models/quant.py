@@ -39,6 +39,10 @@ def require_bitsandbytes() -> Any:
     Raises:
         BackendUnavailableError: bitsandbytes is not installed or does not import here.
     """
+    # On an AVX512-BF16 CPU, bitsandbytes' import asks the Hugging Face kernel hub for a faster 4-bit GEMM and,
+    # offline, logs a warning that tells the user to set trust_remote_code (llminfer never needs it:
+    # bitsandbytes then runs its own kernel). Only that logger's warnings are muted; its errors still show.
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     try:
         import bitsandbytes
     except Exception as exc:  # noqa: BLE001 - an ImportError, or a broken native library
@@ -109,9 +113,12 @@ def apply_weight_only(model: torch.nn.Module, quant: QuantConfig) -> dict[str, A
     report = quantize_model(model, quant.mode.value, group_size=quant.int4_group_size,
                             compute_dtype=_DTYPES[quant.compute_dtype], quantize_lm_head=quant.quantize_lm_head,
                             int4_lm_head=quant.int4_lm_head, int8_group_size=quant.int8_group_size)
+    int4 = quant.mode is QuantMode.INT4_WO
+    fmt = ({"int4_group_size": quant.int4_group_size,
+            "lm_head": quant.int4_lm_head if quant.quantize_lm_head else "not quantized"} if int4
+           else {"int8_format": report.get("int8_format")})
     structlog.get_logger("llminfer.quant").info(
-        "weight-only quantization", mode=quant.mode.value, quantized_layers=len(report["quantized"]),
-        int8_format=report.get("int8_format"),
+        "weight-only quantization", mode=quant.mode.value, quantized_layers=len(report["quantized"]), **fmt,
         skipped={k: v for k, v in report["skipped"].items()} or None)
     return report
 
