@@ -248,3 +248,18 @@ def test_two_engines_sharing_a_tokenizer_serve_concurrent_threads_alike(qwen2_di
         for t in threads:
             t.join(timeout=300)
         assert not errors and together == {"a": alone, "b": alone}
+
+
+def test_a_revision_for_a_local_model_is_named_as_ignored(tmp_path):
+    """transformers ignores ``revision`` for a folder: a revision given with the built-in model or a local
+    folder gets a warning instead of nothing; a hub id gets none (its revision is used)."""
+    import structlog
+
+    from llminfer.models.loading import resolve_model_path
+
+    with structlog.testing.capture_logs() as logs:
+        resolve_model_path(EngineConfig(hf_revision="v2"))
+        resolve_model_path(EngineConfig(model_name=str(tmp_path), hf_revision="v2"))
+        resolve_model_path(EngineConfig(model_name="org/some-model", hf_revision="v2"))
+    ignored = [e for e in logs if "hf_revision" in e["event"]]
+    assert [e["model"] for e in ignored] == ["built-in", str(tmp_path)]

@@ -37,13 +37,22 @@ def resolve_model_path(cfg: EngineConfig) -> str:
     from llminfer.models.gguf import converted_path, is_gguf_name
     from llminfer.models.trained import TRAINED_MODEL_NAME, trained_gguf_path
 
-    if cfg.model_name in (None, "", "builtin", BUILTIN_MODEL_NAME):
+    name = cfg.model_name
+    local = name in (None, "", "builtin", BUILTIN_MODEL_NAME, TRAINED_MODEL_NAME) or is_gguf_name(name) \
+        or Path(str(name)).expanduser().is_dir()
+    if cfg.hf_revision and local:  # transformers ignores a revision for a folder; say so rather than nothing
+        import structlog
+
+        structlog.get_logger("llminfer.loading").warning(
+            "hf_revision applies to a hub model id; ignored for this model", model=name or "built-in",
+            revision=cfg.hf_revision)
+    if name in (None, "", "builtin", BUILTIN_MODEL_NAME):
         return str(builtin_model_path())
-    if cfg.model_name == TRAINED_MODEL_NAME:
+    if name == TRAINED_MODEL_NAME:
         return str(converted_path(trained_gguf_path(fetch=not cfg.hf_local_files_only)))
-    if is_gguf_name(cfg.model_name):
-        return str(converted_path(Path(cfg.model_name).expanduser()))
-    return cfg.model_name
+    if is_gguf_name(name):
+        return str(converted_path(Path(name).expanduser()))
+    return name
 
 
 def resolve_device(device: str) -> torch.device:
