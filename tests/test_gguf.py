@@ -161,6 +161,10 @@ def test_the_gguf_answers_and_info_names_it(trained_gguf, trained_model, monkeyp
     assert facts["gguf_file"] == os.path.realpath(trained_gguf)
     assert facts["gguf_type"].startswith("Q4_1 (llama") and facts["quant"] == "int4-wo"
     assert "dequantized to float32, then quantized again as int4-wo" in facts["gguf_loaded_as"]
+    # float32 because the weight-only kernels take it, not because the checkpoint was (it is Q4_1)
+    assert facts["dtype"] == "float32" and "weight-only kernels take float32 rows" in facts["dtype_reason"]
+    if not facts["cpu_kernel"].startswith("off"):  # the int8 head is named, and not counted with the int4 layers
+        assert "on 210 layers" in facts["cpu_kernel"] and "the LM head in int8" in facts["cpu_kernel"]
 
 
 @pytest.mark.slow

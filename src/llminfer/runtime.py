@@ -305,7 +305,7 @@ def _config_and_tokenizer(cfg: EngineConfig, device: torch.device) -> Runtime:
     half = checkpoint_half_type(gguf) if gguf and cfg.quant.mode is QuantMode.NONE else None
     dtype, dtype_reason = resolve_dtype(cfg, model_config, device, checkpoint=(
         (half, f"GGUF {gguf.get('weight_type') or gguf.get('file_type')} ({half} at most)") if half else None))
-    if gguf and half is None and checkpoint_half_type(gguf) and cfg.dtype == "auto":
+    if gguf and cfg.quant.mode.weight_only and checkpoint_half_type(gguf) and cfg.dtype == "auto":
         dtype_reason = (f"auto: float32, the GGUF file's folder as loaded, kept under {cfg.quant.mode.value}: "
                         "weight-only kernels take float32 rows")
     model_max = getattr(model_config.get_text_config(), "max_position_embeddings", None) or 2048
