@@ -319,3 +319,28 @@ def test_structured_output_on_a_quantized_head_in_the_blocked_kernel_layout(qwen
                             structured_output=StructuredOutput(choice=["yes", "no"]))
         assert result.text in ("yes", "no")
         assert engine.cache_stats()["blocks_used"] == 0
+
+
+def test_kept_int4_grids_are_dropped_and_the_log_line_names_int4_wo_format():
+    """A float32 grid kept for llminfer's kernel (``_kernel_grid``: groups whose bfloat16 zero point is not the
+    quantizer's) is freed by ``drop_kernel_grids`` where the kernels do not take the layer; the quantization
+    log line gives int4-wo's group size and head, not int8-wo's format."""
+    import structlog
+
+    from llminfer.logging import configure_logging
+    from llminfer.models.quant import apply_weight_only
+    from llminfer.models.weight_only import drop_kernel_grids
+
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 16))
+    with torch.no_grad():
+        for layer in model:
+            layer.weight.add_(1.0)  # groups away from 0: their zero points are no bfloat16 values
+    configure_logging("info")  # the line is at info level; the autouse fixture resets logging after the test
+    with structlog.testing.capture_logs() as logs:
+        apply_weight_only(model, QuantConfig(mode=QuantMode.INT4_WO, int4_lm_head="int6"))
+    line = next(e for e in logs if e["event"] == "weight-only quantization")
+    assert line["int4_group_size"] == 32 and line["lm_head"] == "int6" and "int8_format" not in line
+    assert all(m._kernel_grid is not None for m in model)
+    drop_kernel_grids(model)
+    assert all(m._kernel_grid is None for m in model)
