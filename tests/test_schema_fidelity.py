@@ -161,6 +161,9 @@ def test_objects_are_open_unless_closed_or_strict(compiler):
     ({"type": "string", "pattern": "^[0-9]{5}$", "maxLength": 5}, '"12345"', '"1234"'),
     # a branch whose bounds cross matches nothing and is dropped
     ({"anyOf": [{"type": "integer", "minimum": 4, "maximum": 3}, {"type": "string"}]}, '"x"', "5"),
+    # propertyNames as a list of names: closed properties (xgrammar repeated a name: {"x":1,"x":1,...})
+    ({"type": "object", "propertyNames": {"enum": ["x", "y"]}, "minProperties": 2,
+      "additionalProperties": {"type": "integer", "minimum": 0, "maximum": 3}}, '{"x":1,"y":2}', '{"x":1,"x":2}'),
 ])
 def test_rewritten_keywords_are_enforced(compiler, schema, good, bad):
     spec = _schema(schema)
@@ -189,6 +192,17 @@ REFUSED = [
     ({"allOf": [{"type": "string", "pattern": "^a"}, {"type": "string", "pattern": "b$"}]}, "allOf"),
     ({"type": "string", "minLength": 5, "maxLength": 3}, "minLength"),  # crossed bounds: nothing matches
     ({"type": ["array", "null"], "minItems": 3, "maxItems": 1}, "minItems"),
+    # bounds that leave only numbers of more than 6 decimals: xgrammar generated an empty value
+    ({"type": "number", "minimum": 1e-7, "maximum": 2e-7}, "minimum"),
+    ({"type": "number", "exclusiveMinimum": 0, "maximum": 1e-9}, "exclusiveMinimum"),
+    ({"type": ["number", "null"], "minimum": -2e-7, "maximum": -1e-7}, "minimum"),
+    # characters JSON escapes, named by a pattern: xgrammar wrote them raw (invalid JSON)
+    ({"type": "string", "pattern": '^["\\\\]{3}$'}, "pattern"),
+    ({"type": "string", "pattern": "^a\\tb$"}, "pattern"),
+    ({"type": "string", "pattern": "^[\\x00-\\x1f]{2}$"}, "pattern"),
+    ({"type": "string", "pattern": "^[a-z]{2}\\\\[a-z]{2}$"}, "pattern"),
+    ({"type": "object", "patternProperties": {'^"[a-z]$': {"type": "integer"}}}, "patternProperties"),
+    ({"type": "string", "format": "date", "pattern": "^2024-"}, "pattern"),  # xgrammar ignored the pattern
     ({"type": []}, "type"),  # an empty list of types: no value matches (xgrammar would accept anything)
     ({"type": 5}, "type"),  # not a type name: was a 500 (TypeError)
     ({"type": True}, "type"),
@@ -224,6 +238,35 @@ def test_unenforceable_keywords_are_refused_naming_field_and_keyword(schema, key
         assert f"'{keyword}'" in str(err.value)
     # auto: the schema is only shown to the model, nothing is enforced, nothing refused
     assert tool_plan(_chat_body(tools=tools, tool_choice="auto")).mode == "auto"
+
+
+_BOUND = st.builds(lambda m, e: round(m * 10.0 ** e, 12), st.floats(-1, 1), st.integers(-9, 3))
+
+
+@settings(max_examples=150, deadline=None)
+@given(low=_BOUND, width=st.sampled_from([0.0, 1e-7, 5e-7, 1e-6, 2e-6, 1e-3, 1.0]), exclusive=st.tuples(st.booleans(),
+       st.booleans()))
+def test_number_bounds_are_refused_exactly_where_xgrammar_can_write_no_number(low, width, exclusive):
+    # xgrammar writes a bounded number with at most 6 decimals; where none lies in the range it builds a grammar
+    # of the empty string (a 200 with empty content). normalize_schema refuses exactly those ranges.
+    import xgrammar
+    from xgrammar.testing import _is_grammar_accept_string
+
+    high = low + width
+    schema = {"type": "number", ("exclusiveMinimum" if exclusive[0] else "minimum"): low,
+              ("exclusiveMaximum" if exclusive[1] else "maximum"): high}
+    try:
+        grammar = xgrammar.Grammar.from_json_schema(json.dumps(schema))
+    except RuntimeError:  # exclusive bounds that meet: xgrammar's own error; refused by us as unsatisfiable
+        with pytest.raises(SchemaError, match="no value can match"):
+            normalize_schema(schema)
+        return
+    writes_a_number = not _is_grammar_accept_string(grammar, "")
+    if writes_a_number:
+        normalize_schema(schema)
+    else:
+        with pytest.raises(SchemaError, match="at most 6 decimals"):
+            normalize_schema(schema)
 
 
 def test_no_op_forms_of_refused_keywords_are_accepted():

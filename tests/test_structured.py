@@ -323,6 +323,24 @@ def test_a_bad_constraint_fails_its_request_alone_and_leaks_nothing(engine):
     del bad
 
 
+def test_a_constraint_that_matches_no_text_is_an_error_not_an_empty_answer(engine):
+    # An empty language: refused when it compiles (no token can start it). A JSON string whose pattern matches
+    # nothing: the opening quote is allowed, then no token; the request fails there instead of decoding masked
+    # tokens to its length limit (it answered "" or '"' with a 200 before), and the others go on.
+    for empty in (StructuredOutput(regex=r"[^\s\S]"), StructuredOutput(grammar="root ::= root")):
+        with pytest.raises(InvalidRequestError, match="matches no text") as e:
+            engine.run("Hello", max_new_tokens=8, structured_output=empty)
+        assert e.value.param == "structured_output"
+    dead_end = StructuredOutput(json_schema={"type": "string", "pattern": "[^\\s\\S]"})
+    other = engine.make_request("Hello", max_new_tokens=6, ignore_eos=True)
+    with pytest.raises(InvalidRequestError, match="allows no token after the text so far") as e:
+        engine.run("Hello", max_new_tokens=8, structured_output=dead_end)
+    assert e.value.param == "structured_output"
+    assert len(engine.run_requests([other])[0].token_ids) == 6
+    engine.wait_drained()
+    assert engine.cache_stats()["blocks_used"] == 0
+
+
 def test_a_constraint_under_an_openai_name_points_to_structured_output(engine):
     with pytest.raises(InvalidRequestError, match=r"structured_output=StructuredOutput") as e:
         engine.run("x", response_format={"type": "json_object"})

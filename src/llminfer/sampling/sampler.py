@@ -23,10 +23,11 @@ from typing import Any
 
 import torch
 
+from llminfer.errors import InvalidRequestError
 from llminfer.results import TokenLogprob
 from llminfer.sampling.params import SamplingParams
 from llminfer.sampling.processors import ROW_PROCESSORS, ForcedWords, RequestHistory, RowProcessor
-from llminfer.sampling.structured import GrammarMatcher, allocate_bitmask, apply_bitmask
+from llminfer.sampling.structured import PARAM, GrammarMatcher, allocate_bitmask, apply_bitmask
 from llminfer.sampling.warpers import WARPERS, Temperature, apply_top_k, apply_top_p
 
 NEG_INF = float("-inf")
@@ -277,7 +278,7 @@ def sample(
     if constrained:
         bitmask = allocate_bitmask(len(states), logits.shape[-1])
         for row in constrained:
-            guard(row, states[row].grammar.fill_bitmask, bitmask, row)  # type: ignore[union-attr]
+            guard(row, _fill_grammar_row, states[row].grammar, bitmask, row)
         apply_bitmask(logits, bitmask, constrained)
         if saved is not None:
             empty = [j for j, row in enumerate(fallback) if not bool(torch.isfinite(logits[row]).any())]
@@ -314,6 +315,19 @@ def sample(
     for row, (state, tok) in enumerate(zip(states, out)):
         guard(row, state.append, tok)
     return out, logprobs
+
+
+def _fill_grammar_row(grammar: GrammarMatcher, bitmask: torch.Tensor, row: int) -> None:
+    """The grammar's allowed tokens into ``bitmask[row]``.
+
+    Raises:
+        InvalidRequestError: the grammar allows no token after the text so far (a JSON string whose pattern
+            matches nothing): the request fails with it rather than decode masked tokens to its length limit.
+    """
+    grammar.fill_bitmask(bitmask, row)
+    if not bool(bitmask[row].any()):
+        raise InvalidRequestError("the structured-output constraint allows no token after the text so far: its "
+                                  "schema, regular expression or grammar matches no complete text", param=PARAM)
 
 
 def _stop_ids_to_ban(state: SamplingState, vocab: int) -> list[int]:

@@ -55,6 +55,7 @@ from llminfer.sampling.schema_keywords import (
     _Unsatisfiable,
     check_bounds,
     check_multiple_of,
+    check_number_range,
     check_patterns,
     check_type,
     keyword_table_markdown,
@@ -265,13 +266,42 @@ class _Normalizer(SchemaCombiner):
         if out.get("format") == "ipv4" and "pattern" not in out:
             del out["format"]
             out["pattern"] = _IPV4
+        if "pattern" in out and "format" in out:
+            raise _refuse("pattern", where, "xgrammar ignores a pattern next to a format; write the format into "
+                                            "the pattern, or drop one of them")
+        if "propertyNames" in out:
+            self._finite_names(out, where)
         check_bounds(out, where)
+        check_number_range(out, where)
         if ("minLength" in out or "maxLength" in out) and ("pattern" in out or "format" in out):
             self._check_lengths(out, where)
         self._objects(out, where)
         if "const" in out or "enum" in out:
             return self._values(out, where)
         return out
+
+    def _finite_names(self, out: dict[str, Any], where: str) -> None:
+        """``propertyNames`` with an ``enum`` or ``const`` of names (the keys a finite list): rewritten into
+        ``properties``, one per name (its own schema, else the ``additionalProperties`` one), closed. xgrammar
+        enforced the names but not their uniqueness: ``{"propertyNames": {"enum": ["x", "y"]},
+        "additionalProperties": {...}, "minProperties": 2}`` gave ``{"x":1,"x":1,...}``.
+
+        Raises:
+            _Unsatisfiable: a required name is not among them.
+        """
+        names = out["propertyNames"]
+        if (not isinstance(names, dict) or not ({"enum", "const"} & set(names)) or "patternProperties" in out
+                or not set(names) <= {"enum", "const", "type"}):
+            return
+        listed = names["enum"] if "enum" in names else [names["const"]]
+        keys = list(dict.fromkeys(v for v in listed if isinstance(v, str)))
+        props, extra = out.get("properties") or {}, out.get("additionalProperties", True)
+        if any(r not in keys for r in out.get("required") or ()):
+            raise _Unsatisfiable("propertyNames", where)
+        out["properties"] = {k: props[k] if k in props else ({} if extra is True else extra)
+                             for k in keys if k in props or extra is not False}
+        out["additionalProperties"] = False
+        del out["propertyNames"]
 
     def _check_lengths(self, out: dict[str, Any], where: str) -> None:
         """xgrammar drops minLength / maxLength next to a pattern or a format. Keep the schema only where the
