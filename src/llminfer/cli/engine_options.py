@@ -24,6 +24,7 @@ import attrs
 
 from llminfer.cli.option_group import option_group
 from llminfer.cli.options import (
+    QUANT_AUTO,
     AdapterName,
     AdapterOpt,
     Assistant,
@@ -56,10 +57,11 @@ from llminfer.cli.options import (
     Threads,
     TPSize,
     TrustRemote,
+    auto_quant,
     build_config,
     check_engine_flags,
 )
-from llminfer.config import Backend, QuantMode
+from llminfer.config import Backend
 
 if typing.TYPE_CHECKING:
     from llminfer.config import EngineConfig
@@ -91,7 +93,7 @@ class EngineOptions:
     trust_remote_code: TrustRemote = False
     tp_size: TPSize = 1
     pp_size: PPSize = 1
-    quant: QuantOpt = QuantMode.NONE.value
+    quant: QuantOpt = QUANT_AUTO
     int4_lm_head: Int4Head = "int8"
     adapter: AdapterOpt = None
     adapter_name: AdapterName = None
@@ -133,6 +135,9 @@ class EngineOptions:
         values = {CONFIG_NAMES.get(a.name, a.name): getattr(self, a.name) for a in attrs.fields(EngineOptions)
                   if a.name not in _NOT_CONFIG}
         values["model"] = model
+        if str(self.quant).lower() == QUANT_AUTO:  # here, where --adapter is known (it is no config field)
+            values["quant"] = auto_quant(model, device=self.device, dtype=self.dtype, backend=self.backend,
+                                         adapter=self.adapter)
         values.update({CONFIG_NAMES.get(k, k): v for k, v in overrides.items()})
         return build_config(**values)
 
