@@ -161,6 +161,8 @@ def test_objects_are_open_unless_closed_or_strict(compiler):
     ({"type": "string", "pattern": "^[0-9]{5}$", "maxLength": 5}, '"12345"', '"1234"'),
     # a branch whose bounds cross matches nothing and is dropped
     ({"anyOf": [{"type": "integer", "minimum": 4, "maximum": 3}, {"type": "string"}]}, '"x"', "5"),
+    # fractional bounds on integers: the integers they allow (xgrammar refused them)
+    ({"type": "integer", "minimum": 1.5, "exclusiveMaximum": 3.5}, "3", "1"),
     # propertyNames as a list of names: closed properties (xgrammar repeated a name: {"x":1,"x":1,...})
     ({"type": "object", "propertyNames": {"enum": ["x", "y"]}, "minProperties": 2,
       "additionalProperties": {"type": "integer", "minimum": 0, "maximum": 3}}, '{"x":1,"y":2}', '{"x":1,"x":2}'),
@@ -196,6 +198,7 @@ REFUSED = [
     ({"type": "number", "minimum": 1e-7, "maximum": 2e-7}, "minimum"),
     ({"type": "number", "exclusiveMinimum": 0, "maximum": 1e-9}, "exclusiveMinimum"),
     ({"type": ["number", "null"], "minimum": -2e-7, "maximum": -1e-7}, "minimum"),
+    ({"type": "integer", "minimum": 1e30}, "minimum"),  # beyond int64: xgrammar's "Check failed" before
     # characters JSON escapes, named by a pattern: xgrammar wrote them raw (invalid JSON)
     ({"type": "string", "pattern": '^["\\\\]{3}$'}, "pattern"),
     ({"type": "string", "pattern": "^a\\tb$"}, "pattern"),

@@ -122,6 +122,10 @@ def test_required_and_named_parsing():
     content, calls = parse_tool_calls(text, required)
     assert content is None and _pairs(calls) == [("add", {"a": 1, "b": 2}), ("get_weather", {"city": "x", "days": 3})]
     assert parse_tool_calls('[{"name":"add","argu', required) == ('[{"name":"add","argu', ())  # cut off
+    # cut off after complete calls (a model repeating its call to max_tokens): those calls, no wire text as content
+    looped = '[{"name":"add","arguments":{"a":1,"b":2}}, {"name":"add","arguments":{"a":1,"b":2}},{"name":"ad'
+    for content, calls in (parse_tool_calls(looped, required), _streamed(looped, required, 7)):
+        assert content is None and _pairs(calls) == [("add", {"a": 1, "b": 2})] * 2
     named = plan_tools(TOOLS, {"type": "function", "function": {"name": "add"}})
     content, calls = _streamed('{"a":1,"b":2}', named, 2)
     assert content is None and _pairs(calls) == [("add", {"a": 1, "b": 2})]

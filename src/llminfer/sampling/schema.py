@@ -58,6 +58,7 @@ from llminfer.sampling.schema_keywords import (
     check_number_range,
     check_patterns,
     check_type,
+    integer_bounds,
     keyword_table_markdown,
 )
 
@@ -271,6 +272,7 @@ class _Normalizer(SchemaCombiner):
                                             "the pattern, or drop one of them")
         if "propertyNames" in out:
             self._finite_names(out, where)
+        integer_bounds(out, where)
         check_bounds(out, where)
         check_number_range(out, where)
         if ("minLength" in out or "maxLength" in out) and ("pattern" in out or "format" in out):

@@ -44,7 +44,8 @@ KEYWORDS: dict[str, tuple[str, str]] = {
                          "uri-reference, uuid...; 'date' bounds the day at 31 whatever the month; 'ipv4' is "
                          "rewritten to an exact pattern (xgrammar's allows leading zeros, '055')"),
     "minimum": (ENFORCED, "with a bound, xgrammar writes numbers with at most 6 decimals and no exponent: "
-                          "bounds that leave no such number are refused"),
+                          "bounds that leave no such number are refused; on integers a fractional bound becomes "
+                          "the nearest integer inside it, and one beyond 64 bits is refused"),
     "maximum": (ENFORCED, "as minimum"),
     "exclusiveMinimum": (ENFORCED, "draft-4 boolean form rewritten to the number form"),
     "exclusiveMaximum": (ENFORCED, "draft-4 boolean form rewritten to the number form"),
@@ -296,6 +297,36 @@ def check_number_range(out: dict[str, Any], where: str) -> None:
         raise _refuse(low_key, where, f"xgrammar writes a bounded number with at most {BOUNDED_NUMBER_DECIMALS} "
                                       f"decimals and no exponent, and none lies between {low_key} {out[low_key]} "
                                       f"and {high_key} {out[high_key]}; widen the range or change the unit")
+
+
+def integer_bounds(out: dict[str, Any], where: str) -> None:
+    """A ``type: integer`` schema's bounds as the integers they allow, in place: ``minimum: 1.5`` is
+    ``minimum: 2``, ``exclusiveMaximum: 2.5`` is ``maximum: 2`` (xgrammar refused fractional bounds on integers
+    with its own message).
+
+    Raises:
+        SchemaError: a bound outside the 64-bit integers, which xgrammar cannot take.
+    """
+    import math
+
+    if _types(out) != {"integer"}:
+        return
+    for key, down in (("minimum", False), ("exclusiveMinimum", False), ("maximum", True), ("exclusiveMaximum", True)):
+        value = out.get(key)
+        if not _is_number(value) or not math.isfinite(value):
+            continue
+        if abs(value) >= 2.0**63:
+            raise _refuse(key, where, f"{key} {value} is outside the 64-bit integers, the integer bounds xgrammar "
+                                      "takes")
+        if float(value).is_integer():
+            out[key] = int(value)
+            continue
+        del out[key]
+        plain = "maximum" if down else "minimum"
+        bound = math.floor(value) if down else math.ceil(value)
+        if plain in out and _is_number(out[plain]):  # both forms given: the tighter one
+            bound = min(bound, out[plain]) if down else max(bound, out[plain])
+        out[plain] = int(bound)
 
 
 def check_multiple_of(out: dict[str, Any], where: str) -> None:

@@ -176,7 +176,7 @@ class ToolCallParser:
         try:
             items = json.loads(text)
         except ValueError:
-            items = None
+            items = _complete_items(text)  # cut off by max_tokens: the calls completed before the cut
         calls = []
         if isinstance(items, list) and items:
             for item in items:
@@ -185,7 +185,7 @@ class ToolCallParser:
                     calls = []
                     break
                 calls.append(parsed)
-        if not calls:  # a truncated output (max_tokens): what was generated is returned as content
+        if not calls:  # cut off before one call completed (max_tokens): what was generated is returned as content
             return [text] if text else []
         events: list[Event] = []
         for name, args in calls:
@@ -286,6 +286,30 @@ def fold_events(events: Iterable[Event]) -> tuple[str | None, tuple[ToolCall, ..
             calls[event.index][2] += event.arguments
     text = "".join(content)
     return (text or None), tuple(ToolCall(i, n, a) for i, n, a in (calls[k] for k in sorted(calls)))
+
+
+def _complete_items(text: str) -> list[Any] | None:
+    """The elements of a JSON array cut off before its end (``[{...},{...},{"na``) that were complete, in
+    order; None where ``text`` does not start an array or no element completed."""
+    decoder = json.JSONDecoder()
+    at = len(text) - len(text.lstrip())
+    if not text.startswith("[", at):
+        return None
+    items, at = [], at + 1
+    while True:
+        while at < len(text) and text[at] in " \t\r\n":
+            at += 1
+        try:
+            item, at = decoder.raw_decode(text, at)
+        except ValueError:
+            break
+        items.append(item)
+        while at < len(text) and text[at] in " \t\r\n":
+            at += 1
+        if at >= len(text) or text[at] != ",":
+            break
+        at += 1
+    return items or None
 
 
 def parse_tool_calls(text: str, plan: ToolPlan) -> tuple[str | None, tuple[ToolCall, ...]]:
