@@ -299,7 +299,7 @@ def test_config_and_device_errors():
 def test_cli_offers_the_weight_only_modes(capsys):
     main(["run", "--help"])
     out = "".join(capsys.readouterr().out.split())  # the choice list may wrap at the terminal's width
-    assert "<none|nf4|fp4|int8|int8-wo|int4-wo|from-gguf>" in out
+    assert "<auto|none|nf4|fp4|int8|int8-wo|int4-wo|from-gguf>" in out
 
 
 @pytest.mark.skipif(not __import__("llminfer.kernels.int8_group_linear", fromlist=["x"]).kernel_available(),

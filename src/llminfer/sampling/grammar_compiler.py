@@ -15,7 +15,7 @@ from typing import Any
 
 from llminfer.errors import InvalidRequestError, one_line
 from llminfer.sampling.constraint import COMPACT, PARAM, StructuredOutput, _enum_values
-from llminfer.sampling.grammar_mask import allocate_bitmask
+from llminfer.sampling.grammar_mask import check_first_token
 from llminfer.sampling.grammar_server import _CompileServer
 from llminfer.sampling.tokenizer_info import text_only_tokenizer_info
 
@@ -246,31 +246,8 @@ class GrammarCompiler:
                 raise InvalidRequestError(f"invalid or unsupported {spec.kind.replace('_', ' ')}: {clean_error(exc)}",
                                           param=PARAM) from None
         self.compile_times_s.append(time.perf_counter() - start)
-        self._check_admits_text(compiled, spec)
+        check_first_token(compiled, spec.kind, self.vocab_size, self.stop_token_ids)
         return compiled
-
-    def _check_admits_text(self, compiled: Any, spec: StructuredOutput) -> None:
-        """Refuse a constraint whose first token cannot be chosen: no token at all (a regular expression or
-        grammar whose language is empty, ``[^\\s\\S]``, ``root ::= root``), or for the JSON kinds only the
-        stop tokens (an empty value, which is no JSON). Without this the request decoded masked tokens until
-        its length limit and answered 200 with empty content.
-
-        Raises:
-            InvalidRequestError: ``param="structured_output"``.
-        """
-        import xgrammar
-
-        bitmask = allocate_bitmask(1, self.vocab_size)
-        xgrammar.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask, 0)
-        words = bitmask[0].tolist()  # bit t % 32 of word t // 32: token t allowed
-        if spec.kind in ("json_schema", "json_object"):
-            for token in self.stop_token_ids:
-                if 0 <= token < self.vocab_size:
-                    words[token // 32] &= ~(1 << (token % 32))
-        if not any(words):
-            what = "no text" if spec.kind in ("regex", "grammar", "choice") else "no JSON value"
-            raise InvalidRequestError(f"invalid or unsupported {spec.kind.replace('_', ' ')}: it matches {what} "
-                                      "(no token can start the output)", param=PARAM)
 
     def _compile_in_worker(self, spec: StructuredOutput, compiler: Any) -> Any:
         """Compile ``spec`` in the compile server (in a process of its own); kill that process once nobody

@@ -58,3 +58,30 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[in
 
     xgrammar.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=logits.shape[-1],
                                          indices=list(rows))
+
+
+def check_first_token(compiled: Any, kind: str, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+    """Refuse a compiled constraint whose first token cannot be chosen: no token at all (a regular expression or
+    grammar whose language is empty, ``[^\\s\\S]``, ``root ::= root``), or for the JSON kinds (``kind``
+    ``json_schema`` / ``json_object``) only the stop tokens (an empty value, which is no JSON). Without this the
+    request decoded masked tokens to its length limit and answered with empty content.
+
+    Raises:
+        InvalidRequestError: ``param="structured_output"``.
+    """
+    import xgrammar
+
+    from llminfer.errors import InvalidRequestError
+    from llminfer.sampling.constraint import PARAM
+
+    bitmask = allocate_bitmask(1, vocab_size)
+    xgrammar.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask, 0)
+    words = bitmask[0].tolist()  # bit t % 32 of word t // 32: token t allowed
+    if kind in ("json_schema", "json_object"):
+        for token in stop_token_ids:
+            if 0 <= token < vocab_size:
+                words[token // 32] &= ~(1 << (token % 32))
+    if not any(words):
+        what = "no JSON value" if kind in ("json_schema", "json_object") else "no text"
+        raise InvalidRequestError(f"invalid or unsupported {kind.replace('_', ' ')}: it matches {what} "
+                                  "(no token can start the output)", param=PARAM)

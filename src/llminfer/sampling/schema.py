@@ -57,7 +57,9 @@ from llminfer.sampling.schema_keywords import (
     check_multiple_of,
     check_number_range,
     check_patterns,
+    check_string_keywords,
     check_type,
+    finite_property_names,
     integer_bounds,
     keyword_table_markdown,
 )
@@ -267,57 +269,16 @@ class _Normalizer(SchemaCombiner):
         if out.get("format") == "ipv4" and "pattern" not in out:
             del out["format"]
             out["pattern"] = _IPV4
-        if "pattern" in out and "format" in out:
-            raise _refuse("pattern", where, "xgrammar ignores a pattern next to a format; write the format into "
-                                            "the pattern, or drop one of them")
         if "propertyNames" in out:
-            self._finite_names(out, where)
+            finite_property_names(out, where)
         integer_bounds(out, where)
         check_bounds(out, where)
         check_number_range(out, where)
-        if ("minLength" in out or "maxLength" in out) and ("pattern" in out or "format" in out):
-            self._check_lengths(out, where)
+        check_string_keywords(out, where)
         self._objects(out, where)
         if "const" in out or "enum" in out:
             return self._values(out, where)
         return out
-
-    def _finite_names(self, out: dict[str, Any], where: str) -> None:
-        """``propertyNames`` with an ``enum`` or ``const`` of names (the keys a finite list): rewritten into
-        ``properties``, one per name (its own schema, else the ``additionalProperties`` one), closed. xgrammar
-        enforced the names but not their uniqueness: ``{"propertyNames": {"enum": ["x", "y"]},
-        "additionalProperties": {...}, "minProperties": 2}`` gave ``{"x":1,"x":1,...}``.
-
-        Raises:
-            _Unsatisfiable: a required name is not among them.
-        """
-        names = out["propertyNames"]
-        if (not isinstance(names, dict) or not ({"enum", "const"} & set(names)) or "patternProperties" in out
-                or not set(names) <= {"enum", "const", "type"}):
-            return
-        listed = names["enum"] if "enum" in names else [names["const"]]
-        keys = list(dict.fromkeys(v for v in listed if isinstance(v, str)))
-        props, extra = out.get("properties") or {}, out.get("additionalProperties", True)
-        if any(r not in keys for r in out.get("required") or ()):
-            raise _Unsatisfiable("propertyNames", where)
-        out["properties"] = {k: props[k] if k in props else ({} if extra is True else extra)
-                             for k in keys if k in props or extra is not False}
-        out["additionalProperties"] = False
-        del out["propertyNames"]
-
-    def _check_lengths(self, out: dict[str, Any], where: str) -> None:
-        """xgrammar drops minLength / maxLength next to a pattern or a format. Keep the schema only where the
-        pattern or format bounds the length within them anyway (then the keywords are dropped)."""
-        lo, hi = _string_width(out)
-        low, high = out.get("minLength", 0), out.get("maxLength")
-        if lo is not None and lo >= low and (high is None or (hi is not None and hi <= high)):
-            out.pop("minLength", None)
-            out.pop("maxLength", None)
-            return
-        keyword = "maxLength" if high is not None else "minLength"
-        other = "pattern" if "pattern" in out else "format"
-        raise _refuse(keyword, where, f"xgrammar ignores string length bounds next to {other}; write the bound "
-                                      "into the pattern (for example ^[a-z]{1,20}$), or drop one of them")
 
     def _objects(self, out: dict[str, Any], where: str) -> None:
         types = _types(out)
@@ -368,26 +329,8 @@ class _Normalizer(SchemaCombiner):
             raise _Unsatisfiable("enum", where)
         return {"const": values[0]} if "const" in out else {"enum": values}
 
-_FORMAT_WIDTHS = {"date": (10, 10), "uuid": (36, 36), "ipv4": (7, 15)}
 _OCTET = "(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
 _IPV4 = rf"^{_OCTET}(\.{_OCTET}){{3}}$"  # RFC 2673 dotted quad, no leading zeros (Python's ipaddress)
-
-
-def _string_width(schema: dict[str, Any]) -> tuple[int | None, int | None]:
-    """(shortest, longest) length of the strings ``schema``'s pattern / format allow (None: unknown or
-    unbounded)."""
-    if "pattern" in schema:
-        try:
-            import re._parser as sre_parse  # type: ignore[import-not-found]
-        except ImportError:  # Python 3.10
-            import sre_parse  # type: ignore[no-redef]
-        pattern = str(schema["pattern"])
-        try:
-            lo, hi = sre_parse.parse(pattern.removeprefix("^").removesuffix("$")).getwidth()
-        except Exception:  # noqa: BLE001 - a pattern Python cannot read: xgrammar will say what is wrong
-            return None, None
-        return lo, (hi if hi < 2**16 else None)
-    return _FORMAT_WIDTHS.get(schema.get("format"), (None, None))
 
 
 def normalize_schema(schema: Any, *, strict: bool = False, prefix: str = "",

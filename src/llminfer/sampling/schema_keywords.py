@@ -329,6 +329,75 @@ def integer_bounds(out: dict[str, Any], where: str) -> None:
         out[plain] = int(bound)
 
 
+def finite_property_names(out: dict[str, Any], where: str) -> None:
+    """``propertyNames`` with an ``enum`` or ``const`` of names (the keys a finite list): rewritten into
+    ``properties``, one per name (its own schema, else the ``additionalProperties`` one), closed. xgrammar
+    enforced the names but not their uniqueness: ``{"propertyNames": {"enum": ["x", "y"]},
+    "additionalProperties": {...}, "minProperties": 2}`` gave ``{"x":1,"x":1,...}``.
+
+    Raises:
+        _Unsatisfiable: a required name is not among them.
+    """
+    names = out["propertyNames"]
+    if (not isinstance(names, dict) or not ({"enum", "const"} & set(names)) or "patternProperties" in out
+            or not set(names) <= {"enum", "const", "type"}):
+        return
+    listed = names["enum"] if "enum" in names else [names["const"]]
+    keys = list(dict.fromkeys(v for v in listed if isinstance(v, str)))
+    props, extra = out.get("properties") or {}, out.get("additionalProperties", True)
+    if any(r not in keys for r in out.get("required") or ()):
+        raise _Unsatisfiable("propertyNames", where)
+    out["properties"] = {k: props[k] if k in props else ({} if extra is True else extra)
+                         for k in keys if k in props or extra is not False}
+    out["additionalProperties"] = False
+    del out["propertyNames"]
+
+
+_FORMAT_WIDTHS = {"date": (10, 10), "uuid": (36, 36), "ipv4": (7, 15)}
+
+
+def _string_width(schema: dict[str, Any]) -> tuple[int | None, int | None]:
+    """(shortest, longest) length of the strings ``schema``'s pattern / format allow (None: unknown or
+    unbounded)."""
+    if "pattern" in schema:
+        try:
+            import re._parser as sre_parse  # type: ignore[import-not-found]
+        except ImportError:  # Python 3.10
+            import sre_parse  # type: ignore[no-redef]
+        pattern = str(schema["pattern"])
+        try:
+            lo, hi = sre_parse.parse(pattern.removeprefix("^").removesuffix("$")).getwidth()
+        except Exception:  # noqa: BLE001 - a pattern Python cannot read: xgrammar will say what is wrong
+            return None, None
+        return lo, (hi if hi < 2**16 else None)
+    return _FORMAT_WIDTHS.get(schema.get("format"), (None, None))
+
+
+def check_string_keywords(out: dict[str, Any], where: str) -> None:
+    """A pattern or a format next to keywords xgrammar ignores there: ``pattern`` next to ``format`` is refused;
+    ``minLength`` / ``maxLength`` next to either are dropped where the pattern or format bounds the length
+    within them anyway, refused otherwise.
+
+    Raises:
+        SchemaError: naming the keyword xgrammar would ignore.
+    """
+    if "pattern" in out and "format" in out:
+        raise _refuse("pattern", where, "xgrammar ignores a pattern next to a format; write the format into "
+                                        "the pattern, or drop one of them")
+    if not ("minLength" in out or "maxLength" in out) or not ("pattern" in out or "format" in out):
+        return
+    lo, hi = _string_width(out)
+    low, high = out.get("minLength", 0), out.get("maxLength")
+    if lo is not None and lo >= low and (high is None or (hi is not None and hi <= high)):
+        out.pop("minLength", None)
+        out.pop("maxLength", None)
+        return
+    keyword = "maxLength" if high is not None else "minLength"
+    other = "pattern" if "pattern" in out else "format"
+    raise _refuse(keyword, where, f"xgrammar ignores string length bounds next to {other}; write the bound "
+                                  "into the pattern (for example ^[a-z]{1,20}$), or drop one of them")
+
+
 def check_multiple_of(out: dict[str, Any], where: str) -> None:
     """multipleOf as xgrammar enforces it: a positive integer divisor on type 'integer' (a float that is a
     whole number becomes an int in ``out``).
