@@ -96,6 +96,19 @@ def test_no_recompile_after_warmup(aot_eager, qwen2_dir, compile_lines):
         assert compile_lines() == []  # the warm-up compiled every shape: no request waits for a compile
 
 
+def test_weight_only_models_keep_inductors_python_wrapper(qwen2_dir, monkeypatch):
+    """The C++ wrapper of a graph calling llminfer's weight-only ops took minutes to compile (the built-in
+    SmolLM2 under int4-wo: 277 s to its first token, 38 s with the Python wrapper): such models keep it off;
+    dense models keep it on."""
+    from llminfer.backends import compile_config
+    from llminfer.config import QuantConfig
+
+    monkeypatch.delenv(compile_config.CPP_WRAPPER_ENV, raising=False)
+    for quant, wrapper in (("none", True), ("int8-wo", False)):
+        with make_engine(qwen2_dir, backend=Backend.COMPILED, quant=QuantConfig(mode=quant)) as engine:
+            assert engine.backend._counter.options.get("cpp_wrapper", False) is wrapper, quant
+
+
 def test_prompt_logprobs_on_the_compiled_backend(aot_eager, qwen2_dir):
     """A step with prompt-logprob rows runs eagerly on the compiled backend (its row count fits no bucket):
     its attention takes the metadata it is given (it once failed with "called outside an llminfer step"),

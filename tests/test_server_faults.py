@@ -501,6 +501,10 @@ def test_sigterm_with_streams_in_flight_ends_every_stream_with_done(subprocess_s
     out = log_path.read_text()
     assert len(re.findall(r"\] shutting down\s", out)) == 1
     assert "Traceback" not in out and "stream failed" not in out
+    # every stream had its first token before the signal: each log line counts what its stream generated (an
+    # aborted one logged completion_tokens=0)
+    counts = [int(c) for c in re.findall(r"completion_tokens=(\d+)", out)]
+    assert len(counts) >= n and min(counts) > 0, counts
 
 
 def test_accept_retry_after_shutdown_is_not_a_traceback():

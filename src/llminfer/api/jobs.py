@@ -171,14 +171,18 @@ async def run_job(job: Job, engine: Any, task_group: TaskGroup | None, ticket: T
     """
     finished: set[int] = set()
     done = False
+    streamed: dict[int, int] = {}  # tokens sent per choice, for a choice that never gets its final stats
 
     def account(index: int, chunk: StreamChunk) -> None:
+        # counted as they arrive, so an aborted choice (a shutdown, a disconnect) logs what it generated
+        streamed[index] = streamed.get(index, 0) + len(chunk.token_ids)
         if chunk.is_final:
             finished.add(index)
             outcome.finish_reasons[index] = chunk.finish_reason or "stop"
             if chunk.stats is not None:
-                outcome.completion_tokens += chunk.stats.completion_tokens
+                streamed[index] = chunk.stats.completion_tokens
                 outcome.cached_tokens[index] = chunk.stats.cached_tokens
+        outcome.completion_tokens = sum(streamed.values())
 
     try:
         if len(job.requests) == 1:

@@ -46,8 +46,11 @@ def bucket_for(n: int, buckets: Sequence[int]) -> int | None:
     return None
 
 
-def inductor_options(mode: str, cudagraphs: bool, device: torch.device, own_graphs: bool = False) -> dict[str, Any]:
-    """Inductor config patches for ``compile_mode``, the CUDA-graph toggle and, on CPU, the C++ wrapper.
+def inductor_options(mode: str, cudagraphs: bool, device: torch.device, own_graphs: bool = False,
+                     cpp_wrapper: bool = True) -> dict[str, Any]:
+    """Inductor config patches for ``compile_mode``, the CUDA-graph toggle and, on CPU, the C++ wrapper
+    (``cpp_wrapper=False`` keeps the Python one: the compiled backend passes it for a model with weight-only
+    int8 / int4 layers, whose C++ wrapper took minutes to compile; see :class:`CompiledBackend`).
 
     ``"reduce-overhead"`` means CUDA graphs; ``"max-autotune"`` means GEMM autotuning, with CUDA graphs
     only when ``cudagraphs`` is set; ``"default"`` uses CUDA graphs only when ``cudagraphs`` is set.
@@ -64,7 +67,8 @@ def inductor_options(mode: str, cudagraphs: bool, device: torch.device, own_grap
         # small host's cores with the steps after a compilation; on a 2-core VM a measured run right after
         # one decoded at 8.7 instead of ~65 tok/s. Compiling in-process costs little there.
         opts["compile_threads"] = 1
-    if device.type == "cpu" and os.environ.get(CPP_WRAPPER_ENV, "1").strip().lower() not in ("0", "false", "off", "no"):
+    if device.type == "cpu" and cpp_wrapper and os.environ.get(CPP_WRAPPER_ENV, "1").strip().lower() not in (
+            "0", "false", "off", "no"):
         # Inductor's wrapper (the code that calls each fused kernel and extern op of the graph) in C++ rather
         # than Python: a decode step of the bench model calls some hundred kernels, and their Python calls were
         # most of what the compiled step spent beyond its products (measured side by side on a 2-core Zen 4

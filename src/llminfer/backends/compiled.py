@@ -66,6 +66,7 @@ from llminfer.backends.compiled_attention import (
 )
 from llminfer.backends.hf import HFBackend
 from llminfer.backends.packing import PackedStep
+from llminfer.models.weight_only_base import WeightOnlyLinear
 
 __all__ = ["COMPILE_BACKEND_ENV", "CompiledBackend", "bucket_for", "cpu_head", "token_buckets"]
 
@@ -180,8 +181,12 @@ class CompiledBackend(HFBackend):
         own_graphs = wants_graphs and attention_backend == "triton"
         self.use_cudagraphs = wants_graphs and not own_graphs  # inductor's own (partitioned) graphs
         self.compile_backend_name = compile_backend or os.environ.get(COMPILE_BACKEND_ENV) or "inductor"
+        # Weight-only layers keep inductor's Python wrapper: with the C++ one, the built-in SmolLM2 under int4-wo
+        # (its 210 products on llminfer's ops) took 277 s to its first token, against 38 s (2-vCPU Zen 4).
+        quantized = any(isinstance(m, WeightOnlyLinear) for m in model.modules())
         self._counter = CountingBackend(self.compile_backend_name,
-                                         inductor_options(mode, cudagraphs, self.device, own_graphs))
+                                         inductor_options(mode, cudagraphs, self.device, own_graphs,
+                                                          cpp_wrapper=not quantized))
         self.split_head = not any(getattr(text_cfg, a, None) not in (None, 1, 1.0)
                                   for a in _HEAD_POSTPROCESSING_ATTRS)
         tag = f"{id(self):x}"

@@ -192,9 +192,8 @@ def auto_quant(model: str | None, *, device: str = "auto", dtype: str = "auto", 
                adapter: str | None = None) -> QuantMode:
     """What ``--quant auto`` (the default) means for these flags: :attr:`QuantMode.FROM_GGUF` for a GGUF model
     whose file type a weight-only mode reproduces (Q8_0, Q4_0, Q4_1; the built-in trained model is Q4_1), on a
-    CPU, with ``--dtype auto``, no ``--adapter`` and the eager backend; :attr:`QuantMode.NONE` otherwise (the
-    compiled backend took 4.6 minutes to its first token on the built-in model under int4-wo, against 6.5 s
-    dense).
+    CPU, with ``--dtype auto``, no ``--adapter`` and the eager backend (the figures below are the eager
+    backend's; the compiled one is left as the user set it); :attr:`QuantMode.NONE` otherwise.
 
     Why: such a file's weights are already blocks of 8 or 4 bits. Run dense they are dequantized and, on a CPU
     with native bf16, rounded to bfloat16 with bfloat16 activations: on the built-in SmolLM2 that agreed with the
