@@ -98,7 +98,7 @@ def test_no_recompile_after_warmup(aot_eager, qwen2_dir, compile_lines):
 
 def test_weight_only_models_keep_inductors_python_wrapper(qwen2_dir, monkeypatch):
     """The C++ wrapper of a graph calling llminfer's weight-only ops took minutes to compile (the built-in
-    SmolLM2 under int4-wo: 277 s to its first token, 38 s with the Python wrapper): such models keep it off;
+    SmolLM2 under int4-wo: 277 s to its first token, 8.9 s with the Python wrapper): such models keep it off;
     dense models keep it on."""
     from llminfer.backends import compile_config
     from llminfer.config import QuantConfig

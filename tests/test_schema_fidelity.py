@@ -163,7 +163,14 @@ def test_objects_are_open_unless_closed_or_strict(compiler):
     ({"anyOf": [{"type": "integer", "minimum": 4, "maximum": 3}, {"type": "string"}]}, '"x"', "5"),
     # fractional bounds on integers: the integers they allow (xgrammar refused them)
     ({"type": "integer", "minimum": 1.5, "exclusiveMaximum": 3.5}, "3", "1"),
-    # propertyNames as a list of names: closed properties (xgrammar repeated a name: {"x":1,"x":1,...})
+    ({"type": ["integer", "null"], "minimum": 0.5, "maximum": 5}, "1", "0"),
+    ({"type": "integer", "minimum": -9223372036854775808, "maximum": 9223372036854775807}, "5", "1.5"),  # int64
+    # a pattern next to a format xgrammar does not implement: the pattern is enforced, so it is kept
+    ({"type": "string", "format": "password", "pattern": "^[a-z]{4}$"}, '"abcd"', '"ABCD"'),
+    # propertyNames as a list of names, inline or a $ref (pydantic's Dict[SomeEnum, V]): closed properties
+    ({"$defs": {"C": {"enum": ["x", "y"]}}, "type": "object", "propertyNames": {"$ref": "#/$defs/C"},
+      "minProperties": 2, "additionalProperties": {"type": "integer", "minimum": 0, "maximum": 3}},
+     '{"x":1,"y":2}', '{"x":1,"x":2}'),  # xgrammar repeated a name: {"x":1,"x":1,...}
     ({"type": "object", "propertyNames": {"enum": ["x", "y"]}, "minProperties": 2,
       "additionalProperties": {"type": "integer", "minimum": 0, "maximum": 3}}, '{"x":1,"y":2}', '{"x":1,"x":2}'),
 ])

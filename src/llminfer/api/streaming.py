@@ -24,7 +24,7 @@ from llminfer.api.keepalive import KEEPALIVE_FRAME, FramePump
 from llminfer.api.logprobs import TokenText
 from llminfer.api.middleware import EventStream, watch_disconnect
 from llminfer.api.request_info import JobOutcome, RequestInfo
-from llminfer.errors import LLMInferError, RequestAbortedError
+from llminfer.errors import InvalidRequestError, LLMInferError, RequestAbortedError
 from llminfer.results import StreamChunk
 
 if TYPE_CHECKING:
@@ -95,9 +95,11 @@ async def _guarded(pump: FramePump, first: bytes | None, info: RequestInfo, job:
         finished = True
     except LLMInferError as exc:
         error = job_error(job, exc, "prompt")
-        if not isinstance(exc, RequestAbortedError):  # a shutdown's aborts are logged once, by the server
+        if isinstance(exc, InvalidRequestError):  # the request's own fault (a constraint that dead-ends): a 4xx
+            log.info("stream ended by a request error", error=repr(exc))
+        elif not isinstance(exc, RequestAbortedError):  # a shutdown's aborts are logged once, by the server
             log.error("stream failed", error=repr(exc))
-        info.error = error.message
+        info.error, info.error_code = error.message, error.code
         for frame_ in failure_frames(error, events):
             yield frame_
         finished = True

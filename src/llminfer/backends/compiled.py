@@ -182,7 +182,7 @@ class CompiledBackend(HFBackend):
         self.use_cudagraphs = wants_graphs and not own_graphs  # inductor's own (partitioned) graphs
         self.compile_backend_name = compile_backend or os.environ.get(COMPILE_BACKEND_ENV) or "inductor"
         # Weight-only layers keep inductor's Python wrapper: with the C++ one, the built-in SmolLM2 under int4-wo
-        # (its 210 products on llminfer's ops) took 277 s to its first token, against 38 s (2-vCPU Zen 4).
+        # (its 210 products on llminfer's ops) took 277 s to its first token, against 8.9 s (2-vCPU Zen 4).
         quantized = any(isinstance(m, WeightOnlyLinear) for m in model.modules())
         self._counter = CountingBackend(self.compile_backend_name,
                                          inductor_options(mode, cudagraphs, self.device, own_graphs,

@@ -270,7 +270,7 @@ class _Normalizer(SchemaCombiner):
             del out["format"]
             out["pattern"] = _IPV4
         if "propertyNames" in out:
-            finite_property_names(out, where)
+            finite_property_names(out, where, self.defs)
         integer_bounds(out, where)
         check_bounds(out, where)
         check_number_range(out, where)

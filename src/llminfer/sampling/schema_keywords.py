@@ -38,8 +38,9 @@ KEYWORDS: dict[str, tuple[str, str]] = {
                             "pattern's or format's own lengths are within the bounds, refused otherwise"),
     "maxLength": (ENFORCED, "as minLength"),
     "pattern": (ENFORCED, "the whole string matches it (a subset of what the unanchored pattern allows); refused "
-                          "next to format (xgrammar ignores it there) and where it names a quote, a backslash or a "
-                          "control character (xgrammar writes them unescaped)"),
+                          "next to a format xgrammar implements (date, date-time, email, uuid...: it ignores the "
+                          "pattern there) and where it names a quote, a backslash or a control character (xgrammar "
+                          "writes them unescaped)"),
     "format": (ENFORCED, "xgrammar's rules for date-time, date, time, duration, email, hostname, ipv6, uri, "
                          "uri-reference, uuid...; 'date' bounds the day at 31 whatever the month; 'ipv4' is "
                          "rewritten to an exact pattern (xgrammar's allows leading zeros, '055')"),
@@ -309,13 +310,14 @@ def integer_bounds(out: dict[str, Any], where: str) -> None:
     """
     import math
 
-    if _types(out) != {"integer"}:
+    types = _types(out)
+    if types is None or "integer" not in types or "number" in types:  # the bounds bind integers alone
         return
     for key, down in (("minimum", False), ("exclusiveMinimum", False), ("maximum", True), ("exclusiveMaximum", True)):
         value = out.get(key)
         if not _is_number(value) or not math.isfinite(value):
             continue
-        if abs(value) >= 2.0**63:
+        if not -(2.0**63) <= value <= 2.0**63:  # xgrammar's limits: INT64_MIN and INT64_MAX as doubles
             raise _refuse(key, where, f"{key} {value} is outside the 64-bit integers, the integer bounds xgrammar "
                                       "takes")
         if float(value).is_integer():
@@ -329,8 +331,9 @@ def integer_bounds(out: dict[str, Any], where: str) -> None:
         out[plain] = int(bound)
 
 
-def finite_property_names(out: dict[str, Any], where: str) -> None:
-    """``propertyNames`` with an ``enum`` or ``const`` of names (the keys a finite list): rewritten into
+def finite_property_names(out: dict[str, Any], where: str, defs: dict[str, Any] | None = None) -> None:
+    """``propertyNames`` with an ``enum`` or ``const`` of names (the keys a finite list; inline or a ``$ref`` into
+    ``defs``, the hoisted definitions): rewritten into
     ``properties``, one per name (its own schema, else the ``additionalProperties`` one), closed. xgrammar
     enforced the names but not their uniqueness: ``{"propertyNames": {"enum": ["x", "y"]},
     "additionalProperties": {...}, "minProperties": 2}`` gave ``{"x":1,"x":1,...}``.
@@ -339,6 +342,9 @@ def finite_property_names(out: dict[str, Any], where: str) -> None:
         _Unsatisfiable: a required name is not among them.
     """
     names = out["propertyNames"]
+    ref = names.get("$ref") if isinstance(names, dict) and len(names) == 1 else None
+    if isinstance(ref, str) and ref.startswith("#/$defs/") and defs is not None:
+        names = defs.get(ref.removeprefix("#/$defs/"))  # pydantic's Dict[SomeEnum, V]: the enum is a $def
     if (not isinstance(names, dict) or not ({"enum", "const"} & set(names)) or "patternProperties" in out
             or not set(names) <= {"enum", "const", "type"}):
         return
@@ -354,6 +360,11 @@ def finite_property_names(out: dict[str, Any], where: str) -> None:
 
 
 _FORMAT_WIDTHS = {"date": (10, 10), "uuid": (36, 36), "ipv4": (7, 15)}
+#: The formats next to which xgrammar 0.2.9 ignores a ``pattern`` (it enforces the format alone), measured with
+#: ``{"type": "string", "format": f, "pattern": "^zzz$"}`` accepting ``"zzz"`` or not. Next to other formats
+#: (``password``, ``hostname``...) it enforces the pattern.
+PATTERN_IGNORING_FORMATS = frozenset({"date-time", "date", "time", "duration", "email", "ipv4", "ipv6", "uri", "uuid",
+                                      "json-pointer", "relative-json-pointer"})
 
 
 def _string_width(schema: dict[str, Any]) -> tuple[int | None, int | None]:
@@ -381,9 +392,9 @@ def check_string_keywords(out: dict[str, Any], where: str) -> None:
     Raises:
         SchemaError: naming the keyword xgrammar would ignore.
     """
-    if "pattern" in out and "format" in out:
-        raise _refuse("pattern", where, "xgrammar ignores a pattern next to a format; write the format into "
-                                        "the pattern, or drop one of them")
+    if "pattern" in out and out.get("format") in PATTERN_IGNORING_FORMATS:
+        raise _refuse("pattern", where, f"xgrammar ignores a pattern next to format {out['format']!r}; write the "
+                                        "format into the pattern, or drop one of them")
     if not ("minLength" in out or "maxLength" in out) or not ("pattern" in out or "format" in out):
         return
     lo, hi = _string_width(out)
