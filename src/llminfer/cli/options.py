@@ -200,7 +200,11 @@ def auto_quant(model: str | None, *, device: str = "auto", dtype: str = "auto", 
     float32 model on 96.9 % of next tokens and garbled greedy answers ("Hello! I'shine."), at 22.6 ms a token.
     ``from-gguf`` keeps the file's blocks with float32 activations: 100 %, 13.9 ms a token (2-vCPU Zen 4; the
     README's GGUF section has the figures). Reads the GGUF header of a ``.gguf`` path (a file it cannot read
-    gives ``none``, and loading it then says what is wrong).
+    gives ``none``, and loading it then says what is wrong); the built-in model's file is not read or fetched
+    here (:func:`llminfer.runtime.resolve_quant` does that at load).
+
+    Raises:
+        Nothing: every doubt gives :attr:`QuantMode.NONE`.
     """
     from llminfer.models.gguf import is_gguf_name, read_gguf_info, weight_only_mode
     from llminfer.models.trained import TRAINED_MODEL_NAME
