@@ -77,6 +77,23 @@ def test_the_content_hash_is_computed_once_per_size_and_mtime(tmp_path):
     assert gg.file_digest(file, cache) == digest  # a touched file is hashed again
 
 
+def test_header_facts_are_read_once_per_size_and_mtime(tmp_path, monkeypatch):
+    file = write_gguf(tmp_path / "m.gguf", qtype="Q8_0", file_type=7)
+    cache = tmp_path / "cache"
+    first = gg.read_gguf_info(file, cache)
+    parse = gg._parse_gguf_info
+    monkeypatch.setattr(gg, "_parse_gguf_info", lambda path: pytest.fail("parsed an unchanged file again"))
+    assert gg.read_gguf_info(file, cache) == first
+    st = file.stat()
+    os.utime(file, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    parsed = []
+    monkeypatch.setattr(gg, "_parse_gguf_info", lambda path: parsed.append(path) or parse(path))
+    assert gg.read_gguf_info(file, cache) == first and len(parsed) == 1  # a touched file is read again
+    (record,) = (cache / "gguf" / "info").iterdir()
+    record.write_text("{not json")
+    assert gg.read_gguf_info(file, cache) == first and len(parsed) == 2  # a damaged record too
+
+
 def test_from_gguf_picks_the_weight_only_mode_of_the_files_type(tmp_path):
     def mode(qtype, ft=None):
         file = write_gguf(tmp_path / f"{qtype}.gguf", qtype=qtype, file_type=ft)

@@ -146,7 +146,7 @@ def test_int4_layer_moves_to_the_kernel_with_the_same_codes(group):
                                    atol=1e-6, rtol=1e-6)
         if layer.kernel_path == "q8" and group == 32:  # its bfloat16 scales and minima in 2 bytes each
             assert layer.kernel_scales.dtype == layer.kernel_zeros.dtype == torch.bfloat16
-        assert layer._kernel_grid is None  # the float32 copy is dropped
+        assert layer._kernel_grid is None and layer._kernel_codes is None  # the kept copies are dropped
         assert "scales_and_zeros" not in layer.state_dict()  # the kernel's scales replace torch's
     err_after, err_before = (after.double() - want).abs().max(), (before.double() - want).abs().max()
     if layer.kernel_path == "q8":  # 8-bit block activations: within their rounding bound (test_kernels_q8)

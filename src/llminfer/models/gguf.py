@@ -31,6 +31,7 @@ from llminfer.errors import ConfigError, ModelLoadError
 
 GGUF_SUFFIX = ".gguf"
 CACHE_SUBDIR = "gguf"
+_INFO_TAG = "v1"  # bump when read_gguf_info's facts change: stored ones are then read again
 _CONVERTED_TAG = "v2"  # bump when the conversion recipe below changes: old folders are then rebuilt
 _REQUIRED_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "llminfer_gguf.json")
 
@@ -46,8 +47,15 @@ def is_gguf_name(name: str | None) -> bool:
     return bool(name) and str(name).lower().endswith(GGUF_SUFFIX)
 
 
-def read_gguf_info(path: str | os.PathLike) -> dict[str, Any]:
-    """The GGUF file's header facts, read with ``gguf.GGUFReader`` (memory-mapped; the tensors are not read).
+def read_gguf_info(path: str | os.PathLike, cache_dir: Path | None = None) -> dict[str, Any]:
+    """The GGUF file's header facts, read with ``gguf.GGUFReader`` (memory-mapped; the tensors are not read),
+    once per (path, size, modification time).
+
+    The reader parses every metadata field, the tokenizer's vocabulary and merges included, in Python: about
+    2 s for the built-in SmolLM2 file, paid two or three times per start (the command line's ``--quant auto``,
+    the converted folder's lookup, ``from-gguf``). So the facts are stored in ``cache_dir/gguf/info/`` (default
+    ``$LLMINFER_CACHE_DIR``) next to the size and ``st_mtime_ns`` they were read at, as :func:`file_digest`
+    stores digests, and reused while both are unchanged.
 
     Returns:
         ``{"file": absolute path, "bytes": file size, "architecture": general.architecture (e.g. "llama"),
@@ -59,13 +67,33 @@ def read_gguf_info(path: str | os.PathLike) -> dict[str, Any]:
     Raises:
         ModelLoadError: the file is missing or is not a GGUF file the reader understands.
     """
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise ModelLoadError(f"GGUF file {str(path)!r} does not exist")
+    from llminfer.models.builtin import default_cache_dir
+
+    resolved = path.resolve()
+    st = resolved.stat()
+    stamp = {"path": str(resolved), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "tag": _INFO_TAG}
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    record = cache_dir / CACHE_SUBDIR / "info" / (hashlib.sha256(str(resolved).encode()).hexdigest()[:24] + ".json")
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        saved = json.loads(record.read_text())
+        if all(saved[key] == value for key, value in stamp.items()) and isinstance(saved["info"], dict):
+            return saved["info"]
+    info = _parse_gguf_info(path)
+    with contextlib.suppress(OSError):  # a read-only cache only loses the fast path
+        record.parent.mkdir(parents=True, exist_ok=True)
+        _write_atomic(record, json.dumps({**stamp, "info": info}))
+    return info
+
+
+def _parse_gguf_info(path: Path) -> dict[str, Any]:
+    """:func:`read_gguf_info`'s facts, parsed from the file (an existing one)."""
     try:
         import gguf
     except ImportError as exc:  # pragma: no cover - a main dependency
         raise ModelLoadError(f"reading GGUF files needs the gguf package (pip install gguf): {exc}") from None
-    path = Path(path).expanduser()
-    if not path.is_file():
-        raise ModelLoadError(f"GGUF file {str(path)!r} does not exist")
     try:
         reader = gguf.GGUFReader(str(path), "r")
     except Exception as exc:  # noqa: BLE001 - the reader raises ValueError, struct errors, ...
@@ -169,7 +197,7 @@ def converted_path(gguf_file: str | os.PathLike, cache_dir: Path | None = None) 
     from llminfer.models.builtin import default_cache_dir
 
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    info = read_gguf_info(gguf_file)
+    info = read_gguf_info(gguf_file, cache_dir)
     dest = cache_dir / CACHE_SUBDIR / f"{file_digest(info['file'], cache_dir)[:20]}-{_CONVERTED_TAG}"
     if all((dest / name).is_file() for name in _REQUIRED_FILES):
         return dest
