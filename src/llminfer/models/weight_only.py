@@ -236,8 +236,7 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
         self.group_size = group_size
         w = linear.weight.detach()
         pad = (-w.shape[0]) % _INT4_N_MULTIPLE
-        if pad:
-            w = torch.cat([w, w.new_zeros(pad, w.shape[1])])
+        w = torch.cat([w, w.new_zeros(pad, w.shape[1])]) if pad else w
         q, sz = quantize_int4_groupwise(w, group_size)
         self.register_buffer("weight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
         self.register_buffer("scales_and_zeros", sz.to(compute_dtype))
@@ -245,9 +244,7 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
         # not the bfloat16 minimum it came from): use_llminfer_kernel takes the scales and minima from it, in 2
         # bytes each where they are bfloat16 or float16 values, and drops it (drop_kernel_grid).
         self._kernel_grid: torch.Tensor | None = None if int8_group.is_exact_in(sz, compute_dtype) else sz
-        # The codes, two to a byte, for use_llminfer_kernel: torch's packed layout is opaque, and reading it back
-        # (codes()) takes a product per 256 columns: 1.2-1.4 s of the built-in SmolLM2's load on a Zen 4 core.
-        q = q[: self.out_features].to(torch.uint8)
+        q = q[: self.out_features].to(torch.uint8)  # two to a byte, for use_llminfer_kernel (_kept_codes)
         self._kernel_codes: torch.Tensor | None = q[:, 0::2] | (q[:, 1::2] << 4)
 
     #: Set by :meth:`use_llminfer_kernel`: ``weight`` then holds the codes in the layout of
@@ -312,9 +309,7 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
             raise ValueError(f"int4 kernel path must be 'wide' or 'q8', got {path!r}")
         if self.use_cpu_kernel:
             return
-        q = self._kept_codes()
-        if q is None:
-            q = self.codes()
+        q = kept if (kept := self._kept_codes()) is not None else self.codes()
         grid = self._kernel_grid
         if grid is None or not torch.equal(grid.to(self.scales_and_zeros.dtype), self.scales_and_zeros):
             grid = self.scales_and_zeros  # none kept, or the buffer changed since (load_state_dict, an edit)
@@ -341,23 +336,20 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
     _kernel_codes: torch.Tensor | None = None
 
     def _kept_codes(self) -> torch.Tensor | None:
-        """The codes kept at quantization (int32 ``[out_features, in_features]``) where torch's packing of them
-        still gives ``weight`` (a buffer written since, by load_state_dict, is read back by :meth:`codes`
-        instead; an inference tensor has no version counter to tell), else None."""
-        kept = self._kernel_codes
-        if kept is None:
+        """The quantizer's codes (int32 ``[out_features, in_features]``) where torch's packing of them is still
+        ``weight`` (not after load_state_dict; inference tensors have no version counter), else None. Reading
+        torch's opaque layout back (:meth:`codes`) took 1.2-1.4 s of the built-in SmolLM2's load (Zen 4)."""
+        if (kept := self._kernel_codes) is None:
             return None
         q = torch.stack((kept & 15, kept >> 4), dim=-1).view(self.out_features, self.in_features).int()
-        pad = self.weight.shape[0] - self.out_features
-        padded = torch.cat([q, q.new_zeros(pad, q.shape[1])]) if pad > 0 else q
+        padded = torch.cat([q, q.new_zeros(self.weight.shape[0] - self.out_features, q.shape[1])])
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(padded, 1)
         return q if packed.shape == self.weight.shape and torch.equal(packed, self.weight) else None
 
     def drop_kernel_grid(self) -> None:
         """Free the quantizer's float32 grid and the codes kept for :meth:`use_llminfer_kernel` (2 bits and 4
         bits a weight), where the layer stays on torch's kernel. Idempotent."""
-        self._kernel_grid = None
-        self._kernel_codes = None
+        self._kernel_grid = self._kernel_codes = None
 
     def dequantized_weight(self) -> torch.Tensor:
         """The float32 ``[out_features, in_features]`` weight the layer computes with."""
