@@ -80,13 +80,15 @@ def test_compiled_matches_eager(aot_eager, model_dirs, prompts, eager_outputs, a
     assert len(compile_lines()) == stats["num_compiles"]  # one status line per graph, before it compiles
 
 
-def test_no_recompile_after_warmup(aot_eager, qwen2_dir, compile_lines):
+def test_no_recompile_after_warmup(aot_eager, qwen2_dir, compile_lines, capsys):
     """After warm-up of every bucket, batches of 1..8 requests with prompts of varied lengths (prefill,
     decode and mixed steps of every size up to the budget) compile nothing more."""
     with make_engine(qwen2_dir, max_batch_size=8, max_num_batched_tokens=32, backend=Backend.COMPILED) as engine:
         backend = engine.backend
         assert isinstance(backend, CompiledBackend)
         assert warm_up(engine) == len(backend.buckets) == len(token_buckets(32))  # what `serve` runs
+        err = capsys.readouterr().err  # without a terminal (no status line): said before and after
+        assert "\ncompiling the model step for every batch shape" in "\n" + err and "graph(s) in" in err
         warm = backend.num_compiles
         for batch in (1, 3, 8, 2, 5):
             ps = random_prompts([(7 * i + batch) % 20 + 1 for i in range(batch)], VOCAB, seed=batch)

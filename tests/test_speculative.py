@@ -141,6 +141,15 @@ def test_ngram_greedy_identical_to_plain(qwen2_dir, plain_greedy):
     assert sum(r.stats.spec_proposed_tokens for r in results[len(PROMPTS):]) > 0
 
 
+def test_an_assistant_of_another_vocabulary_is_refused_by_name(qwen2_dir, tmp_path):
+    from llminfer.errors import ConfigError
+
+    other = build_random_model(tmp_path / "other", architecture="qwen2", vocab_size=151_700, hidden_size=32,
+                               num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64)
+    with pytest.raises(ConfigError, match=r"assistant model '.*other' has a vocabulary of \d+ tokens"):
+        _spec_engine(qwen2_dir, other)
+
+
 def test_ngram_config_errors(qwen2_dir):
     from llminfer import EngineConfig
     from llminfer.errors import ConfigError

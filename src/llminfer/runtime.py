@@ -363,8 +363,8 @@ def _load_draft(cfg: EngineConfig, rt: Runtime) -> None:
         prepack_lm_head(draft)
     target_vocab, draft_vocab = logits_width(rt.model), logits_width(draft)
     if target_vocab != draft_vocab:
-        raise ConfigError(f"assistant_model_name: the assistant's vocabulary ({draft_vocab}) differs from "
-                          f"the target's ({target_vocab}); they must share a tokenizer")
+        raise ConfigError(f"the assistant model {cfg.assistant_model_name!r} has a vocabulary of {draft_vocab} "
+                          f"tokens, the model {target_vocab}: speculative decoding needs one tokenizer for both")
     layers, kv_heads, head_dim = kv_geometry(draft.config)
     assert rt.kv_manager is not None
     rt.draft_model = draft

@@ -9,6 +9,7 @@ serve extra.
 from __future__ import annotations
 
 import os
+import sys
 from typing import Annotated
 
 import typer
@@ -122,7 +123,10 @@ def warm_up(engine) -> int:
     from llminfer.logging import status
 
     start = time.perf_counter()
-    with status("compiling the model step for every batch shape (warm-up before serving) ..."):
+    message = "compiling the model step for every batch shape (warm-up before serving) ..."
+    if not sys.stderr.isatty():  # no status line to show: say it once, since it takes minutes
+        typer.echo(message, err=True)
+    with status(message):
         count = engine.warmup()
     typer.echo(f"compiled {count} graph(s) in {time.perf_counter() - start:.1f} s before serving", err=True)
     return count
