@@ -74,6 +74,14 @@ def test_text_input_matches_chat_and_reports_usage(client):
     assert r.usage.total_tokens == prompt_tokens + 6 and r.usage.input_tokens_details.cached_tokens >= 0
 
 
+def test_usage_names_the_prompt_tokens_read_from_the_prefix_cache(client):
+    messages = [{"role": "user", "content": "A prompt of a few blocks, asked twice: " + "colours " * 40}]
+    first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, **GREEDY).usage
+    again = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, **GREEDY).usage
+    assert first.prompt_tokens_details.cached_tokens == 0  # present at 0, as OpenAI reports it
+    assert 0 < again.prompt_tokens_details.cached_tokens < again.prompt_tokens
+
+
 def test_messages_and_instructions_are_the_chat_conversation(client):
     items = [{"role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
              {"role": "assistant", "content": [{"type": "output_text", "text": "Hello."}]},

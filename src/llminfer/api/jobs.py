@@ -251,7 +251,8 @@ def usage_of(job: Job, outcome: JobOutcome) -> s.Usage:
     for p in range(len(job.prompt_ids)):
         hits = [outcome.cached_tokens.get(i, 0) for i, q in enumerate(job.choice_prompt) if q == p]
         cached += min(hits, default=0)
-    details = s.PromptTokensDetails(cached_tokens=cached) if cached else None
+    # always present, 0 included, as OpenAI reports it (clients read usage.prompt_tokens_details.cached_tokens)
+    details = s.PromptTokensDetails(cached_tokens=cached)
     return s.Usage(prompt, outcome.completion_tokens, prompt + outcome.completion_tokens, details)
 
 
