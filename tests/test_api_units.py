@@ -117,6 +117,12 @@ def test_parse_body_names_the_field():
     assert max_new_tokens(s.parse_body({"prompt": "x"}, s.CompletionRequest), 16) == (16, "max_tokens")
     both = s.parse_body({"prompt": "x", "max_tokens": 3, "max_completion_tokens": 5}, s.CompletionRequest)
     assert max_new_tokens(both, 16) == (5, "max_completion_tokens")
+    # a null beside a number is an unset field (SDKs send every field): it does not lift the other's limit
+    for fields in ({"max_tokens": 4, "max_completion_tokens": None}, {"max_tokens": None, "max_completion_tokens": 4}):
+        body = s.parse_body({"messages": [{"role": "user", "content": "x"}], **fields}, s.ChatCompletionRequest)
+        assert max_new_tokens(body, 16)[0] == 4
+    nulls = s.parse_body({"prompt": "x", "max_tokens": None, "max_completion_tokens": None}, s.CompletionRequest)
+    assert max_new_tokens(nulls, 16)[0] is None
 
 
 def test_sampling_kwargs_defaults_and_extras():

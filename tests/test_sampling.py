@@ -22,7 +22,7 @@ from transformers.generation.logits_process import (
 from helpers import make_engine
 from llminfer import InvalidRequestError, SamplingParams
 from llminfer.models import builtin_model_path
-from llminfer.sampling.sampler import SamplingState, draw, inverse_cdf_draw, warp
+from llminfer.sampling.sampler import SamplingState, draw, generator_seed, inverse_cdf_draw, warp
 
 VOCAB = 24
 logits_st = st.lists(st.floats(-8, 8, allow_nan=False, width=32), min_size=VOCAB, max_size=VOCAB)
@@ -308,3 +308,27 @@ def test_logprobs_are_consistent(engine):
 def test_bad_values_name_the_parameter(kwargs, name):
     with pytest.raises(InvalidRequestError, match=name):
         SamplingParams(**kwargs)
+
+
+@given(st.integers(-(2**63), 2**64 - 1))
+@settings(max_examples=200, deadline=None)
+def test_seeds_differing_in_their_high_bits_seed_different_cpu_generators(seed):
+    """torch's CPU generator keeps a seed's low 32 bits: llminfer folds the high ones in first, leaving seeds
+    below 2**32 as they are, and CUDA's (all 64 bits used) as given."""
+    folded = generator_seed(seed, torch.device("cpu"))
+    assert 0 <= folded < 2**32
+    if 0 <= seed < 2**32:
+        assert folded == seed
+    twin = (seed + 2**32) % 2**64  # the same low 32 bits: the same generator under torch's own seeding
+    assert generator_seed(twin, torch.device("cpu")) != folded
+    assert generator_seed(seed, torch.device("cuda")) == seed
+
+
+def test_a_negative_seed_draws_apart_from_its_unsigned_twin():
+    params = [SamplingParams(temperature=1.0, seed=s) for s in (-1, 2**63 - 1, 2**32, 0)]  # pairs torch seeds alike
+    probs = torch.full((1, 1000), 1e-3)
+    draws = []
+    for p in params:
+        generator = SamplingState(p, "cpu").generator
+        draws.append([draw(probs, [generator])[0] for _ in range(8)])
+    assert len({tuple(d) for d in draws}) == 4

@@ -366,10 +366,15 @@ def include_usage(body: Body) -> bool:
 def max_new_tokens(body: Body, default: int | None) -> tuple[int | None, str]:
     """The completion length the client asked for, and the field it came from.
 
-    ``max_completion_tokens`` wins over ``max_tokens``; an explicit ``null`` means "until the context fills".
+    ``max_completion_tokens`` wins over ``max_tokens``. An explicit ``null`` means "until the context fills"
+    where neither field has a number: a ``null`` beside a number is a field the client left unset (SDKs and
+    proxies send every field, unset ones as ``null``), so it does not lift the other's limit.
     """
-    if body.max_completion_tokens is not UNSET:
-        return body.max_completion_tokens, "max_completion_tokens"  # type: ignore[return-value]
-    if body.max_tokens is not UNSET:
-        return body.max_tokens, "max_tokens"  # type: ignore[return-value]
+    for name in ("max_completion_tokens", "max_tokens"):
+        value = getattr(body, name)
+        if value is not UNSET and value is not None:
+            return value, name
+    for name in ("max_completion_tokens", "max_tokens"):
+        if getattr(body, name) is None:
+            return None, name
     return default, "max_tokens"

@@ -46,6 +46,20 @@ def argmax_rows(x: torch.Tensor) -> list[int]:
     return x.argmax(dim=-1).tolist()
 
 
+def generator_seed(seed: int, device: torch.device) -> int:
+    """The value a request's ``seed`` (an int in [-2**63, 2**64)) seeds its ``torch.Generator`` on ``device`` with.
+
+    A CPU generator (mt19937) keeps only the low 32 bits of its seed, so seeds differing in their high bits
+    (-1 and 2**63 - 1, 0 and 2**32) would draw the same tokens. There the high 32 bits are folded into the low
+    ones (times an odd constant, so that high bits of 0 change nothing: seeds below 2**32 are used as they are).
+    Other devices' generators (Philox on CUDA) use all 64 bits and get the seed as given.
+    """
+    if torch.device(device).type != "cpu":
+        return seed
+    bits = seed % 2**64  # a negative seed as torch reads it (two's complement)
+    return (bits & 0xFFFFFFFF) ^ (((bits >> 32) * 0x9E3779B1) & 0xFFFFFFFF)
+
+
 class SamplingState(RequestHistory):
     """Per-request sampler state kept by the backend between steps: the request's tokens so far and its
     row processors (:data:`~llminfer.sampling.processors.ROW_PROCESSORS` that apply, one instance each).
@@ -71,7 +85,7 @@ class SamplingState(RequestHistory):
         self.generator: torch.Generator | None = None
         if params.seed is not None and not params.greedy:
             self.generator = torch.Generator(device=device)
-            self.generator.manual_seed(params.seed)
+            self.generator.manual_seed(generator_seed(params.seed, self.generator.device))
         self.token_ids = list(prompt_token_ids)
         self.num_prompt = len(self.token_ids)
         self.eos_token_ids = tuple(eos_token_ids)
