@@ -80,6 +80,17 @@ def test_build_folder_follows_the_cache_dir(monkeypatch, tmp_path):
     assert build._cache_dir().parent == tmp_path / "cpu_kernels"
 
 
+def test_a_first_build_is_announced_and_a_built_one_is_not(tmp_path, capfd):
+    with build._announce_build(tmp_path, "avx2"):
+        pass
+    err = capfd.readouterr().err
+    assert "building its CPU kernels once for this CPU class (avx2)" in err and "built the CPU kernels in" in err
+    (tmp_path / "llminfer_cpu_kernels.so").write_bytes(b"")
+    with build._announce_build(tmp_path, "avx2"):
+        pass
+    assert capfd.readouterr().err == ""
+
+
 def test_build_isa_follows_the_switch_and_the_cpu_flags(monkeypatch):
     """AVX-512 where the CPU has all four of F/BW/DQ/VL (the build then passes their -m flags), else AVX2;
     ``LLMINFER_CPU_KERNEL_ISA=avx2`` forces AVX2; the two builds live in different folders."""

@@ -32,6 +32,7 @@ import hashlib
 import os
 import platform
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -188,6 +189,26 @@ def _build_lock(build: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+@contextlib.contextmanager
+def _announce_build(build: Path, isa: str) -> Iterator[None]:
+    """Where the library is not built yet (the first use on this CPU class, source and torch), one line on
+    stderr before and after the compile (minutes: 2-6 on 2 cores), and a status line on a terminal, like a
+    GGUF file's first conversion; nothing where it is."""
+    if (build / "llminfer_cpu_kernels.so").is_file():
+        yield
+        return
+    import sys
+
+    from llminfer.logging import status
+
+    start = time.monotonic()
+    print(f"llminfer: building its CPU kernels once for this CPU class ({isa}) in {build}; this takes a few "
+          "minutes ...", file=sys.stderr, flush=True)
+    with status("building llminfer's CPU kernels (once) ..."):
+        yield
+    print(f"llminfer: built the CPU kernels in {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
+
+
 def _load() -> bool:
     with _lock:
         if _state["loaded"] is not None:
@@ -200,7 +221,7 @@ def _load() -> bool:
                 isa = target_isa()
                 build = _cache_dir(isa)
                 build.mkdir(parents=True, exist_ok=True)
-                with _build_lock(build), _ninja_first_on_path():
+                with _build_lock(build), _ninja_first_on_path(), _announce_build(build, isa):
                     cpp_extension.load(name="llminfer_cpu_kernels", sources=[str(src) for src in SOURCES],
                                        extra_cflags=list(build_cflags(isa)), extra_ldflags=["-fopenmp"],
                                        build_directory=str(build), is_python_module=False, verbose=False)

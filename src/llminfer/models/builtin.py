@@ -174,7 +174,10 @@ def build_random_model(
             eos_token_id=eos_ids if len(eos_ids) > 1 else eos_ids[0],
             pad_token_id=pad_id,
         )
-        model.save_pretrained(tmp)
+        from llminfer.logging import quiet_transformers
+
+        with quiet_transformers():  # no "Writing model shards" bar on a first use
+            model.save_pretrained(tmp)
         tokenizer.model_max_length = max_position_embeddings
         tokenizer.save_pretrained(tmp)
         tmp.chmod(0o755)  # mkdtemp (and the safetensors writer) make things owner-only
