@@ -456,6 +456,39 @@ def test_engine_side_constraint_errors_name_the_field(http, monkeypatch, stream)
     _error(http.post(CHAT, json=_body(stream=stream, guided_regex="[unclosed")), "guided_regex")
 
 
+class _RecordingLog:
+    """A stand-in for a module's structlog logger that keeps ``(level, event, fields)`` of every call."""
+
+    def __init__(self) -> None:
+        self.lines: list[tuple[str, str, dict]] = []
+
+    def __getattr__(self, level: str):
+        return lambda event, **fields: self.lines.append((level, event, fields))
+
+
+def test_a_stream_whose_constraint_dead_ends_ends_with_the_requests_error(http, monkeypatch):
+    # A string whose pattern matches nothing passes the compile check (its opening quote can start) and dead-ends
+    # after it: the started stream ends with the request's own 400-class error event, logged at info with its
+    # code (the client's fault, not the server's: no "stream failed" at error level).
+    from llminfer.api import middleware, streaming
+
+    log = _RecordingLog()
+    monkeypatch.setattr(streaming, "log", log)
+    monkeypatch.setattr(middleware, "log", log)
+    dead_end = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "[^\\s\\S]"}}}
+    with http.stream("POST", CHAT, json=_body(stream=True, max_tokens=8, response_format=dead_end)) as r:
+        assert r.status_code == 200
+        frames = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert http.post(CHAT, json=_body(max_tokens=1)).status_code == 200  # the first one's request line is out
+    assert frames[-1] == "[DONE]"
+    error = json.loads(frames[-2])["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == "response_format" and error["code"]
+    assert ("info", "stream ended by a request error") in [(level, event) for level, event, _ in log.lines]
+    assert not [line for line in log.lines if line[0] in ("error", "exception", "critical")]
+    (request,) = [fields for level, event, fields in log.lines if event == "request" and fields.get("error")]
+    assert request["error_code"] == error["code"] and request["path"] == CHAT
+
+
 def test_a_stuck_compile_does_not_time_out_other_constrained_requests(http, client, served, monkeypatch):
     compiler = served[1].runtime.grammar_compiler
     real, release, started = compiler._compile, threading.Event(), threading.Event()
