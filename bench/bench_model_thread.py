@@ -5,6 +5,10 @@ torch's OpenMP keeps a single thread team; ``LLMINFER_MODEL_THREAD=0`` restores 
 the calling thread, steps on whichever anyio worker is free), where libgomp manages more threads than CPUs,
 throttles its spin-wait and puts its workers to sleep between the step's parallel regions.
 
+With ``--run-on``, the steps stay on the model thread and the settings are the engine core's runs of steps on
+the model thread between two visits to the event loop (``LLMINFER_STEPS_ON_MODEL_THREAD=1``, the default) against
+a return to the event loop after every step (``=0``).
+
 With ``--foreign-team``, the steps stay on the model thread and the main thread starts an OpenMP team of its
 own (one large ``copy_``, as any torch op of more than 32768 elements there does) before the timed runs; the
 settings are then the kernels' parallel loops on torch's OpenMP team (``LLMINFER_KERNEL_THREAD_POOL=0``)
@@ -17,6 +21,7 @@ each ``--quant`` and ``--backends`` pair: batch-1 decode ms/token on the bench m
 
     python bench/bench_model_thread.py [--rounds 2] [--quant none,int8-wo] [--backends eager,compiled]
     python bench/bench_model_thread.py --foreign-team [--rounds 2] [--quant none] [--backends eager]
+    python bench/bench_model_thread.py --run-on [--rounds 2] [--quant none,int8-wo] [--backends eager]
 """
 
 from __future__ import annotations
@@ -56,14 +61,15 @@ print("RESULT " + json.dumps({"ms_per_token": statistics.median(tpot), "runs_ms"
 
 
 def run_setting(model_thread: bool, quant: str, backend: str, tokens: int, foreign_team: bool = False,
-                thread_pool: bool = False) -> dict[str, Any]:
+                thread_pool: bool = False, run_on: bool = True) -> dict[str, Any]:
     from common import run_child
 
     env = {**os.environ, "LLMINFER_MODEL_THREAD": "1" if model_thread else "0",
-           "LLMINFER_KERNEL_THREAD_POOL": "1" if thread_pool else "0"}
+           "LLMINFER_KERNEL_THREAD_POOL": "1" if thread_pool else "0",
+           "LLMINFER_STEPS_ON_MODEL_THREAD": "1" if run_on else "0"}
     return run_child(_CHILD, [str(HERE), quant, backend, str(tokens), "1" if foreign_team else "0"], env,
                      f"bench_model_thread: the run ({quant}, {backend}, model thread {model_thread}, "
-                     f"kernel thread pool {thread_pool})")
+                     f"kernel thread pool {thread_pool}, runs on the model thread {run_on})")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -74,7 +80,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--foreign-team", action="store_true",
                     help="model thread, a second OpenMP team on the main thread: OpenMP against llminfer's workers")
+    ap.add_argument("--run-on", action="store_true",
+                    help="model thread, runs of steps on it against a return to the event loop after every step")
     args = ap.parse_args(argv)
+    if args.run_on and args.foreign_team:
+        ap.error("--run-on and --foreign-team are separate comparisons: pass one")
     from common import environment, save
 
     load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
@@ -84,12 +94,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for r in range(args.rounds):
                 for second in (False, True):
                     model_thread, pool = (True, second) if args.foreign_team else (second, False)
-                    res = run_setting(model_thread, quant, backend, args.tokens, args.foreign_team, pool)
+                    run_on = second or not args.run_on
+                    model_thread = model_thread or args.run_on
+                    res = run_setting(model_thread, quant, backend, args.tokens, args.foreign_team, pool, run_on)
                     res.update(round=r, quant=quant, backend=backend, model_thread=model_thread,
-                               foreign_team=args.foreign_team, kernel_thread_pool=pool)
+                               foreign_team=args.foreign_team, kernel_thread_pool=pool, runs_on_model_thread=run_on)
                     rows.append(res)
                     steal = "n/a" if res["steal_pct"] is None else f"{res['steal_pct']:.1f} %"
-                    if args.foreign_team:
+                    if args.run_on:
+                        where = "model thread, runs" if run_on else "model thread, one "
+                    elif args.foreign_team:
                         where = "llminfer workers " if pool else "OpenMP team      "
                     else:
                         where = "one model thread " if model_thread else "anyio's workers  "
@@ -97,7 +111,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                           f"(runs {', '.join(f'{x:.1f}' for x in res['runs_ms'])}), steal {steal}", flush=True)
     payload = {"benchmark": "model_thread", "rows": rows, "loadavg_before": load_before,
                "loadavg_after": " ".join(f"{x:.2f}" for x in os.getloadavg()), "environment": environment()}
-    print(f"-> {save('model_thread_foreign_team' if args.foreign_team else 'model_thread', payload)}")
+    name = "model_thread_foreign_team" if args.foreign_team else "model_thread_run_on" if args.run_on else "model_thread"
+    print(f"-> {save(name, payload)}")
     return payload
 
 

@@ -8,6 +8,7 @@ import zlib
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import hypothesis.strategies as st
 import pytest
 from hypothesis import given, settings
@@ -74,10 +75,12 @@ def request(rid: str, prompt_len: int = 6, max_new: int = 5) -> TokenizedRequest
                             time.perf_counter_ns())
 
 
-async def drive(core: EngineCore, messages: list[Any]) -> list[EngineStepOutput]:
-    """Send ``messages`` into the core's inbox, close it, and collect everything it emits."""
+async def drive(core: EngineCore, messages: list[Any], outbox_size: int = 1000,
+                reader_pauses: int = 0) -> list[EngineStepOutput]:
+    """Send ``messages`` into the core's inbox, close it, and collect everything it emits (a slow reader
+    with ``reader_pauses``: that many scheduling points after each item)."""
     send_in, inbox = anyio.create_memory_object_stream(100)
-    outbox, receive_out = anyio.create_memory_object_stream(1000)
+    outbox, receive_out = anyio.create_memory_object_stream(outbox_size)
     emitted: list[Any] = []
     async with anyio.create_task_group() as tg:
         tg.start_soon(core.run, inbox, outbox)
@@ -87,6 +90,8 @@ async def drive(core: EngineCore, messages: list[Any]) -> list[EngineStepOutput]
         async with receive_out:
             async for item in receive_out:
                 emitted.append(item)
+                for _ in range(reader_pauses):
+                    await anyio.lowlevel.checkpoint()
     return emitted
 
 

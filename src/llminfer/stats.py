@@ -107,8 +107,9 @@ class IterationStats:
 
 @runtime_checkable
 class StatLogger(Protocol):
-    """Receives each engine step's :class:`IterationStats` (called in the engine's event loop; keep it cheap:
-    update counters and histograms, never block)."""
+    """Receives each engine step's :class:`IterationStats` (called by the engine core, in its event loop or
+    on its model thread, never from two threads at once; keep it cheap: update counters and histograms,
+    never block)."""
 
     def record(self, stats: IterationStats) -> None: ...
 

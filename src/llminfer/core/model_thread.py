@@ -76,6 +76,11 @@ class ModelThread:
         thread = self._thread
         return thread is not None and threading.get_ident() == thread.ident
 
+    def has_queued_calls(self) -> bool:
+        """Whether calls wait behind the running one (a long call may end early to let them in)."""
+        calls = self._queue
+        return calls is not None and not calls.empty()
+
     def submit(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
         """Queue ``fn(*args)`` on the model thread (started if need be); returns its future."""
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
@@ -179,6 +184,10 @@ class ModelThreadLease:
     def on_thread(self) -> bool:
         """True when called from the model thread."""
         return self._thread.on_thread()
+
+    def has_queued_calls(self) -> bool:
+        """:meth:`ModelThread.has_queued_calls`."""
+        return self._thread.has_queued_calls()
 
     def submit(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
         """:meth:`ModelThread.submit` (taking a share again after :meth:`close`)."""

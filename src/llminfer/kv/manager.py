@@ -306,6 +306,6 @@ class KVCacheManager:
             "blocks_free": self.pool.num_free_blocks,
             "blocks_cached": self.pool.num_cached_blocks,
             "evictions": self.pool.num_evictions,
-            "blocks_pinned": sum(map(len, self.pins.values())),
+            "blocks_pinned": sum(map(len, list(self.pins.values()))),  # list(): atomic against the model thread
             "block_size": self.block_size,
         }
