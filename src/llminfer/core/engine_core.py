@@ -230,10 +230,13 @@ class EngineCore:
         and whether a request failed in its scheduling, as :meth:`_schedule`; a non-empty plan was
         executed and applied, its output not yet emitted.
 
-        Why: every step that returns to the event loop pays two thread wake-ups (the loop's, then the model
-        thread's), measured at 0.34 ms per step on a 2-core Zen 4 VM, 6 % of an int8-wo batch-1 step. The
-        event loop stays suspended in :meth:`ModelThread.run` meanwhile, so the scheduler is still used by
-        one thread at a time; the loop only runs the other stages (tokenize, detokenize, sink) concurrently.
+        Why: a step that returns to the event loop waits for two thread wake-ups (the loop's, then the model
+        thread's): 0.34 ms of a 5.3 ms int8-wo batch-1 step on a 2-core Zen 4 VM. A run waits for one: the
+        woken loop takes the GIL for its stages' Python before this thread gets it back. Measured there
+        (``bench/bench_step_profile.py --quick --quant int8-wo``, ``LLMINFER_STEPS_ON_MODEL_THREAD=1`` and
+        ``0`` alternating), the time between two steps' ``execute`` went from 0.69-0.75 to 0.58-0.59 ms.
+        The event loop stays suspended in :meth:`ModelThread.run` meanwhile, so the scheduler is still used
+        by one thread at a time; the loop runs the other stages (tokenize, detokenize, sink) meanwhile.
         """
         end = time.perf_counter() + RUN_ON_S
         while True:
@@ -242,8 +245,7 @@ class EngineCore:
                     and not message_waiting(self._direct) and not message_waiting(inbox)
                     and not self.model_thread.has_queued_calls()):  # another engine's step, an adapter load
                 return plan, False
-            for msg in self._collect(plan.step_id):
-                self._relay.post(msg, outbox, loop)
+            self._relay.post(self._collect(plan.step_id), outbox, loop)
             next_plan, failed = self._schedule()
             if next_plan is None or not next_plan.sequences:
                 return next_plan, failed

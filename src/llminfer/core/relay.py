@@ -41,14 +41,15 @@ class OutputRelay:
         """Outputs posted and not yet in the outbox."""
         return len(self._unsent)
 
-    def post(self, item: Any, outbox: ObjectSendStream[Any], loop: asyncio.AbstractEventLoop) -> None:
-        """From any thread: queue ``item`` for ``outbox`` and wake ``loop`` to send it.
+    def post(self, items: list[Any], outbox: ObjectSendStream[Any], loop: asyncio.AbstractEventLoop) -> None:
+        """From any thread: queue ``items`` for ``outbox`` and wake ``loop`` once to send them.
 
         Raises:
             RuntimeError: ``loop`` is closed.
         """
-        self._unsent.append(item)
-        loop.call_soon_threadsafe(self._send_nowait, outbox)
+        if items:
+            self._unsent.extend(items)
+            loop.call_soon_threadsafe(self._send_nowait, outbox)
 
     def _send_nowait(self, outbox: ObjectSendStream[Any]) -> None:
         while self._unsent and not self._flushing:
