@@ -225,10 +225,9 @@ class EngineCore:
                 loop: asyncio.AbstractEventLoop) -> tuple[SchedulerOutput | None, bool]:
         """Execute ``plan`` and apply its output on the model thread; then, while no message waits in either
         inbox, no other call waits for the model thread, requests remain, the outbox keeps up and at most
-        ``RUN_ON_S`` has passed, post the step's
-        output to ``loop``, schedule and execute the next step here too. Returns the last plan scheduled
-        and whether a request failed in its scheduling, as :meth:`_schedule`; a non-empty plan was
-        executed and applied, its output not yet emitted.
+        ``RUN_ON_S`` has passed, post the step's output to ``loop``, schedule and execute the next step here
+        too. Returns the last plan scheduled and whether a request failed in its scheduling, as
+        :meth:`_schedule`; a non-empty plan was executed and applied, its output not yet emitted.
 
         Why: a step that returns to the event loop waits for two thread wake-ups (the loop's, then the model
         thread's): 0.34 ms of a 5.3 ms int8-wo batch-1 step on a 2-core Zen 4 VM. A run waits for one: the
