@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from llminfer.env import env_flag
+
 COMPILE_BACKEND_ENV = "LLMINFER_COMPILE_BACKEND"
 """Environment variable naming the ``torch.compile`` backend (default ``inductor``; ``aot_eager`` and
 ``eager`` are useful to debug or to test quickly on slow machines)."""
@@ -67,8 +69,7 @@ def inductor_options(mode: str, cudagraphs: bool, device: torch.device, own_grap
         # small host's cores with the steps after a compilation; on a 2-core VM a measured run right after
         # one decoded at 8.7 instead of ~65 tok/s. Compiling in-process costs little there.
         opts["compile_threads"] = 1
-    if device.type == "cpu" and cpp_wrapper and os.environ.get(CPP_WRAPPER_ENV, "1").strip().lower() not in (
-            "0", "false", "off", "no"):
+    if device.type == "cpu" and cpp_wrapper and env_flag(CPP_WRAPPER_ENV):
         # Inductor's wrapper (the code that calls each fused kernel and extern op of the graph) in C++ rather
         # than Python: a decode step of the bench model calls some hundred kernels, and their Python calls were
         # most of what the compiled step spent beyond its products (measured side by side on a 2-core Zen 4

@@ -40,6 +40,7 @@ from llminfer.backends.attention import (
     cpu_decode_attention,
     paged_attention_forward,
 )
+from llminfer.backends.decode_stack import DecodeStack, decode_stack_enabled
 from llminfer.kernels.build import kernels_loaded
 from llminfer.kernels.layers import KernelRMSNorm
 from llminfer.models.fused_projections import FUSED_ATTR
@@ -99,6 +100,27 @@ class _Plan:
         # Qwen2 and Mistral pass their window to the attention function (llminfer's paged attention ignores it)
         self.extra = [{"sliding_window": getattr(layer.self_attn, "sliding_window", None)}
                       if type(model).__name__ != "LlamaForCausalLM" else {} for layer in self.layers]
+        self.stack_on = decode_stack_enabled()
+        self.stack: DecodeStack | None = None
+        self.stack_retry_in = 0  # decode steps before building the stack is tried again
+
+    def decode_stack(self, meta: Any) -> DecodeStack | None:
+        """The :class:`DecodeStack` for an all-decode step on a float32 cache where it applies, else None. Where
+        a layer is off its path (a LoRA wrapper in place), building it is tried again after 256 such steps."""
+        group = meta.decode
+        if (not self.stack_on or not meta.all_decode or group is None or group.ctx_lens is None
+                or meta.triton is not None or meta.cache.k[0].dtype != torch.float32
+                or torch.compiler.is_compiling()):
+            return None
+        if self.stack is not None and self.stack.current():
+            return self.stack
+        if self.stack is None and self.stack_retry_in > 0:
+            self.stack_retry_in -= 1
+            return None
+        self.stack = DecodeStack.build(self.layers, self.plain_mlp)
+        if self.stack is None:
+            self.stack_retry_in = 256
+        return self.stack
 
 
 def _norm(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -312,6 +334,10 @@ def forward_logits(model: torch.nn.Module, ids: torch.Tensor, position_ids: torc
     rotate = _rotate_together if plan.plain_rotate else plan.rotate
     if plan.plain_rotate and hidden.dtype == torch.float32 and hidden.is_cpu and kernels_loaded():
         rotate = _rotate_in_kernel
+    stack = plan.decode_stack(meta) if rotate is _rotate_in_kernel and direct_attention else None
+    if stack is not None:
+        hidden, x = _add_norm(base.norm, *stack(hidden, cos, sin, meta))
+        return _linear(model.lm_head, x[:, keep])
     delta = None  # the last residual branch's output, added to ``hidden`` together with the next norm
     for layer, extra, plain_mlp in zip(plan.layers, plan.extra, plan.plain_mlp):
         attn = layer.self_attn

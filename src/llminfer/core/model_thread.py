@@ -34,6 +34,8 @@ import anyio
 import anyio.lowlevel
 import anyio.to_thread
 
+from llminfer.env import env_flag
+
 if TYPE_CHECKING:
     from llminfer.core.threads import ThreadGovernor
 
@@ -44,7 +46,7 @@ ENV = "LLMINFER_MODEL_THREAD"
 
 def model_thread_enabled() -> bool:
     """False when ``$LLMINFER_MODEL_THREAD`` is ``0`` / ``false`` / ``off`` / ``no``."""
-    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+    return env_flag(ENV)
 
 
 class ModelThread:

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import os
 from typing import Any
 
 import anyio
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
+
+from llminfer.env import env_flag
 
 ENV = "LLMINFER_STEPS_ON_MODEL_THREAD"
 RUN_ON_S = 0.05  # the longest run of steps on the model thread before the core's loop looks at cancellation
@@ -18,7 +19,7 @@ RUN_ON_S = 0.05  # the longest run of steps on the model thread before the core'
 def steps_on_model_thread_enabled() -> bool:
     """False when ``$LLMINFER_STEPS_ON_MODEL_THREAD`` is ``0`` / ``false`` / ``off`` / ``no``: steps then
     return to the event loop one at a time (for comparison)."""
-    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+    return env_flag(ENV)
 
 
 def message_waiting(inbox: ObjectReceiveStream[Any] | None) -> bool:

@@ -40,6 +40,7 @@ from typing import Any
 import structlog
 import torch
 
+from llminfer.env import env_flag
 from llminfer.kernels.cpu_info import cpu_flags
 
 log = structlog.get_logger("llminfer.cpu_kernels")
@@ -106,8 +107,7 @@ def build_cflags(isa: str) -> tuple[str, ...]:
 def vnni_wanted() -> bool:
     """Whether the AVX-512 build takes VNNI: the CPU has ``avx512_vnni`` and ``$LLMINFER_CPU_KERNEL_VNNI``
     is not ``0`` / ``false`` / ``off`` / ``no`` (which keeps int8 products on float32 activations)."""
-    off = os.environ.get(VNNI_ENV, "1").strip().lower() in ("0", "false", "off", "no")
-    return "avx512_vnni" in cpu_flags() and not off
+    return "avx512_vnni" in cpu_flags() and env_flag(VNNI_ENV)
 
 
 def _cache_dir(isa: str = "avx2") -> Path:
@@ -157,7 +157,7 @@ def _ninja_first_on_path() -> Iterator[None]:
 
 
 def _why_not_here() -> str | None:
-    if not _env_on(DISABLE_ENV):
+    if not env_flag(DISABLE_ENV):
         return f"{DISABLE_ENV}=0"
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return f"not x86-64 ({platform.machine()})"
@@ -226,7 +226,7 @@ def _load() -> bool:
                                        extra_cflags=list(build_cflags(isa)), extra_ldflags=["-fopenmp"],
                                        build_directory=str(build), is_python_module=False, verbose=False)
                 torch.ops.llminfer_cpu.skinny_linear  # noqa: B018 - raises if the library did not register
-                torch.ops.llminfer_cpu.use_kernel_thread_pool(_env_on(THREAD_POOL_ENV, default="0"))
+                torch.ops.llminfer_cpu.use_kernel_thread_pool(env_flag(THREAD_POOL_ENV, default=False))
                 _register_fake_impls()
             except Exception as exc:  # noqa: BLE001 - compiler, ninja, loader: any failure means "use torch"
                 lines = str(exc).strip().splitlines()
@@ -336,11 +336,8 @@ def bf16_kernel_available() -> bool:
     build the kernel."""
     if not _state["loaded"]:
         return False
-    return _env_on(BF16_ENV) and bool(torch.ops.llminfer_cpu.bf16_supported())
+    return env_flag(BF16_ENV) and bool(torch.ops.llminfer_cpu.bf16_supported())
 
-
-def _env_on(name: str, default: str = "1") -> bool:
-    return os.environ.get(name, default).strip().lower() not in ("0", "false", "off", "no")
 
 
 def kernel_threads() -> str | None:

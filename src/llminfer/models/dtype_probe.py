@@ -43,6 +43,8 @@ from typing import Any
 
 import torch
 
+from llminfer.env import env_flag
+
 ENV = "LLMINFER_DTYPE_PROBE"
 PREFILL_TOKENS = 128
 DECODE_STEPS = 3
@@ -55,7 +57,7 @@ TIE = 0.02
 
 def probe_enabled() -> bool:
     """False when ``$LLMINFER_DTYPE_PROBE`` is ``0`` / ``false`` / ``off`` / ``no``."""
-    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+    return env_flag(ENV)
 
 
 def shape_key(model_config: Any, threads: int, settings: str = "") -> str:
