@@ -29,6 +29,9 @@ buffer, read + written bytes per second, as ``bench/gpu_check.py`` measures it).
     python bench/bench_step_profile.py --before-after decoder-loop [--quick] [--reps 5] [--json-out]
         (transformers' model forward against llminfer's decoder loop, alternating;
          --json-out: bench/results/step_profile_decoder_loop.json)
+    python bench/bench_step_profile.py --before-after decode-stack --quant int8-wo [--quick] [--reps 5]
+        (the decoder loop's Python layers against the decode stack's one op for all layers, alternating;
+         --json-out: bench/results/step_profile_decode_stack.json)
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ from llminfer import CacheConfig, EngineConfig, InferenceEngine
 from llminfer.backends import base as backend_base
 from llminfer.backends import packing
 from llminfer.backends.attention import ATTN_IMPLEMENTATION, paged_attention_forward
-from llminfer.backends.decoder_loop import use_decoder_loop
+from llminfer.backends.decoder_loop import use_decode_stack, use_decoder_loop
 from llminfer.benchmark.environment import StealMeter
 from llminfer.config import QuantConfig, QuantMode
 from llminfer.logging import configure_logging
@@ -218,7 +221,18 @@ def without_decoder_loop(engine: InferenceEngine) -> Iterator[None]:
         engine.model_thread.call(use_decoder_loop, model, was)
 
 
-BEFORE = {"step": before_changes, "decoder-loop": without_decoder_loop}
+@contextmanager
+def without_decode_stack(engine: InferenceEngine) -> Iterator[None]:
+    """The eager all-decode step through the decoder loop's Python layers instead of the decode stack's one op."""
+    model = engine.backend.model
+    was = engine.model_thread.call(use_decode_stack, model, False)
+    try:
+        yield
+    finally:
+        engine.model_thread.call(use_decode_stack, model, was)
+
+
+BEFORE = {"step": before_changes, "decoder-loop": without_decoder_loop, "decode-stack": without_decode_stack}
 
 
 def compare_before_after(engine: InferenceEngine, batch: int, prompt_len: int, new_tokens: int, reps: int,
@@ -325,7 +339,7 @@ def run(quick: bool, reps: int, plain_only: bool = False, compare: str | None = 
                 print(f"batch {c['batch']}: before {c['ms_per_step_before']:.1f} ms/step, after "
                       f"{c['ms_per_step_after']:.1f} ms/step, after/before {c['ratio_after_over_before']:.2f} "
                       f"(runs {c['runs_ms']})")
-            name = "step_profile_before_after" if compare == "step" else "step_profile_decoder_loop"
+            name = "step_profile_before_after" if compare == "step" else f"step_profile_{compare.replace('-', '_')}"
             return {"benchmark": name, "change": compare, "cases": out, "reps": reps, "quick": quick,
                     "loadavg_before": load_before, "loadavg_after": _loadavg(), "steal_pct": steal.pct(),
                     "environment": environment()}
@@ -364,7 +378,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--before-after", nargs="?", const="step", choices=sorted(BEFORE), default=None,
                     help="instead: the decode period before a change and after, alternating: 'step' (the "
                     "default) is this suite's step changes (row-major fp32 LM head, torch argmax), "
-                    "'decoder-loop' transformers' model forward against llminfer's decoder loop")
+                    "'decoder-loop' transformers' model forward against llminfer's decoder loop, "
+                    "'decode-stack' the loop's Python layers against the decode stack's one op")
     ap.add_argument("--quant", default="none", help="weight quantization of the model (--quant of llminfer: "
                     "none, int8-wo, int4-wo, ...)")
     ap.add_argument("--dtype", default="float32", help="the model's dtype (float32, bfloat16, auto)")

@@ -166,6 +166,7 @@ def test_the_engine_gives_the_same_tokens_with_the_stack_on_and_off(mode, monkey
                                            for i, p in enumerate(prompts)])
             outputs[on] = [r.token_ids for r in results]
             assert (plan.stack is not None) == on
+        assert engine.info()["decode_stack_steps"] >= 12
         assert outputs[True] == outputs[False]
         assert engine.cache_stats()["blocks_used"] == 0
     finally:

@@ -46,7 +46,7 @@ from llminfer.kernels.layers import KernelRMSNorm
 from llminfer.models.fused_projections import FUSED_ATTR
 from llminfer.models.weight_only import Int4WeightOnlyLinear, Int8GroupWeightOnlyLinear
 
-__all__ = ["SUPPORTED_MODELS", "forward_logits", "use_decoder_loop", "uses_decoder_loop"]
+__all__ = ["SUPPORTED_MODELS", "decode_stack_steps", "forward_logits", "use_decode_stack", "use_decoder_loop", "uses_decoder_loop"]
 
 # transformers classes whose forward the loop reproduces op for op (checked against transformers 5.19 and 5.25)
 SUPPORTED_MODELS = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"})
@@ -103,6 +103,7 @@ class _Plan:
         self.stack_on = decode_stack_enabled()
         self.stack: DecodeStack | None = None
         self.stack_retry_in = 0  # decode steps before building the stack is tried again
+        self.stack_steps = 0  # steps the stack ran
 
     def decode_stack(self, meta: Any) -> DecodeStack | None:
         """The :class:`DecodeStack` for an all-decode step on a float32 cache where it applies, else None. Where
@@ -112,14 +113,15 @@ class _Plan:
                 or meta.triton is not None or meta.cache.k[0].dtype != torch.float32
                 or torch.compiler.is_compiling()):
             return None
-        if self.stack is not None and self.stack.current():
-            return self.stack
-        if self.stack is None and self.stack_retry_in > 0:
-            self.stack_retry_in -= 1
-            return None
-        self.stack = DecodeStack.build(self.layers, self.plain_mlp)
-        if self.stack is None:
-            self.stack_retry_in = 256
+        if self.stack is None or not self.stack.current():
+            if self.stack is None and self.stack_retry_in > 0:
+                self.stack_retry_in -= 1
+                return None
+            self.stack = DecodeStack.build(self.layers, self.plain_mlp)
+            if self.stack is None:
+                self.stack_retry_in = 256
+                return None
+        self.stack_steps += 1
         return self.stack
 
 
@@ -298,6 +300,23 @@ def use_decoder_loop(model: torch.nn.Module, on: bool) -> bool:
     thread) or while none runs. Raises nothing."""
     was = uses_decoder_loop(model)
     _plans[model] = _Plan(model) if on and _recognised(model) else None
+    return was
+
+
+def decode_stack_steps(model: torch.nn.Module) -> int:
+    """How many steps of ``model`` the decode stack has run (0 where the model does not run through the loop)."""
+    plan = _plans.get(model)
+    return plan.stack_steps if plan is not None else 0
+
+
+def use_decode_stack(model: torch.nn.Module, on: bool) -> bool:
+    """Let the loop take the decode stack (:mod:`llminfer.backends.decode_stack`) for ``model``'s all-decode steps
+    where it applies, or not, for side-by-side measurements; return the previous setting (False where the model
+    does not run through the loop). Call it where the steps run or while none runs. Raises nothing."""
+    plan = _plan_for(model)
+    if plan is None:
+        return False
+    was, plan.stack_on = plan.stack_on, on
     return was
 
 

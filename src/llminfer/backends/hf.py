@@ -9,7 +9,7 @@ import torch
 
 from llminfer.backends.attention import PagedKVCache
 from llminfer.backends.base import StepBackend, StepResult, logits_hooked
-from llminfer.backends.decoder_loop import uses_decoder_loop
+from llminfer.backends.decoder_loop import decode_stack_steps, uses_decoder_loop
 from llminfer.backends.packing import PackedStep, prompt_logprobs, run_packed
 from llminfer.kernels.prepack import argmax_only
 from llminfer.protocols.messages import SchedulerOutput
@@ -131,10 +131,10 @@ class HFBackend(StepBackend):
     def describe(self) -> dict[str, Any]:
         """Facts for ``engine.info()``: steps run so far, the attention kernels, CUDA-graph counts, whether
         steps run through llminfer's decoder loop (:mod:`llminfer.backends.decoder_loop`) or ``model(...)``,
-        and the argmax screen (its load-time probe in ms, rows screened, candidates per row), or None."""
+        how many steps ran all their layers in one op (:mod:`llminfer.backends.decode_stack`), and the argmax screen (its load-time probe in ms, rows screened, candidates per row), or None."""
         screen = getattr(self.output_head, "argmax_screen", None)
         probe = getattr(self.output_head, "argmax_screen_probe_ms", None)
         return {**super().describe(), "cuda_graphs": self.graphs.describe() if self.graphs is not None else None,
-                "decoder_loop": uses_decoder_loop(self.model),
+                "decoder_loop": uses_decoder_loop(self.model), "decode_stack_steps": decode_stack_steps(self.model),
                 "argmax_screen": None if probe is None else {
                     "kept": screen is not None, "probe_ms": probe, **(screen.describe() if screen else {})}}
