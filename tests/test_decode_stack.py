@@ -75,7 +75,8 @@ def test_a_prefill_or_an_unquantized_model_takes_the_python_loop(monkeypatch):
     assert calls == [1]
 
 
-@pytest.mark.parametrize("change", ["hook", "wrapper", "buffer", "instance_forward", "norm_hook", "class_forward"])
+@pytest.mark.parametrize("change", ["hook", "wrapper", "buffer", "instance_forward", "norm_hook", "class_forward",
+                                    "scaling", "epsilon"])
 def test_a_change_after_the_stack_was_built_sends_the_step_to_the_python_loop(change, monkeypatch):
     """What the stack took is checked at every step: each change below is seen by the next step, which then has
     the bits of ``model(...)`` with the change (a hook runs, a wrapper's output counts). A replaced buffer
@@ -99,6 +100,10 @@ def test_a_change_after_the_stack_was_built_sends_the_step_to_the_python_loop(ch
         layer.mlp.down_proj = Doubled()
     elif change == "buffer":
         down.minimum = down.minimum + 0.5
+    elif change == "scaling":
+        layer.self_attn.scaling *= 0.5
+    elif change == "epsilon":
+        layer.input_layernorm.variance_epsilon = 0.5
     elif change == "instance_forward":
         down.forward = lambda x, _f=down.forward: seen.append(1) or _f(x) * 2
     elif change == "norm_hook":
@@ -109,7 +114,7 @@ def test_a_change_after_the_stack_was_built_sends_the_step_to_the_python_loop(ch
     calls = _count_stack_calls(monkeypatch)
     looped = _decode(model, [3], [5], stack=True)
     assert not torch.equal(looped, before)
-    if change == "buffer":
+    if change in ("buffer", "scaling", "epsilon"):
         assert calls == [1] and plan.stack is not None and plan.stack is not first
     else:
         assert not calls and seen and plan.stack is None
@@ -124,10 +129,10 @@ def test_the_stack_is_built_again_once_its_layers_are_back_on_the_path(monkeypat
     mlp.down_proj = torch.nn.Sequential(down)  # a wrapper in place from the first step on
     _decode(model, [3], [5], stack=True)
     plan = decoder_loop._plan_for(model)
-    assert plan.stack is None and plan.stack_retry_in == 256
+    assert plan.stack is None and plan.stack_retry_in == decoder_loop.STACK_RETRY_STEPS
     mlp.down_proj = down
     calls = _count_stack_calls(monkeypatch)
-    plan.stack_retry_in = 1  # the retry's countdown, not 256 steps of a test
+    plan.stack_retry_in = 1  # the retry's countdown, not all its steps
     _decode(model, [3], [5], stack=True)
     assert not calls and plan.stack is None
     _decode(model, [3], [5], stack=True)

@@ -74,6 +74,8 @@ class DecodeStack:
         # its module, a fused product in its owner
         self._same: list[tuple[dict[str, Any], str, Any]] = []
         self._projections: list[tuple[torch.nn.Module, int]] = []  # each must keep its q8 bits
+        # (object, attribute, value) the op was given as a number: the scale, epsilons, sizes and cache layer
+        self._values: list[tuple[Any, str, Any]] = []
         self._norms: list[torch.nn.Module] = []
         self._mlps: list[tuple[Any, ...]] = []
         self._fused: list[tuple[Any, torch.nn.Module]] = []  # (FusedProjection, its owner)
@@ -117,6 +119,9 @@ class DecodeStack:
             self._same += [(module._buffers, name, module._buffers[name]) for name in _PARAM_BUFFERS[bits]]
             self._same.append((module._parameters, "bias", module._parameters.get("bias")))
             self._projections.append((module, bits))
+        self._values += [(attn, "scaling", scaling), (attn, "head_dim", head_dim), (attn, "layer_idx", attn.layer_idx),
+                         (o_proj, "out_features", o_proj.out_features), (down, "out_features", down.out_features),
+                         *((n, "variance_epsilon", n.variance_epsilon) for n in norms)]
         self._norms += norms
         self._mlps.append(mlp_entry)
         self._fused += [(qkv, attn), (gate_up, mlp)]
@@ -130,9 +135,10 @@ class DecodeStack:
         self.floats += [norms[0].variance_epsilon, norms[1].variance_epsilon, scaling]
 
     def current(self) -> bool:
-        """Whether every module, buffer, product and forward function taken at :meth:`build` is still in place and
-        on the path (one pass, a few microseconds a layer)."""
+        """Whether every module, buffer, product, number and forward function taken at :meth:`build` is still in
+        place and on the path (one pass, a few microseconds a layer)."""
         return (all(mapping.get(key) is obj for mapping, key, obj in self._same)
+                and all(getattr(obj, name, None) == value for obj, name, value in self._values)
                 and all(_q8_bits(module) == bits for module, bits in self._projections)
                 and all(_plain_norm(n) for n in self._norms)
                 and all(fused.current(owner) for fused, owner in self._fused)

@@ -52,6 +52,7 @@ __all__ = ["SUPPORTED_MODELS", "decode_stack_steps", "forward_logits", "use_deco
 SUPPORTED_MODELS = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"})
 # RoPE types whose inverse frequencies are fixed at load (dynamic and longrope rescale with the length)
 _STATIC_ROPE = frozenset({"default", "linear", "llama3", "yarn"})
+STACK_RETRY_STEPS = 16  # all-decode steps on the Python loop before a failed decode stack is built again
 _LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 _ATTN_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling", "layer_idx")
 
@@ -107,7 +108,8 @@ class _Plan:
 
     def decode_stack(self, meta: Any) -> DecodeStack | None:
         """The :class:`DecodeStack` for an all-decode step on a float32 cache where it applies, else None. Where
-        a layer is off its path (a LoRA wrapper in place), building it is tried again after 256 such steps."""
+        a layer is off its path (a LoRA wrapper in place, a hook), building it is tried again after
+        :data:`STACK_RETRY_STEPS` such steps (a failed try stops at the first layer off the path)."""
         group = meta.decode
         if (not self.stack_on or not meta.all_decode or group is None or group.ctx_lens is None
                 or meta.triton is not None or meta.cache.k[0].dtype != torch.float32
@@ -119,7 +121,7 @@ class _Plan:
                 return None
             self.stack = DecodeStack.build(self.layers, self.plain_mlp)
             if self.stack is None:
-                self.stack_retry_in = 256
+                self.stack_retry_in = STACK_RETRY_STEPS
                 return None
         self.stack_steps += 1
         return self.stack
