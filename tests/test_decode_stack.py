@@ -176,3 +176,18 @@ def test_the_engine_gives_the_same_tokens_with_the_stack_on_and_off(mode, monkey
         assert engine.cache_stats()["blocks_used"] == 0
     finally:
         engine.close()
+
+
+def test_a_model_whose_steps_ran_the_loop_and_the_stack_is_freed_when_dropped(monkeypatch):
+    """The loop's plan (the stack included) is kept per model in a weak-keyed map: nothing in it may hold the
+    model, or every model an engine ever ran would stay in memory."""
+    import gc
+    import weakref
+
+    model = _quantized("llama", "int8-wo", monkeypatch)
+    _decode(model, [3], [5], stack=True)
+    assert decoder_loop._plan_for(model).stack is not None
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert ref() is None

@@ -92,7 +92,9 @@ class _Plan:
                           if type(layer.mlp).__name__ in _HF_MLPS and _defined_in_model_file(type(layer.mlp))
                           and _is_silu(getattr(layer.mlp, "act_fn", None))
                           and all(hasattr(layer.mlp, p) for p in _MLP_PARTS) else None for layer in self.layers]
-        self.hookable = [model, base, *self.layers, *(layer.self_attn for layer in self.layers),
+        # Not the model itself: the plan is the value of a weak-keyed map whose key is the model, and a reference
+        # to it here would keep both alive for the life of the process (see _hooked's caller).
+        self.hookable = [base, *self.layers, *(layer.self_attn for layer in self.layers),
                          *(m for layer in self.layers for m in (layer.mlp, getattr(layer.mlp, "act_fn", None))
                            if isinstance(m, torch.nn.Module))]
         self.rope = _RopeTable(base.rotary_emb)
@@ -341,7 +343,7 @@ def forward_logits(model: torch.nn.Module, ids: torch.Tensor, position_ids: torc
             into the step's error).
     """
     plan = _plan_for(model)
-    if plan is None or _hooked(plan):
+    if plan is None or model._forward_hooks or model._forward_pre_hooks or _hooked(plan):
         return model(input_ids=ids, position_ids=position_ids, use_cache=False, logits_to_keep=keep,
                      **{METADATA_KWARG: meta}).logits
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -388,8 +390,9 @@ def forward_logits(model: torch.nn.Module, ids: torch.Tensor, position_ids: torc
 
 
 def _hooked(plan: _Plan) -> bool:
-    """Whether a forward hook sits where the loop does not call ``__call__`` (the model, its decoder, a layer,
-    an attention module) or is global: then ``model(...)`` runs, so the hook does."""
+    """Whether a forward hook sits where the loop does not call ``__call__`` (the model's decoder, a layer, an
+    attention module; the model's own hooks are checked by the caller) or is global: then ``model(...)`` runs,
+    so the hook does."""
     from torch.nn.modules import module as nn_module
 
     return bool(nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks) or any(
