@@ -55,11 +55,11 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_q8(
                   static_cast<int64_t>(ints.size()) == layers * kInts &&
                   static_cast<int64_t>(floats.size()) == layers * kFloats,
               op, ": per-layer lists of unequal lengths");
-  TORCH_CHECK(embeddings.dim() == 3 && embeddings.size(0) == 1 && embeddings.scalar_type() == at::kFloat &&
-                  embeddings.is_contiguous(), op, ": hidden must be contiguous float32 [1, T, D]");
+  TORCH_CHECK(embeddings.dim() == 3 && embeddings.size(0) == 1 && embeddings.scalar_type() == at::kFloat, op,
+              ": hidden must be float32 [1, T, D]");
   TORCH_CHECK(k_caches.size() == v_caches.size(), op, ": k_caches and v_caches differ in length");
   const int64_t T = embeddings.size(1), D = embeddings.size(2);
-  at::Tensor hidden = embeddings;
+  at::Tensor hidden = embeddings.contiguous();  // an embedding wrapper may return a view
   at::Tensor delta;
   for (int64_t i = 0; i < layers; ++i) {
     const at::Tensor* p = params.data() + kParams * i;
