@@ -41,8 +41,8 @@ import os
 import statistics
 import time
 from collections import defaultdict
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -211,25 +211,24 @@ def before_changes(engine: InferenceEngine) -> Iterator[None]:
 
 
 @contextmanager
-def without_decoder_loop(engine: InferenceEngine) -> Iterator[None]:
+def _switched_off(engine: InferenceEngine, switch: Callable[[torch.nn.Module, bool], bool]) -> Iterator[None]:
+    """``switch(model, False)`` on the engine's model thread for the block, then the previous setting back."""
+    model = engine.backend.model
+    was = engine.model_thread.call(switch, model, False)
+    try:
+        yield
+    finally:
+        engine.model_thread.call(switch, model, was)
+
+
+def without_decoder_loop(engine: InferenceEngine) -> AbstractContextManager[None]:
     """The eager step through transformers' own ``model(...)`` instead of llminfer's decoder loop."""
-    model = engine.backend.model
-    was = engine.model_thread.call(use_decoder_loop, model, False)
-    try:
-        yield
-    finally:
-        engine.model_thread.call(use_decoder_loop, model, was)
+    return _switched_off(engine, use_decoder_loop)
 
 
-@contextmanager
-def without_decode_stack(engine: InferenceEngine) -> Iterator[None]:
+def without_decode_stack(engine: InferenceEngine) -> AbstractContextManager[None]:
     """The eager all-decode step through the decoder loop's Python layers instead of the decode stack's one op."""
-    model = engine.backend.model
-    was = engine.model_thread.call(use_decode_stack, model, False)
-    try:
-        yield
-    finally:
-        engine.model_thread.call(use_decode_stack, model, was)
+    return _switched_off(engine, use_decode_stack)
 
 
 BEFORE = {"step": before_changes, "decoder-loop": without_decoder_loop, "decode-stack": without_decode_stack}

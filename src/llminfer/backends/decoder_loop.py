@@ -19,6 +19,9 @@ the RoPE cos/sin differ in how they are made: looked up in a table the model's r
 once for positions ``0..N-1``. That is exact, because each entry is one product ``position * inv_freq``
 followed by elementwise ``cos``/``sin``, independent of which other positions are computed with it.
 
+Where every layer of an int8-wo / int4-wo model is on the fastest path below, an all-decode step runs all its
+layers in one C++ op instead (:mod:`llminfer.backends.decode_stack`), with the same bits.
+
 Any model it does not recognise -- another family, a dynamic RoPE type, a wrapper class, an attention
 implementation other than llminfer's -- runs through ``model(...)`` as before, and so does a step while a
 forward hook sits on a module whose ``__call__`` the loop skips (the model, its decoder, a layer, an
