@@ -90,7 +90,8 @@ def test_paged_decode_attention_reads_a_bf16_cache_in_place(head_dim):
 
 
 def test_paged_decode_attention_next_to_prefill_chunks():
-    """Decode rows on the kernel and prefill chunks on the torch path in one step."""
+    """Decode rows and prefill chunks (one from position 0, one over a cached context) in one step: the kernel's
+    path against the torch path."""
     bs, heads, kv_heads, d = 4, 8, 2, 16
     starts, lengths = [9, 0, 30, 5], [1, 6, 1, 3]
     cache, tables, q, k, v = _paged_step(bs, heads, kv_heads, d, [s + n for s, n in zip(starts, lengths)], seed=5)
@@ -124,6 +125,28 @@ def test_paged_decode_attention_is_batch_invariant():
         alone = op(qd[i : i + 1], cache.k[0], cache.v[0], table[i : i + 1, : len(tables[i])].contiguous(),
                    lens[i : i + 1], 0.125)
         assert torch.equal(alone[0], batch[i])
+
+
+@pytest.mark.parametrize("scale", [0.3, 8.0])  # 8.0: scores hundreds apart, most exponentials underflow to 0
+def test_a_prefill_chunks_rows_have_the_bits_of_decode_rows(scale):
+    """Rows sharing one block table (stride 0, as a prefill chunk's rows run) get the bits each row gets alone as a
+    decode row, and the values of a float64 causal softmax attention. A head_dim of 24 ends in half an AVX-512
+    vector; 150 keys end in a partial pass of four and a partial vector."""
+    bs, heads, kv_heads, d, n = 16, 6, 2, 24, 150
+    cache, tables, _, _, _ = _paged_step(bs, heads, kv_heads, d, [n], seed=3)
+    table, lens = torch.tensor(tables[0]), torch.arange(1, n + 1)
+    q = torch.randn(n, heads, d, generator=torch.Generator().manual_seed(4))
+    op = torch.ops.llminfer_cpu.paged_decode_attention
+    rows = op(q, cache.k[0], cache.v[0], table.expand(n, -1), lens, scale)
+    for i in (0, 1, 2, 3, 4, 5, 15, 16, 17, 63, 64, 149):
+        alone = op(q[i : i + 1], cache.k[0], cache.v[0], table[: -(-(i + 1) // bs)][None], lens[i : i + 1], scale)
+        assert torch.equal(alone[0], rows[i])
+    k = cache.k[0][:, table].reshape(kv_heads, -1, d)[:, :n].double().repeat_interleave(heads // kv_heads, 0)
+    v = cache.v[0][:, table].reshape(kv_heads, -1, d)[:, :n].double().repeat_interleave(heads // kv_heads, 0)
+    scores = (q.double().transpose(0, 1) @ k.transpose(1, 2)) * scale  # [H, n, n]
+    scores.masked_fill_(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    want = (scores.softmax(-1) @ v).transpose(0, 1)  # [n, H, d]
+    torch.testing.assert_close(rows.double(), want, atol=2e-5, rtol=2e-5)
 
 
 def test_paged_decode_attention_rejects_bad_tables():

@@ -14,7 +14,9 @@ When the step's metadata carries Triton arrays (``attention_backend="triton"``),
 :func:`llminfer.backends.triton_attention.triton_attention` instead, which reads K/V in place. With
 ``attention_backend="cpu"`` (fp32 or bf16 on CPU where llminfer's kernel is built, see
 :mod:`llminfer.kernels.build`) the decode sequences run ``torch.ops.llminfer_cpu.paged_decode_attention``,
-which also reads K/V in place from the block pool; prefill chunks take the torch path as above.
+which also reads K/V in place from the block pool, and so do the prefill chunks' rows, each over its own
+causal context: a prompt row then gets the same bits whether it was prefilled whole, in chunks, or after a
+prefix-cache hit (SDPA's and the masked path's row results depend on how many query rows share the call).
 
 The layout follows vLLM's paged attention (Kwon et al. 2023, "Efficient Memory Management for Large
 Language Model Serving with PagedAttention"); the gather-then-SDPA kernel is ours, written for CPU and
@@ -112,8 +114,8 @@ def paged_attention_forward(
     group = meta.decode
     # an all-decode step's output is the decode attention's own
     out = q.new_empty(num_tokens, num_heads, head_dim) if group is None or not meta.all_decode else q
-    if (group is not None and group.ctx_lens is not None and q.dtype in (torch.float32, torch.bfloat16)
-            and k_cache.dtype == q.dtype and head_dim % 8 == 0):
+    kernel_rows = q.dtype in (torch.float32, torch.bfloat16) and k_cache.dtype == q.dtype and head_dim % 8 == 0
+    if group is not None and group.ctx_lens is not None and kernel_rows:
         qd = q.transpose(0, 1) if meta.all_decode else q.index_select(1, group.index).transpose(0, 1)  # [b, H, D]
         # float32 math for bf16 too: the kernel widens the bf16 K/V as it reads them
         od = torch.ops.llminfer_cpu.paged_decode_attention(
@@ -133,8 +135,18 @@ def paged_attention_forward(
             out.index_copy_(0, group.index, od)
 
     for seg in meta.prefills:
+        if seg.ctx_lens is not None and kernel_rows:
+            # Each row on the decode kernel over its own causal context: the bits a decode step at that position
+            # gets, whatever the chunking or the prefix-cache hit (SDPA's and masked_attention's row results
+            # depend on the number of query rows).
+            assert seg.block_ids is not None
+            qs = q[:, seg.start : seg.start + seg.length].transpose(0, 1)  # [n, H, D]
+            out[seg.start : seg.start + seg.length] = torch.ops.llminfer_cpu.paged_decode_attention(
+                qs.float(), k_cache, v_cache, seg.block_ids.expand(seg.length, -1), seg.ctx_lens,
+                scaling if scaling is not None else head_dim**-0.5).to(q.dtype)
+            continue
         qs = q[:, seg.start : seg.start + seg.length].unsqueeze(0)  # [1, H, n, D]
-        if seg.block_ids is None:
+        if seg.context_start == 0:
             ks = key[:, :, seg.start : seg.start + seg.length]
             vs = value[:, :, seg.start : seg.start + seg.length]
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=seg.length > 1, scale=scaling, enable_gqa=gqa)

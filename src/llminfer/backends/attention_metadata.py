@@ -29,13 +29,18 @@ class PrefillSegment:
     ``[context_start, context_start+length)``.
 
     ``block_ids`` (``[ceil(context_len / block_size)]`` int64) and ``mask`` (``[1, 1, length, context_len]``
-    bool) are None when the chunk starts at position 0 and attends only to itself."""
+    bool) are None when the chunk starts at position 0 and attends only to itself. With
+    ``attention_backend="cpu"``, ``ctx_lens`` (``[length]`` int64, ``context_start + 1 ...``) and ``block_ids``
+    are set for every chunk: its rows then run on the CPU decode kernel, each over its own causal context,
+    so that a row's result does not depend on how the prompt was split into chunks or how much of it a
+    prefix-cache hit supplied (see :func:`llminfer.backends.attention.paged_attention_forward`)."""
 
     start: int
     length: int
     context_start: int
     block_ids: torch.Tensor | None = None
     mask: torch.Tensor | None = None
+    ctx_lens: torch.Tensor | None = None
 
 
 @attrs.define
@@ -308,8 +313,11 @@ def _build_metadata_vectorised(cache: PagedKVCache, starts: Sequence[int], lengt
         for i in prefill_idx.tolist():
             start, length = int(starts_np[i]), int(lens_np[i])
             seg = PrefillSegment(int(offsets[i]), length, start)
+            ctx_n = start + length
+            if attention_backend == "cpu":
+                seg.block_ids = tables[i, : -(-ctx_n // bs)]
+                seg.ctx_lens = torch.arange(start + 1, ctx_n + 1, device=device)
             if start > 0:
-                ctx_n = start + length
                 seg.block_ids = tables[i, : -(-ctx_n // bs)]
                 q_pos = torch.arange(start, ctx_n, device=device)
                 seg.mask = (torch.arange(ctx_n, device=device)[None, :] <= q_pos[:, None])[None, None]
