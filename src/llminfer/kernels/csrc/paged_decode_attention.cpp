@@ -160,21 +160,29 @@ void paged_decode_attention_impl(const float* q, int64_t sq_b, int64_t sq_h, con
                                  const int64_t* tables, int64_t st_b, const int64_t* lens, int64_t B, int64_t H,
                                  int64_t H_kv, int64_t num_blocks, int64_t block_size, int64_t D, float sc, float* o) {
   const int64_t G = H / H_kv;
+  // Head-major tasks: one thread's consecutive tasks read one K/V head (a prefill chunk's rows share it, and
+  // its blocks then stay in L2).
   parallel_for(0, B * H_kv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
+    std::vector<int64_t> offsets;  // element offset of each context slot within a head
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / H_kv, h = task % H_kv;
+      const int64_t h = task / B, b = task % B;
       const int64_t L = lens[b], Lp = (L + kLanes - 1) / kLanes * kLanes;
       scores.resize(static_cast<size_t>(G * Lp));
+      offsets.resize(static_cast<size_t>(L));
       const int64_t* table = tables + b * st_b;
+      for (int64_t t0 = 0, j = 0; t0 < L; t0 += block_size, ++j) {
+        const int64_t base = table[j] * block_size * D;
+        for (int64_t i = 0; i < block_size && t0 + i < L; ++i) offsets[t0 + i] = base + i * D;
+      }
       const T* head_k = kc + h * num_blocks * block_size * D;
       const T* head_v = vc + h * num_blocks * block_size * D;
-      auto slot = [&](int64_t t) { return (table[t / block_size] * block_size + t % block_size) * D; };
-      scores_of<T>(q + b * sq_b + h * G * sq_h, sq_h, G, L, Lp, D, sc, [&](int64_t t) { return head_k + slot(t); },
+      const int64_t* off = offsets.data();
+      scores_of<T>(q + b * sq_b + h * G * sq_h, sq_h, G, L, Lp, D, sc, [&](int64_t t) { return head_k + off[t]; },
                    scores.data());
       for (int64_t g = 0; g < G; ++g) {
         softmax_in_place(scores.data() + g * Lp, L, Lp);
-        weighted_sum<T>(scores.data() + g * Lp, L, D, [&](int64_t t) { return head_v + slot(t); },
+        weighted_sum<T>(scores.data() + g * Lp, L, D, [&](int64_t t) { return head_v + off[t]; },
                         o + (b * H + h * G + g) * D);
       }
     }
