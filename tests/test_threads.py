@@ -112,7 +112,8 @@ def test_auto_keeps_the_default_where_proc_stat_cannot_be_read(tmp_path):
     (tmp_path / "stat").write_text("cpu  1 2 3 4 5 6 7 8 0 0\ncpu0 100 0 100 900 5 0 0 50 0 0\n")
     import os
 
-    assert read_busy_seconds([0], str(tmp_path / "stat")) == pytest.approx(250 / os.sysconf("SC_CLK_TCK"))
+    # user 100 + system 100; idle, iowait and steal (50) are not busy
+    assert read_busy_seconds([0], str(tmp_path / "stat")) == pytest.approx(200 / os.sysconf("SC_CLK_TCK"))
     assert read_busy_seconds([1], str(tmp_path / "stat")) is None
 
 
