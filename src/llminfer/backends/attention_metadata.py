@@ -314,11 +314,11 @@ def _build_metadata_vectorised(cache: PagedKVCache, starts: Sequence[int], lengt
             start, length = int(starts_np[i]), int(lens_np[i])
             seg = PrefillSegment(int(offsets[i]), length, start)
             ctx_n = start + length
+            if attention_backend == "cpu" or start > 0:
+                seg.block_ids = tables[i, : -(-ctx_n // bs)]
             if attention_backend == "cpu":
-                seg.block_ids = tables[i, : -(-ctx_n // bs)]
                 seg.ctx_lens = torch.arange(start + 1, ctx_n + 1, device=device)
-            if start > 0:
-                seg.block_ids = tables[i, : -(-ctx_n // bs)]
+            if start > 0:  # the masked path's mask (also the kernel path's fallback where its dtypes do not fit)
                 q_pos = torch.arange(start, ctx_n, device=device)
                 seg.mask = (torch.arange(ctx_n, device=device)[None, :] <= q_pos[:, None])[None, None]
             prefills.append(seg)

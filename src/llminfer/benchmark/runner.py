@@ -139,9 +139,7 @@ class Benchmarker:
 
         The compiled backend first compiles every step shape (:meth:`~llminfer.engine.InferenceEngine.warmup`,
         as ``llminfer serve`` does): continuous batching packs steps by arrival, so a measured run can meet a
-        token count its warm-up run did not, and compiling it there (seconds) counted in that run. On a 2-core
-        AMD EPYC (Zen 3) ``compare --batch-sizes 1,8,32`` gave compiled 146.8 and 1039.8 output tok/s in the two
-        runs at batch 32 (eager 866-981), the first with a 13.9 s request.
+        token count its warm-up run did not, and compiling it there (seconds) would count in that run.
 
         Args:
             continuous: through the continuous-batching scheduler (``run_batch_continuous``) or static

@@ -68,10 +68,9 @@ def read_busy_seconds(cpus: list[int], path: str = "/proc/stat") -> float | None
     """Seconds the CPUs in ``cpus`` spent busy since boot (user, nice, system, irq and softirq in ``/proc/stat``'s
     ``cpuN`` lines, in ``USER_HZ`` ticks); None where the file cannot be read or parsed.
 
-    Steal (time the hypervisor gave the vCPU to another VM) is left out: a smaller team does not get it back.
-    On a 2-vCPU AMD EPYC (Zen 3) VM with nothing else running, steal came in spikes of 0.2-0.5 cores in single
-    0.5 s windows, which made ``auto`` drop to 1 thread (one window is enough to drop) and batch-1 int8-wo
-    decode of the bench model take 12-22 ms per token instead of 10.5-12.5 at 2 threads."""
+    Steal (time the hypervisor gave the vCPU to another VM) is left out: a smaller team does not get it back,
+    and on a quiet VM steal comes in spikes within single windows, each of which would drop a thread (the
+    README's thread section has the figures)."""
     wanted = {f"cpu{i}" for i in cpus}
     try:
         with open(path, encoding="ascii") as f:
