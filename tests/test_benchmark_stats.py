@@ -57,6 +57,9 @@ class StubEngine:
     def start(self) -> None:
         pass
 
+    def warmup(self) -> int:
+        return 0
+
     def reset_prefix_cache(self) -> None:
         pass
 

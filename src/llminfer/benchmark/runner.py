@@ -158,8 +158,6 @@ class Benchmarker:
         check_settings(batch_sizes, num_runs, max_new_tokens, warmup, None if self.prompts else self.prompt_len)
         engine = self.engine
         self._check_capacity(batch_sizes, max_new_tokens)
-        if progress:
-            progress("compiling step shapes")
         engine.warmup()  # 0 graphs (and nothing done) outside the compiled backend
         engine.start()
         go = engine.run_batch_continuous if continuous else engine.run_batch
